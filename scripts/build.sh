@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Configures (once) and builds dtrain with Ninja into $DTRAIN_BUILD_DIR (default build/).
+# Extra CMake arguments: DTRAIN_CMAKE_ARGS. Later runs only rebuild what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build="${DTRAIN_BUILD_DIR:-build}"
+if [ ! -f "$build/build.ninja" ]; then
+  # shellcheck disable=SC2086
+  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE="${DTRAIN_BUILD_TYPE:-RelWithDebInfo}" \
+    ${DTRAIN_CMAKE_ARGS:-}
+fi
+cmake --build "$build" --parallel "${DTRAIN_JOBS:-$(nproc)}"

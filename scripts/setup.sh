@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Installs what dtrain needs, and nothing that is already there: Debian packages (compiler,
+# CMake, Ninja, ccache, Open MPI, spdlog, CLI11, nlohmann-json, GoogleTest) and LibTorch
+# (an importable torch, else `pip install torch==$DTRAIN_TORCH_VERSION`, default 2.11.0).
+# The CUDA toolkit, NCCL and cuDNN are used from CUDA_HOME or /usr/local/cuda when present.
+set -euo pipefail
+
+DTRAIN_TORCH_VERSION="${DTRAIN_TORCH_VERSION:-2.11.0}"
+say() { echo "[setup] $*"; }
+as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else "$@"; fi; }
+
+# ---- Debian packages --------------------------------------------------------------------
+pkgs=(g++ cmake ninja-build ccache pkg-config openmpi-bin libopenmpi-dev libspdlog-dev
+      libcli11-dev nlohmann-json3-dev libgtest-dev libgmock-dev)
+command -v python3 >/dev/null || pkgs+=(python3)
+python3 -m pip --version >/dev/null 2>&1 || pkgs+=(python3-pip)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  if command -v apt-get >/dev/null; then
+    say "installing Debian packages: ${missing[*]}"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      "${missing[@]}" >/dev/null
+  else
+    say "warning: no apt-get; missing packages: ${missing[*]} (the build may still find them)"
+  fi
+fi
+
+# ---- LibTorch -----------------------------------------------------------------------------
+if python3 -c "import torch" >/dev/null 2>&1; then
+  :
+else
+  say "installing torch==${DTRAIN_TORCH_VERSION} (LibTorch headers, libraries and CMake config)"
+  if ! python3 -m pip install -q "torch==${DTRAIN_TORCH_VERSION}" 2>/tmp/dtrain-pip.err; then
+    if grep -q externally-managed /tmp/dtrain-pip.err; then
+      python3 -m pip install -q --break-system-packages "torch==${DTRAIN_TORCH_VERSION}"
+    else
+      cat /tmp/dtrain-pip.err >&2
+      exit 1
+    fi
+  fi
+fi
+say "ready: torch $(python3 -c 'import torch; print(torch.__version__)' 2>/dev/null)," \
+    "$(mpirun --version 2>/dev/null | head -1 || echo 'no MPI')," \
+    "nvcc $(command -v nvcc >/dev/null && nvcc --version | grep -o 'release [0-9.]*' || echo 'absent')"
