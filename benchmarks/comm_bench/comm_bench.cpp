@@ -28,7 +28,7 @@ using dtrain::ReduceOp;
 struct Options {
   std::string min_bytes = "8", max_bytes = "64M";
   double factor = 2;
-  int iters = 20, warmup = 5, check = 1;
+  int iters = 20, warmup = 5, check = 1, rounds = 5;
   std::string op = "all_reduce", impl = "both", dtype = "float", redop = "sum", json;
 };
 
@@ -165,30 +165,33 @@ std::int64_t count_wrong(Case& c) {
   return got.to(at::kDouble).ne(want.to(at::kDouble)).sum().item<std::int64_t>();
 }
 
-struct Row {
-  double time_us = 0;
-  std::int64_t wrong = 0;
-};
-
+// Wrong elements of one call on fresh buffers, summed over ranks.
 template <typename Fn>
-Row measure(Case& c, const Options& o, MPI_Comm comm, Fn&& call, std::int64_t bytes,
-            c10::ScalarType dtype) {
-  Row row;
-  if (o.check) {
-    Case fresh = make_case(c.op, bytes, dtype, c.n, c.rank);
-    call(fresh);
-    row.wrong = count_wrong(fresh);
-    MPI_Allreduce(MPI_IN_PLACE, &row.wrong, 1, MPI_INT64_T, MPI_SUM, comm);
-  }
-  for (int i = 0; i < o.warmup; ++i) call(c);
+std::int64_t check_call(const std::string& op, std::int64_t bytes, c10::ScalarType dtype, int n,
+                        int rank, MPI_Comm comm, Fn&& call) {
+  Case fresh = make_case(op, bytes, dtype, n, rank);
+  call(fresh);
+  std::int64_t wrong = count_wrong(fresh);
+  MPI_Allreduce(MPI_IN_PLACE, &wrong, 1, MPI_INT64_T, MPI_SUM, comm);
+  return wrong;
+}
+
+// Mean time of `iters` calls in microseconds; the slowest rank counts.
+template <typename Fn>
+double time_calls(Case& c, int iters, MPI_Comm comm, Fn&& call) {
   MPI_Barrier(comm);
   const auto t0 = std::chrono::steady_clock::now();
-  for (int i = 0; i < o.iters; ++i) call(c);
+  for (int i = 0; i < iters; ++i) call(c);
   double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
-                  .count() / o.iters;
-  MPI_Allreduce(MPI_IN_PLACE, &us, 1, MPI_DOUBLE, MPI_MAX, comm);  // slowest rank counts
-  row.time_us = us;
-  return row;
+                  .count() / iters;
+  MPI_Allreduce(MPI_IN_PLACE, &us, 1, MPI_DOUBLE, MPI_MAX, comm);
+  return us;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t m = v.size() / 2;
+  return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
 }
 
 }  // namespace
@@ -203,6 +206,7 @@ int main(int argc, char** argv) {
   app.add_option("-f,--stepfactor", o.factor, "size multiplication factor")->check(CLI::Range(1.01, 1024.0));
   app.add_option("-n,--iters", o.iters, "timed iterations per size")->check(CLI::PositiveNumber);
   app.add_option("-w,--warmup_iters", o.warmup, "untimed warm-up iterations")->check(CLI::NonNegativeNumber);
+  app.add_option("-R,--rounds", o.rounds, "interleaved timing rounds; the median is reported")->check(CLI::PositiveNumber);
   app.add_option("-c,--check", o.check, "check results (0/1)")->check(CLI::Range(0, 1));
   app.add_option("--op", o.op, "collective")
       ->check(CLI::IsMember({"all_reduce", "all_gather", "reduce_scatter", "all_to_all",
@@ -249,8 +253,8 @@ int main(int argc, char** argv) {
         o.impl == "both" ? std::vector<std::string>{"raw", "dtrain"} : std::vector<std::string>{o.impl};
     for (const auto& op : ops) {
       if (rank == 0) {
-        std::printf("# dtrain comm_bench: op %s, nranks %d, dtype %s, redop %s, iters %d, warmup %d\n",
-                    op.c_str(), n, o.dtype.c_str(), o.redop.c_str(), o.iters, o.warmup);
+            std::printf("# dtrain comm_bench: op %s, nranks %d, dtype %s, redop %s, iters %d x %d rounds (median), warmup %d\n",
+                    op.c_str(), n, o.dtype.c_str(), o.redop.c_str(), o.iters, o.rounds, o.warmup);
         std::printf("# %12s %12s %9s %6s %7s %11s %12s %12s %7s %9s\n", "size", "count", "type",
                     "redop", "impl", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong", "vs raw");
       }
@@ -258,16 +262,33 @@ int main(int argc, char** argv) {
       for (double bytes = static_cast<double>(lo); bytes <= hi * 1.0000001; bytes *= o.factor) {
         const std::int64_t b = static_cast<std::int64_t>(bytes);
         Case c = make_case(op, b, dtype, n, rank);
+        const MPI_Op mop = mpi_op(dtype);
+        auto call = [&](const std::string& impl, Case& x) {
+          if (impl == "raw") {
+            raw_call(x, raw, mop);
+          } else {
+            dtrain_call(x, *comm, redop);
+          }
+        };
+        std::map<std::string, std::int64_t> wrong;
+        std::map<std::string, std::vector<double>> times;
+        for (const auto& impl : impls) {
+          if (o.check) {
+            wrong[impl] = check_call(op, b, dtype, n, rank, raw, [&](Case& x) { call(impl, x); });
+          }
+          for (int i = 0; i < o.warmup; ++i) call(impl, c);
+        }
+        // Interleaved rounds: machine noise hits both implementations alike; the median
+        // of each is reported.
+        for (int round = 0; round < o.rounds; ++round) {
+          for (const auto& impl : impls) {
+            times[impl].push_back(time_calls(c, o.iters, raw, [&](Case& x) { call(impl, x); }));
+          }
+        }
         double raw_busbw = 0;
         for (const auto& impl : impls) {
-          Row row;
-          if (impl == "raw") {
-            const MPI_Op mop = mpi_op(dtype);
-            row = measure(c, o, raw, [&](Case& x) { raw_call(x, raw, mop); }, b, dtype);
-          } else {
-            row = measure(c, o, raw, [&](Case& x) { dtrain_call(x, *comm, redop); }, b, dtype);
-          }
-          const double algbw = c.bytes() / row.time_us / 1e3;  // GB/s
+          const double time_us = median(times[impl]);
+          const double algbw = c.bytes() / time_us / 1e3;  // GB/s
           const double busbw = algbw * busbw_factor(op, n);
           if (impl == "raw") raw_busbw = busbw;
           const double ratio = impl == "dtrain" && raw_busbw > 0 ? busbw / raw_busbw : 0;
@@ -278,17 +299,20 @@ int main(int argc, char** argv) {
             if (ratio > 0) std::snprintf(vs, sizeof(vs), "%.3f", ratio);
             std::printf("  %12lld %12lld %9s %6s %7s %11.2f %12.3f %12.3f %7lld %9s\n",
                         static_cast<long long>(c.bytes()), static_cast<long long>(c.count),
-                        o.dtype.c_str(), (op == "all_reduce" || op == "reduce_scatter") ? o.redop.c_str() : "none",
-                        impl.c_str(), row.time_us, algbw, busbw, static_cast<long long>(row.wrong), vs);
+                        o.dtype.c_str(),
+                        (op == "all_reduce" || op == "reduce_scatter") ? o.redop.c_str() : "none",
+                        impl.c_str(), time_us, algbw, busbw,
+                        static_cast<long long>(wrong[impl]), vs);
             if (json) {
-              nlohmann::json j = {{"op", op},          {"impl", impl},
-                                  {"bytes", c.bytes()}, {"count", c.count},
-                                  {"dtype", o.dtype},  {"redop", o.redop},
-                                  {"nranks", n},       {"time_us", row.time_us},
+              nlohmann::json j = {{"op", op},            {"impl", impl},
+                                  {"bytes", c.bytes()},  {"count", c.count},
+                                  {"dtype", o.dtype},    {"redop", o.redop},
+                                  {"nranks", n},         {"time_us", time_us},
                                   {"algbw_gbps", algbw}, {"busbw_gbps", busbw},
-                                  {"wrong", row.wrong}};
+                                  {"wrong", wrong[impl]}, {"rounds", o.rounds},
+                                  {"iters", o.iters}};
               if (ratio > 0) j["busbw_ratio_vs_raw"] = ratio;
-              json << j.dump() << "\n";
+              json << j.dump() << std::endl;
             }
           }
         }

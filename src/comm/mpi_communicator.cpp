@@ -1,5 +1,6 @@
-// MPI backend: each collective becomes one nonblocking MPI call (MPI_Iallreduce, ...)
-// issued and polled by the MpiEngine thread; Work::wait() blocks with the op's timeout.
+// MPI backend: collectives run as blocking MPI calls on the communicator's MpiWorker
+// thread, in issue order; send/recv are nonblocking requests polled by the MpiEngine
+// thread. Work::wait() blocks the caller with the op's timeout.
 #include "comm/mpi_communicator.hpp"
 
 #include <ATen/ATen.h>
@@ -56,14 +57,13 @@ class MpiCommunicator final : public Communicator {
                   std::vector<int> world_ranks, std::uint64_t uid, Timeout timeout, int rank)
       : Communicator(Backend::kMpi, name, rank, std::move(world_ranks), uid, timeout),
         engine_(std::move(engine)),
-        comm_(comm) {}
+        comm_(comm),
+        worker_(std::make_unique<MpiWorker>()) {}
 
   ~MpiCommunicator() override {
-    if (comm_ == MPI_COMM_NULL) return;
-    try {
-      engine_->run([c = comm_]() mutable { MPI_Comm_free(&c); });
-    } catch (...) {  // the engine already stopped: MPI is finalised, nothing to free
-    }
+    // Queued ops finish first; then the communicator is freed on the worker.
+    worker_->post([c = comm_]() mutable { MPI_Comm_free(&c); });
+    worker_.reset();
   }
 
   std::string timeout_text(OpKind kind, std::uint64_t seq, Timeout timeout,
@@ -83,9 +83,8 @@ class MpiCommunicator final : public Communicator {
     const int n = checked_count(t.numel(), "all_reduce");
     const MPI_Datatype dt = MpiEngine::datatype(t.scalar_type());
     const MPI_Op mop = engine_->reduce_op(op, t.scalar_type());
-    auto state = engine_->submit([t, n, dt, mop, c = comm_](std::vector<MPI_Request>& reqs) {
-      reqs.emplace_back();
-      DTRAIN_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, t.data_ptr(), n, dt, mop, c, &reqs.back()));
+    auto state = worker_->post([t, n, dt, mop, c = comm_] {
+      DTRAIN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, t.data_ptr(), n, dt, mop, c));
     });
     return make_work(OpKind::kAllReduce, seq, state, timeout,
                      str_cat(describe_tensor(t), ", ", to_string(op)), average(t, op));
@@ -95,9 +94,8 @@ class MpiCommunicator final : public Communicator {
                        Timeout timeout) override {
     const int n = checked_count(t.numel(), "broadcast");
     const MPI_Datatype dt = MpiEngine::datatype(t.scalar_type());
-    auto state = engine_->submit([t, n, dt, root, c = comm_](std::vector<MPI_Request>& reqs) {
-      reqs.emplace_back();
-      DTRAIN_MPI_CHECK(MPI_Ibcast(t.data_ptr(), n, dt, root, c, &reqs.back()));
+    auto state = worker_->post([t, n, dt, root, c = comm_] {
+      DTRAIN_MPI_CHECK(MPI_Bcast(t.data_ptr(), n, dt, root, c));
     });
     return make_work(OpKind::kBroadcast, seq, state, timeout,
                      str_cat(describe_tensor(t), ", root ", root), nullptr);
@@ -113,12 +111,10 @@ class MpiCommunicator final : public Communicator {
                           static_cast<const char*>(in.data_ptr()) ==
                               static_cast<const char*>(out.data_ptr()) +
                                   static_cast<std::int64_t>(rank()) * in.nbytes();
-    auto state = engine_->submit(
-        [out, in, n, dt, in_place, c = comm_](std::vector<MPI_Request>& reqs) {
-          reqs.emplace_back();
-          DTRAIN_MPI_CHECK(MPI_Iallgather(in_place ? MPI_IN_PLACE : in.data_ptr(), n, dt,
-                                          out.data_ptr(), n, dt, c, &reqs.back()));
-        });
+    auto state = worker_->post([out, in, n, dt, in_place, c = comm_] {
+      DTRAIN_MPI_CHECK(MPI_Allgather(in_place ? MPI_IN_PLACE : in.data_ptr(), n, dt,
+                                     out.data_ptr(), n, dt, c));
+    });
     return make_work(OpKind::kAllGather, seq, state, timeout, describe_tensor(in), nullptr);
   }
 
@@ -128,12 +124,9 @@ class MpiCommunicator final : public Communicator {
     checked_count(in.numel(), "reduce_scatter input");
     const MPI_Datatype dt = MpiEngine::datatype(in.scalar_type());
     const MPI_Op mop = engine_->reduce_op(op, in.scalar_type());
-    auto state =
-        engine_->submit([out, in, n, dt, mop, c = comm_](std::vector<MPI_Request>& reqs) {
-          reqs.emplace_back();
-          DTRAIN_MPI_CHECK(MPI_Ireduce_scatter_block(in.data_ptr(), out.data_ptr(), n, dt, mop,
-                                                     c, &reqs.back()));
-        });
+    auto state = worker_->post([out, in, n, dt, mop, c = comm_] {
+      DTRAIN_MPI_CHECK(MPI_Reduce_scatter_block(in.data_ptr(), out.data_ptr(), n, dt, mop, c));
+    });
     return make_work(OpKind::kReduceScatter, seq, state, timeout,
                      str_cat(describe_tensor(in), ", ", to_string(op)), average(out, op));
   }
@@ -152,13 +145,10 @@ class MpiCommunicator final : public Communicator {
     std::shared_ptr<MpiOpState> state;
     if (equal) {
       const int n = static_cast<int>(in_counts[0]);
-      state = engine_->submit([out, in, n, dt, c = comm_](std::vector<MPI_Request>& reqs) {
-        reqs.emplace_back();
-        DTRAIN_MPI_CHECK(
-            MPI_Ialltoall(in.data_ptr(), n, dt, out.data_ptr(), n, dt, c, &reqs.back()));
+      state = worker_->post([out, in, n, dt, c = comm_] {
+        DTRAIN_MPI_CHECK(MPI_Alltoall(in.data_ptr(), n, dt, out.data_ptr(), n, dt, c));
       });
     } else {
-      // Counts and displacements must live until the op completes: the lambda owns them.
       std::vector<int> sc(size()), sd(size()), rc(size()), rd(size());
       for (int r = 0, so = 0, ro = 0; r < size(); ++r) {
         sc[r] = static_cast<int>(in_counts[r]);
@@ -168,11 +158,9 @@ class MpiCommunicator final : public Communicator {
         so += sc[r];
         ro += rc[r];
       }
-      state = engine_->submit([out, in, sc, sd, rc, rd, dt,
-                               c = comm_](std::vector<MPI_Request>& reqs) {
-        reqs.emplace_back();
-        DTRAIN_MPI_CHECK(MPI_Ialltoallv(in.data_ptr(), sc.data(), sd.data(), dt, out.data_ptr(),
-                                        rc.data(), rd.data(), dt, c, &reqs.back()));
+      state = worker_->post([out, in, sc, sd, rc, rd, dt, c = comm_] {
+        DTRAIN_MPI_CHECK(MPI_Alltoallv(in.data_ptr(), sc.data(), sd.data(), dt, out.data_ptr(),
+                                       rc.data(), rd.data(), dt, c));
       });
     }
     return make_work(OpKind::kAllToAll, seq, state, timeout,
@@ -180,6 +168,8 @@ class MpiCommunicator final : public Communicator {
                      nullptr);
   }
 
+  // Point-to-point stays nonblocking (a blocking send would hold the worker and deadlock
+  // rings): the engine thread issues and polls it.
   WorkPtr do_send(const at::Tensor& t, int dst, int tag, Timeout timeout) override {
     const int n = checked_count(t.numel(), "send");
     const MPI_Datatype dt = MpiEngine::datatype(t.scalar_type());
@@ -203,10 +193,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   WorkPtr do_barrier(std::uint64_t seq, Timeout timeout) override {
-    auto state = engine_->submit([c = comm_](std::vector<MPI_Request>& reqs) {
-      reqs.emplace_back();
-      DTRAIN_MPI_CHECK(MPI_Ibarrier(c, &reqs.back()));
-    });
+    auto state = worker_->post([c = comm_] { DTRAIN_MPI_CHECK(MPI_Barrier(c)); });
     return make_work(OpKind::kBarrier, seq, state, timeout, "", nullptr);
   }
 
@@ -215,9 +202,8 @@ class MpiCommunicator final : public Communicator {
     MPI_Comm child = MPI_COMM_NULL;
     std::vector<int> members;
     int child_rank = 0;
-    engine_->run([&] {
-      DTRAIN_MPI_CHECK(
-          MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &child));
+    worker_->run([&] {
+      DTRAIN_MPI_CHECK(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &child));
       if (child == MPI_COMM_NULL) return;
       int n = 0;
       DTRAIN_MPI_CHECK(MPI_Comm_size(child, &n));
@@ -234,10 +220,7 @@ class MpiCommunicator final : public Communicator {
           MPI_Group_translate_ranks(child_group, n, local.data(), world_group, members.data()));
       MPI_Group_free(&child_group);
       MPI_Group_free(&world_group);
-      if (n == 1) {
-        DTRAIN_MPI_CHECK(MPI_Comm_free(&child));
-        child = MPI_COMM_NULL;
-      }
+      if (n == 1) DTRAIN_MPI_CHECK(MPI_Comm_free(&child));
     });
     if (members.empty()) return nullptr;
     if (members.size() == 1) return make_self_communicator(name, members[0], uid, timeout);
@@ -256,7 +239,7 @@ class MpiCommunicator final : public Communicator {
   std::function<void()> average(const at::Tensor& t, ReduceOp op) const {
     if (op != ReduceOp::kAvg) return nullptr;
     const int n = size();
-    return [t, n]() mutable {
+    return [t, n]() {
       if (at::isFloatingType(t.scalar_type())) {
         t.div_(n);
       } else {
@@ -267,6 +250,7 @@ class MpiCommunicator final : public Communicator {
 
   std::shared_ptr<MpiEngine> engine_;
   MPI_Comm comm_;
+  std::unique_ptr<MpiWorker> worker_;
 };
 
 void MpiWork::wait() {
@@ -287,10 +271,8 @@ CommPtr make_mpi_world(const std::shared_ptr<MpiEngine>& engine, Timeout timeout
   std::vector<int> ranks(n);
   for (int i = 0; i < n; ++i) ranks[i] = i;
   MPI_Comm comm = MPI_COMM_NULL;
-  engine->run([&] {
-    DTRAIN_MPI_CHECK(MPI_Comm_dup(engine->world_comm(), &comm));
-    DTRAIN_MPI_CHECK(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN));
-  });
+  DTRAIN_MPI_CHECK(MPI_Comm_dup(engine->world_comm(), &comm));
+  DTRAIN_MPI_CHECK(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN));
   return std::make_shared<MpiCommunicator>(engine, comm, "world", std::move(ranks),
                                            fnv1a("world"), timeout, engine->world_rank());
 }

@@ -1,5 +1,5 @@
-// MPI backend of Communicator: CPU tensors, nonblocking MPI collectives driven by the
-// process's MpiEngine thread.
+// MPI backend of Communicator: CPU tensors; collectives on a per-communicator worker
+// thread, send/recv on the process's MpiEngine thread.
 #pragma once
 
 #include <memory>

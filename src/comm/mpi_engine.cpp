@@ -67,6 +67,57 @@ void MpiOpState::finish(std::exception_ptr error) {
 }
 
 // ---------------------------------------------------------------------------------------
+// MpiWorker
+
+MpiWorker::MpiWorker() : thread_([this] { loop(); }) {}
+
+MpiWorker::~MpiWorker() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+std::shared_ptr<MpiOpState> MpiWorker::post(std::function<void()> fn) {
+  auto state = std::make_shared<MpiOpState>();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.emplace_back(std::move(fn), state);
+  }
+  cv_.notify_one();
+  return state;
+}
+
+void MpiWorker::run(std::function<void()> fn) {
+  auto state = post(std::move(fn));
+  state->wait_until(std::chrono::steady_clock::time_point::max());
+  if (auto err = state->error()) std::rethrow_exception(err);
+}
+
+void MpiWorker::loop() {
+  for (;;) {
+    std::pair<std::function<void()>, std::shared_ptr<MpiOpState>> task;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stop_ and drained
+      task = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    std::exception_ptr err;
+    try {
+      task.first();
+    } catch (...) {
+      err = std::current_exception();
+    }
+    task.first = nullptr;  // release captured tensors before signalling completion
+    task.second->finish(err);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
 // Start and stop
 
 std::shared_ptr<MpiEngine> MpiEngine::start(int* argc, char*** argv) {
@@ -80,10 +131,10 @@ std::shared_ptr<MpiEngine> MpiEngine::start(int* argc, char*** argv) {
   } else {
     DTRAIN_MPI_CHECK(MPI_Query_thread(&provided));
   }
-  DTRAIN_CHECK_T(MpiError, provided >= MPI_THREAD_SERIALIZED,
+  DTRAIN_CHECK_T(MpiError, provided == MPI_THREAD_MULTIPLE,
                  "the MPI library provides thread level ", provided,
-                 "; dtrain's progress thread needs MPI_THREAD_SERIALIZED (",
-                 MPI_THREAD_SERIALIZED, ") or higher");
+                 "; dtrain's MPI backend calls MPI from its progress and worker threads and "
+                 "needs MPI_THREAD_MULTIPLE (", MPI_THREAD_MULTIPLE, ")");
   DTRAIN_MPI_CHECK(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN));
   DTRAIN_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &e->world_rank_));
   DTRAIN_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &e->world_size_));
@@ -143,22 +194,10 @@ std::shared_ptr<MpiOpState> MpiEngine::submit(IssueFn issue) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     DTRAIN_CHECK_T(CommError, !stopping_, "MPI engine is shut down; no more communication");
-    pending_.push_back(Task{std::move(issue), nullptr, state, {}});
+    pending_.push_back(Task{std::move(issue), state, {}});
   }
   cv_.notify_one();
   return state;
-}
-
-void MpiEngine::run(const std::function<void()>& fn) {
-  auto state = std::make_shared<MpiOpState>();
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    DTRAIN_CHECK_T(CommError, !stopping_, "MPI engine is shut down; no more communication");
-    pending_.push_back(Task{nullptr, fn, state, {}});
-  }
-  cv_.notify_one();
-  state->wait_until(std::chrono::steady_clock::time_point::max());
-  if (auto err = state->error()) std::rethrow_exception(err);
 }
 
 void MpiEngine::abandon(const std::shared_ptr<MpiOpState>& op) {
@@ -209,16 +248,6 @@ void MpiEngine::loop() {
       abandon.swap(to_abandon_);
     }
     for (auto& task : incoming) {
-      if (task.fn) {
-        std::exception_ptr err;
-        try {
-          task.fn();
-        } catch (...) {
-          err = std::current_exception();
-        }
-        task.state->finish(err);
-        continue;
-      }
       try {
         task.issue(task.requests);
         active_.push_back(std::move(task));

@@ -86,9 +86,7 @@ Runtime::Runtime(int* argc, char*** argv, const RuntimeOptions& options)
       auto engine = impl_->engine;
       share = [engine](std::string& bytes) {
         bytes.resize(128);  // sizeof(ncclUniqueId)
-        engine->run([&] {
-          DTRAIN_MPI_CHECK(MPI_Bcast(bytes.data(), 128, MPI_BYTE, 0, engine->world_comm()));
-        });
+        DTRAIN_MPI_CHECK(MPI_Bcast(bytes.data(), 128, MPI_BYTE, 0, engine->world_comm()));
       };
     }
 #endif
