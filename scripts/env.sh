@@ -2,5 +2,6 @@
 # oversubscribed cores, no CMA single-copy which containers often forbid) and one
 # intra-op thread per rank unless the caller set it.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_MCA_rmaps_base_oversubscribe="${OMPI_MCA_rmaps_base_oversubscribe:-1}"
 export OMPI_MCA_btl_vader_single_copy_mechanism="${OMPI_MCA_btl_vader_single_copy_mechanism:-none}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"

@@ -30,7 +30,12 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 # ---- LibTorch -----------------------------------------------------------------------------
-if python3 -c "import torch" >/dev/null 2>&1; then
+# Found without importing it (importing torch takes seconds).
+torch_version() {
+  python3 -c "import importlib.util as u, importlib.metadata as m, sys
+sys.exit(1) if u.find_spec('torch') is None else print(m.version('torch'))" 2>/dev/null
+}
+if torch_version >/dev/null; then
   :
 else
   say "installing torch==${DTRAIN_TORCH_VERSION} (LibTorch headers, libraries and CMake config)"
@@ -43,6 +48,6 @@ else
     fi
   fi
 fi
-say "ready: torch $(python3 -c 'import torch; print(torch.__version__)' 2>/dev/null)," \
+say "ready: torch $(torch_version)," \
     "$(mpirun --version 2>/dev/null | head -1 || echo 'no MPI')," \
     "nvcc $(command -v nvcc >/dev/null && nvcc --version | grep -o 'release [0-9.]*' || echo 'absent')"

@@ -198,6 +198,11 @@ double median(std::vector<double> v) {
 
 int main(int argc, char** argv) {
   dtrain::Runtime rt(&argc, &argv, dtrain::RuntimeOptions{"mpi"});
+  if (!rt.launch().mpi_launched()) {
+    std::fprintf(stderr, "comm_bench: start it with mpirun or srun (it compares against raw MPI); "
+                         "launcher detected: %s\n", rt.launch().describe().c_str());
+    return 2;
+  }
   const int rank = rt.rank(), n = rt.size();
   Options o;
   CLI::App app{"dtrain comm_bench: collective bandwidth, raw MPI vs dtrain Communicator"};
@@ -224,15 +229,44 @@ int main(int argc, char** argv) {
     else rc = e.get_exit_code();
     return rc;
   }
+  // Validation: every rank reaches the same verdict, so a bad flag exits cleanly.
+  std::int64_t lo = 0, hi = 0;
+  c10::ScalarType dtype = at::kFloat;
+  ReduceOp redop = ReduceOp::kSum;
   try {
-    const std::int64_t lo = parse_size(o.min_bytes, "-b/--minbytes");
-    const std::int64_t hi = parse_size(o.max_bytes, "-e/--maxbytes");
+    lo = parse_size(o.min_bytes, "-b/--minbytes");
+    hi = parse_size(o.max_bytes, "-e/--maxbytes");
     if (hi < lo) {
-      throw dtrain::InvalidArgument(dtrain::detail::str_cat("-e/--maxbytes (", hi, ") is below -b/--minbytes (", lo, ")"));
+      throw dtrain::InvalidArgument(dtrain::detail::str_cat(
+          "-e/--maxbytes (", hi, ") is below -b/--minbytes (", lo, ")"));
     }
-    const auto dtype = parse_dtype(o.dtype);
-    const ReduceOp redop = dtrain::parse_reduce_op(o.redop);
-    if (n < 2 && o.op == "sendrecv") throw dtrain::InvalidArgument("--op sendrecv needs at least 2 ranks");
+    dtype = parse_dtype(o.dtype);
+    redop = dtrain::parse_reduce_op(o.redop);
+    if (n < 2 && o.op == "sendrecv") {
+      throw dtrain::InvalidArgument("--op sendrecv needs at least 2 ranks");
+    }
+    if ((dtype == at::kBFloat16 || dtype == at::kHalf) && o.impl != "dtrain") {
+      throw dtrain::InvalidArgument(
+          "-d " + o.dtype + " with --impl " + o.impl +
+          ": MPI has no 16-bit float reductions to compare with; use --impl dtrain");
+    }
+  } catch (const dtrain::InvalidArgument& e) {
+    if (rank == 0) std::fprintf(stderr, "comm_bench: %s\n", e.what());
+    return 2;
+  }
+  std::ofstream json;
+  int json_ok = 1;
+  if (rank == 0 && !o.json.empty()) {
+    json.open(o.json, std::ios::app);
+    json_ok = json ? 1 : 0;
+  }
+  MPI_Bcast(&json_ok, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  if (!json_ok) {
+    if (rank == 0) std::fprintf(stderr, "comm_bench: -J/--json '%s' cannot be opened for writing\n", o.json.c_str());
+    return 2;
+  }
+
+  try {
     std::vector<std::string> ops = {o.op};
     if (o.op == "all") ops = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"};
     if (o.op == "all" && n > 1) ops.push_back("sendrecv");
@@ -240,15 +274,7 @@ int main(int argc, char** argv) {
     MPI_Comm raw;
     MPI_Comm_dup(MPI_COMM_WORLD, &raw);
     auto comm = rt.cpu_world();
-    auto mpi_op = [&](c10::ScalarType) { return redop == ReduceOp::kMax ? MPI_MAX : redop == ReduceOp::kMin ? MPI_MIN : MPI_SUM; };
-    if ((dtype == at::kBFloat16 || dtype == at::kHalf) && o.impl != "dtrain") {
-      throw dtrain::InvalidArgument("--impl raw/both with bfloat16/half: MPI has no 16-bit float reductions; use --impl dtrain");
-    }
-    std::ofstream json;
-    if (rank == 0 && !o.json.empty()) {
-      json.open(o.json, std::ios::app);
-      if (!json) throw dtrain::InvalidArgument("-J/--json '" + o.json + "' cannot be opened for writing");
-    }
+    const MPI_Op raw_op = redop == ReduceOp::kMax ? MPI_MAX : redop == ReduceOp::kMin ? MPI_MIN : MPI_SUM;
     const std::vector<std::string> impls =
         o.impl == "both" ? std::vector<std::string>{"raw", "dtrain"} : std::vector<std::string>{o.impl};
     for (const auto& op : ops) {
@@ -262,10 +288,9 @@ int main(int argc, char** argv) {
       for (double bytes = static_cast<double>(lo); bytes <= hi * 1.0000001; bytes *= o.factor) {
         const std::int64_t b = static_cast<std::int64_t>(bytes);
         Case c = make_case(op, b, dtype, n, rank);
-        const MPI_Op mop = mpi_op(dtype);
         auto call = [&](const std::string& impl, Case& x) {
           if (impl == "raw") {
-            raw_call(x, raw, mop);
+            raw_call(x, raw, raw_op);
           } else {
             dtrain_call(x, *comm, redop);
           }
@@ -280,8 +305,10 @@ int main(int argc, char** argv) {
         }
         // Interleaved rounds: machine noise hits both implementations alike; the median
         // of each is reported.
+        // The order alternates between rounds so neither implementation always goes first.
         for (int round = 0; round < o.rounds; ++round) {
-          for (const auto& impl : impls) {
+          for (std::size_t k = 0; k < impls.size(); ++k) {
+            const auto& impl = impls[round % 2 ? impls.size() - 1 - k : k];
             times[impl].push_back(time_calls(c, o.iters, raw, [&](Case& x) { call(impl, x); }));
           }
         }
@@ -327,7 +354,7 @@ int main(int argc, char** argv) {
     }
     MPI_Comm_free(&raw);
   } catch (const std::exception& e) {
-    if (rank == 0) std::fprintf(stderr, "comm_bench: %s\n", e.what());
+    std::fprintf(stderr, "comm_bench (rank %d): %s\n", rank, e.what());
     MPI_Abort(MPI_COMM_WORLD, 2);  // peers may be inside a collective
   }
   return 0;

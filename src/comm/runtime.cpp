@@ -1,6 +1,7 @@
 // Runtime start-up: launcher detection, MPI engine or TCP store, device choice, worlds.
 #include "dtrain/comm/runtime.hpp"
 
+#include "comm/peer_probe.hpp"
 #include "dtrain/core/error.hpp"
 #include "dtrain/core/logging.hpp"
 

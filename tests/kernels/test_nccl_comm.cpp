@@ -50,18 +50,21 @@ TEST_F(NcclTest, CollectivesAtWorldSizeOne) {
 }
 
 TEST_F(NcclTest, WaitOrdersTheCallersStream) {
-  // A large op then a dependent kernel on the caller's stream: the dependent result must
-  // see the reduced values without a host synchronisation in between.
-  at::Tensor t = at::ones({1 << 22}, cuda(at::kFloat));
+  // An out-of-place all_gather (a 256 MiB copy on the communicator's stream) and then a
+  // kernel on the caller's stream that overwrites its output: with wait() ordering the two,
+  // the output ends as 3s; without it the copy could land last and leave 1s.
   auto side = c10::cuda::getStreamFromPool(false, 0);
+  at::Tensor in, out;
   {
     c10::cuda::CUDAStreamGuard guard(side);
-    auto w = comm_->all_reduce(t);
+    in = at::ones({1 << 26}, cuda(at::kFloat));
+    out = at::zeros({1 << 26}, cuda(at::kFloat));
+    auto w = comm_->all_gather(out, in);
     w->wait();
-    t.mul_(3);
+    out.fill_(3);
   }
   side.synchronize();
-  EXPECT_EQ(t.sum().item<double>(), 3.0 * (1 << 22));
+  EXPECT_EQ(out.min().item<float>(), 3.0f);
 }
 
 TEST_F(NcclTest, RejectsCpuTensorsWithANamedError) {
