@@ -36,6 +36,13 @@ bool mpi_built() {
   return false;
 #endif
 }
+bool cuda_built() {
+#ifdef DTRAIN_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
 int gpu_count() {
 #ifdef DTRAIN_WITH_CUDA
   return detail::cuda_device_count();
@@ -52,10 +59,12 @@ Runtime::Runtime(int* argc, char*** argv, const RuntimeOptions& options)
                    "' is not known; allowed: auto, mpi, nccl");
   const int gpus = gpu_count();
   bool use_nccl = b == "nccl" || (b == "auto" && gpus > 0);
-  DTRAIN_CHECK_ARG(!use_nccl || gpus > 0, "backend 'nccl' needs a CUDA GPU; ",
-                   gpu_count() == 0 ? "none is visible" : "", "; use --backend mpi");
+  DTRAIN_CHECK_ARG(!use_nccl || gpus > 0,
+                   "backend 'nccl' needs a visible CUDA GPU; this process sees none (CUDA built: ",
+                   cuda_built() ? "yes" : "no", "); use backend 'mpi' or 'auto'");
   DTRAIN_CHECK_ARG(!(b == "mpi" && !mpi_built() && launch_.world_size > 1),
-                   "backend 'mpi' was requested but this build has no MPI (DTRAIN_WITH_MPI=OFF)");
+                   "backend 'mpi' was requested for ", launch_.world_size,
+                   " ranks but this build has no MPI (DTRAIN_WITH_MPI=OFF)");
 
   detail::set_process_identity(launch_.rank, launch_.world_size);
   init_logging(launch_.rank, launch_.world_size);

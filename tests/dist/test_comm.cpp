@@ -28,6 +28,20 @@ void expect_equal(const at::Tensor& got, const at::Tensor& want, const std::stri
                   << "\nwant: " << want.to(at::kDouble).flatten().slice(0, 0, 12);
 }
 
+// Reduction over ranks r = 0..n-1 of (base + r + 1), in closed form.
+at::Tensor expected_reduction(const at::Tensor& base, int n, ReduceOp op, c10::ScalarType dtype) {
+  switch (op) {
+    case ReduceOp::kSum: return base * n + n * (n + 1) / 2.0;
+    case ReduceOp::kMax: return base + n;
+    case ReduceOp::kMin: return base + 1;
+    case ReduceOp::kAvg: {
+      at::Tensor avg = base + (n + 1) / 2.0;
+      return at::isFloatingType(dtype) ? avg : avg.trunc();  // integer averages truncate
+    }
+  }
+  return base;
+}
+
 class CommTest : public DistTest {};
 
 // ---------------------------------------------------------------------------------------
@@ -40,17 +54,8 @@ TEST_F(CommTest, AllReduceEveryDtypeAndOp) {
     for (auto op : kOps) {
       at::Tensor t = (idx + (r + 1)).to(dtype);
       world()->all_reduce(t, {op})->wait();
-      at::Tensor want;
-      switch (op) {
-        case ReduceOp::kSum: want = idx * n + n * (n + 1) / 2.0; break;
-        case ReduceOp::kMax: want = idx + n; break;
-        case ReduceOp::kMin: want = idx + 1; break;
-        case ReduceOp::kAvg:
-          want = idx + (n + 1) / 2.0;
-          if (!at::isFloatingType(dtype)) want = want.trunc();
-          break;
-      }
-      expect_equal(t, want, "all_reduce " + name_of(dtype) + " " + to_string(op));
+      expect_equal(t, expected_reduction(idx, n, op, dtype),
+                   "all_reduce " + name_of(dtype) + " " + to_string(op));
     }
   }
 }
@@ -96,17 +101,8 @@ TEST_F(CommTest, ReduceScatterEveryDtypeAndOp) {
       at::Tensor out = at::zeros({k}, dtype);
       world()->reduce_scatter(out, in, {op})->wait();
       const auto base = j.slice(0, r * k, (r + 1) * k).remainder(7);
-      at::Tensor want;
-      switch (op) {
-        case ReduceOp::kSum: want = base * n + n * (n + 1) / 2.0; break;
-        case ReduceOp::kMax: want = base + n; break;
-        case ReduceOp::kMin: want = base + 1; break;
-        case ReduceOp::kAvg:
-          want = base + (n + 1) / 2.0;
-          if (!at::isFloatingType(dtype)) want = want.trunc();
-          break;
-      }
-      expect_equal(out, want, "reduce_scatter " + name_of(dtype) + " " + to_string(op));
+      expect_equal(out, expected_reduction(base, n, op, dtype),
+                   "reduce_scatter " + name_of(dtype) + " " + to_string(op));
     }
   }
 }
