@@ -14,10 +14,13 @@ namespace dtrain::detail {
 
 namespace {
 
+// Op description for error messages, built lazily (formatting costs a microsecond).
+using Describe = std::function<std::string()>;
+
 class MpiWork final : public Work {
  public:
   MpiWork(OpKind kind, std::uint64_t seq, std::shared_ptr<MpiOpState> state, Timeout timeout,
-          std::shared_ptr<const Communicator> comm, std::string what,
+          std::shared_ptr<const Communicator> comm, Describe what,
           std::function<void()> finish)
       : Work(kind, seq),
         state_(std::move(state)),
@@ -34,7 +37,7 @@ class MpiWork final : public Work {
   std::shared_ptr<MpiOpState> state_;
   Timeout timeout_;
   std::shared_ptr<const Communicator> comm_;
-  std::string what_;
+  Describe what_;  // formatted only when a timeout needs it
   std::function<void()> finish_;  // runs once on the waiting thread (e.g. avg's division)
   std::once_flag finished_;
 };
@@ -87,7 +90,8 @@ class MpiCommunicator final : public Communicator {
       DTRAIN_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, t.data_ptr(), n, dt, mop, c));
     });
     return make_work(OpKind::kAllReduce, seq, state, timeout,
-                     str_cat(describe_tensor(t), ", ", to_string(op)), average(t, op));
+                     [t, op] { return str_cat(describe_tensor(t), ", ", to_string(op)); },
+                     average(t, op));
   }
 
   WorkPtr do_broadcast(const at::Tensor& t, int root, std::uint64_t seq,
@@ -98,7 +102,7 @@ class MpiCommunicator final : public Communicator {
       DTRAIN_MPI_CHECK(MPI_Bcast(t.data_ptr(), n, dt, root, c));
     });
     return make_work(OpKind::kBroadcast, seq, state, timeout,
-                     str_cat(describe_tensor(t), ", root ", root), nullptr);
+                     [t, root] { return str_cat(describe_tensor(t), ", root ", root); }, nullptr);
   }
 
   WorkPtr do_all_gather(const at::Tensor& out, const at::Tensor& in, std::uint64_t seq,
@@ -115,7 +119,8 @@ class MpiCommunicator final : public Communicator {
       DTRAIN_MPI_CHECK(MPI_Allgather(in_place ? MPI_IN_PLACE : in.data_ptr(), n, dt,
                                      out.data_ptr(), n, dt, c));
     });
-    return make_work(OpKind::kAllGather, seq, state, timeout, describe_tensor(in), nullptr);
+    return make_work(OpKind::kAllGather, seq, state, timeout,
+                     [in] { return describe_tensor(in); }, nullptr);
   }
 
   WorkPtr do_reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceOp op,
@@ -128,7 +133,8 @@ class MpiCommunicator final : public Communicator {
       DTRAIN_MPI_CHECK(MPI_Reduce_scatter_block(in.data_ptr(), out.data_ptr(), n, dt, mop, c));
     });
     return make_work(OpKind::kReduceScatter, seq, state, timeout,
-                     str_cat(describe_tensor(in), ", ", to_string(op)), average(out, op));
+                     [in, op] { return str_cat(describe_tensor(in), ", ", to_string(op)); },
+                     average(out, op));
   }
 
   WorkPtr do_all_to_all(const at::Tensor& out, const at::Tensor& in,
@@ -164,7 +170,9 @@ class MpiCommunicator final : public Communicator {
       });
     }
     return make_work(OpKind::kAllToAll, seq, state, timeout,
-                     str_cat(describe_tensor(in), equal ? ", equal splits" : ", uneven splits"),
+                     [in, equal] {
+                       return str_cat(describe_tensor(in), equal ? ", equal splits" : ", uneven");
+                     },
                      nullptr);
   }
 
@@ -178,7 +186,8 @@ class MpiCommunicator final : public Communicator {
       DTRAIN_MPI_CHECK(MPI_Isend(t.data_ptr(), n, dt, dst, tag, c, &reqs.back()));
     });
     return make_work(OpKind::kSend, 0, state, timeout,
-                     str_cat(describe_tensor(t), " to rank ", dst, " tag ", tag), nullptr);
+                     [t, dst, tag] { return str_cat(describe_tensor(t), " to rank ", dst, " tag ", tag); },
+                     nullptr);
   }
 
   WorkPtr do_recv(const at::Tensor& t, int src, int tag, Timeout timeout) override {
@@ -189,12 +198,13 @@ class MpiCommunicator final : public Communicator {
       DTRAIN_MPI_CHECK(MPI_Irecv(t.data_ptr(), n, dt, src, tag, c, &reqs.back()));
     });
     return make_work(OpKind::kRecv, 0, state, timeout,
-                     str_cat(describe_tensor(t), " from rank ", src, " tag ", tag), nullptr);
+                     [t, src, tag] { return str_cat(describe_tensor(t), " from rank ", src, " tag ", tag); },
+                     nullptr);
   }
 
   WorkPtr do_barrier(std::uint64_t seq, Timeout timeout) override {
     auto state = worker_->post([c = comm_] { DTRAIN_MPI_CHECK(MPI_Barrier(c)); });
-    return make_work(OpKind::kBarrier, seq, state, timeout, "", nullptr);
+    return make_work(OpKind::kBarrier, seq, state, timeout, nullptr, nullptr);
   }
 
   CommPtr do_split(int color, int key, const std::string& name, std::uint64_t uid,
@@ -230,7 +240,7 @@ class MpiCommunicator final : public Communicator {
 
  private:
   WorkPtr make_work(OpKind kind, std::uint64_t seq, std::shared_ptr<MpiOpState> state,
-                    Timeout timeout, std::string what, std::function<void()> finish) const {
+                    Timeout timeout, Describe what, std::function<void()> finish) const {
     return std::make_shared<MpiWork>(kind, seq, std::move(state), timeout, shared_from_this(),
                                      std::move(what), std::move(finish));
   }
@@ -258,7 +268,7 @@ void MpiWork::wait() {
   if (!state_->wait_until(deadline)) {
     const auto* mpi = static_cast<const MpiCommunicator*>(comm_.get());
     throw TimeoutError(
-        located(mpi->timeout_text(kind(), seq(), timeout_, what_), "Work::wait", __FILE__,
+        located(mpi->timeout_text(kind(), seq(), timeout_, what_ ? what_() : std::string()), "Work::wait", __FILE__,
                 __LINE__));
   }
   if (auto err = state_->error()) std::rethrow_exception(err);
