@@ -9,4 +9,6 @@
 #include "dtrain/core/env.hpp"
 #include "dtrain/core/error.hpp"
 #include "dtrain/core/logging.hpp"
+#include "dtrain/data/dataset.hpp"
+#include "dtrain/data/token_shard.hpp"
 #include "dtrain/mesh/device_mesh.hpp"
