@@ -12,3 +12,4 @@
 #include "dtrain/data/dataset.hpp"
 #include "dtrain/data/token_shard.hpp"
 #include "dtrain/mesh/device_mesh.hpp"
+#include "dtrain/optim/optim.hpp"

@@ -1,0 +1,66 @@
+// Optimizer pieces shared by every strategy: AdamW with the usual decay / no-decay
+// parameter groups, the cosine learning-rate schedule with linear warm-up, and gradient
+// clipping by the global norm across the ranks that hold distinct gradient shards.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace dtrain {
+
+class Communicator;
+
+struct AdamWOptions {
+  double lr = 3e-4;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.1;
+  // Parameters whose name contains one of these get no weight decay, besides every
+  // parameter with fewer than 2 dims (biases, norm weights).
+  std::vector<std::string> no_decay_name_parts = {"emb"};
+};
+
+using NamedParameters = std::vector<std::pair<std::string, at::Tensor>>;
+
+// True when the parameter gets weight decay under `options`.
+bool decays(const std::string& name, const at::Tensor& param, const AdamWOptions& options);
+
+// LibTorch's AdamW over two groups: group 0 decays, group 1 has weight_decay 0.
+// Raises InvalidArgument naming any option out of range.
+std::unique_ptr<torch::optim::Optimizer> make_adamw(const NamedParameters& params,
+                                                    const AdamWOptions& options);
+
+// Sets the learning rate of every parameter group.
+void set_learning_rate(torch::optim::Optimizer& optimizer, double lr);
+
+// Linear warm-up to max_lr over warmup_steps (step 0 trains at max_lr / warmup_steps),
+// then cosine decay to min_lr at total_steps, min_lr after that.
+class CosineSchedule {
+ public:
+  CosineSchedule(double max_lr, double min_lr, std::int64_t warmup_steps,
+                 std::int64_t total_steps);
+  double lr(std::int64_t step) const;
+
+ private:
+  double max_lr_, min_lr_;
+  std::int64_t warmup_, total_;
+};
+
+// Scales the gradients so that their global L2 norm is at most max_norm and returns the
+// norm before clipping. shard_comm: the ranks that hold distinct pieces of the gradients
+// (FSDP, tensor parallel); null when every rank holds all of them (data parallel after
+// the all-reduce). Parameters without a gradient are skipped.
+double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm,
+                      Communicator* shard_comm = nullptr);
+
+}  // namespace dtrain

@@ -1,0 +1,90 @@
+// AdamW parameter groups, cosine schedule, global-norm gradient clipping.
+#include "dtrain/optim/optim.hpp"
+
+#include <torch/torch.h>
+
+#include <cmath>
+
+#include "dtrain/comm/communicator.hpp"
+#include "dtrain/core/error.hpp"
+
+namespace dtrain {
+
+bool decays(const std::string& name, const at::Tensor& param, const AdamWOptions& options) {
+  if (param.dim() < 2) return false;
+  for (const auto& part : options.no_decay_name_parts) {
+    if (!part.empty() && name.find(part) != std::string::npos) return false;
+  }
+  return true;
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_adamw(const NamedParameters& params,
+                                                    const AdamWOptions& o) {
+  DTRAIN_CHECK_ARG(o.lr > 0, "AdamW lr=", o.lr, " must be positive");
+  DTRAIN_CHECK_ARG(o.beta1 >= 0 && o.beta1 < 1, "AdamW beta1=", o.beta1, " must be in [0, 1)");
+  DTRAIN_CHECK_ARG(o.beta2 >= 0 && o.beta2 < 1, "AdamW beta2=", o.beta2, " must be in [0, 1)");
+  DTRAIN_CHECK_ARG(o.eps > 0, "AdamW eps=", o.eps, " must be positive");
+  DTRAIN_CHECK_ARG(o.weight_decay >= 0, "AdamW weight_decay=", o.weight_decay,
+                   " must not be negative");
+  std::vector<at::Tensor> decay, no_decay;
+  for (const auto& [name, p] : params) {
+    if (!p.requires_grad()) continue;
+    (decays(name, p, o) ? decay : no_decay).push_back(p);
+  }
+  auto base = torch::optim::AdamWOptions(o.lr)
+                  .betas({o.beta1, o.beta2})
+                  .eps(o.eps)
+                  .weight_decay(o.weight_decay);
+  auto none = std::make_unique<torch::optim::AdamWOptions>(base);
+  none->weight_decay(0.0);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(base));
+  groups.emplace_back(no_decay, std::move(none));
+  return std::make_unique<torch::optim::AdamW>(std::move(groups), base);
+}
+
+void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {
+  for (auto& group : optimizer.param_groups()) group.options().set_lr(lr);
+}
+
+CosineSchedule::CosineSchedule(double max_lr, double min_lr, std::int64_t warmup_steps,
+                               std::int64_t total_steps)
+    : max_lr_(max_lr), min_lr_(min_lr), warmup_(warmup_steps), total_(total_steps) {
+  DTRAIN_CHECK_ARG(max_lr > 0, "learning rate ", max_lr, " must be positive");
+  DTRAIN_CHECK_ARG(min_lr >= 0 && min_lr <= max_lr, "minimum learning rate ", min_lr,
+                   " must be in [0, ", max_lr, "]");
+  DTRAIN_CHECK_ARG(warmup_steps >= 0 && warmup_steps <= total_steps, "warm-up steps ",
+                   warmup_steps, " must be in [0, total steps ", total_steps, "]");
+}
+
+double CosineSchedule::lr(std::int64_t step) const {
+  if (step < warmup_) return max_lr_ * static_cast<double>(step + 1) / static_cast<double>(warmup_);
+  if (step >= total_) return min_lr_;
+  const double progress =
+      static_cast<double>(step - warmup_) / static_cast<double>(std::max<std::int64_t>(1, total_ - warmup_));
+  return min_lr_ + 0.5 * (max_lr_ - min_lr_) * (1.0 + std::cos(M_PI * progress));
+}
+
+double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm,
+                      Communicator* shard_comm) {
+  DTRAIN_CHECK_ARG(max_norm > 0, "gradient clipping max_norm=", max_norm, " must be positive");
+  std::vector<at::Tensor> grads;
+  for (const auto& p : params) {
+    if (p.grad().defined()) grads.push_back(p.grad());
+  }
+  // Sum of squares in float32 or wider, one value per device kind, then across shards.
+  at::Tensor sq = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(
+                                     grads.empty() ? at::Device(at::kCPU) : grads[0].device()));
+  for (const auto& g : grads) sq += g.detach().to(at::kDouble).pow(2).sum();
+  if (shard_comm != nullptr && shard_comm->size() > 1) {
+    shard_comm->all_reduce(sq)->synchronize();
+  }
+  const double norm = std::sqrt(sq.item<double>());
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1.0) {
+    for (auto& g : grads) g.mul_(coef);
+  }
+  return norm;
+}
+
+}  // namespace dtrain

@@ -1,0 +1,82 @@
+// AdamW parameter groups, the cosine schedule and gradient clipping against LibTorch's.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "dtrain/core/error.hpp"
+#include "dtrain/optim/optim.hpp"
+
+namespace dtrain {
+namespace {
+
+TEST(CosineSchedule, WarmupThenCosineThenFloor) {
+  CosineSchedule s(1.0, 0.1, 10, 100);
+  EXPECT_DOUBLE_EQ(s.lr(0), 0.1);
+  EXPECT_DOUBLE_EQ(s.lr(4), 0.5);
+  EXPECT_DOUBLE_EQ(s.lr(9), 1.0);
+  EXPECT_DOUBLE_EQ(s.lr(10), 1.0);
+  EXPECT_NEAR(s.lr(55), 0.55, 1e-12);
+  EXPECT_DOUBLE_EQ(s.lr(100), 0.1);
+  EXPECT_DOUBLE_EQ(s.lr(5000), 0.1);
+  for (int i = 10; i < 100; ++i) EXPECT_LE(s.lr(i + 1), s.lr(i)) << "monotone after warm-up";
+  EXPECT_DOUBLE_EQ(CosineSchedule(2.0, 0.0, 0, 10).lr(0), 2.0);
+  EXPECT_THROW(CosineSchedule(1.0, 2.0, 0, 10), InvalidArgument);
+  EXPECT_THROW(CosineSchedule(1.0, 0.1, 20, 10), InvalidArgument);
+  EXPECT_THROW(CosineSchedule(0.0, 0.0, 0, 10), InvalidArgument);
+}
+
+TEST(ClipGradNorm, MatchesLibTorch) {
+  torch::manual_seed(0);
+  for (double max_norm : {0.5, 1e6}) {
+    std::vector<at::Tensor> a, b;
+    for (auto shape : {std::vector<std::int64_t>{7, 3}, {5}, {2, 2, 2}}) {
+      auto p = torch::randn(shape, torch::requires_grad());
+      p.mutable_grad() = torch::randn(shape);
+      auto q = p.detach().clone().requires_grad_();
+      q.mutable_grad() = p.grad().clone();
+      a.push_back(p);
+      b.push_back(q);
+    }
+    auto no_grad = torch::randn({3}, torch::requires_grad());  // skipped: no gradient
+    a.push_back(no_grad);
+    const double ours = clip_grad_norm(a, max_norm);
+    const double ref = torch::nn::utils::clip_grad_norm_(b, max_norm);
+    EXPECT_NEAR(ours, ref, 1e-5 * ref);
+    for (std::size_t i = 0; i < b.size(); ++i) {
+      EXPECT_TRUE(torch::allclose(a[i].grad(), b[i].grad(), 1e-5, 1e-7)) << i;
+    }
+  }
+  EXPECT_THROW(clip_grad_norm({}, 0.0), InvalidArgument);
+}
+
+TEST(AdamW, WeightDecaySkipsBiasesNormsAndEmbeddings) {
+  torch::NoGradGuard no_grad;
+  AdamWOptions o;
+  o.lr = 0.1;
+  o.weight_decay = 0.5;
+  NamedParameters params = {
+      {"h.0.mlp.weight", torch::ones({4, 4}).requires_grad_()},
+      {"h.0.mlp.bias", torch::ones({4}).requires_grad_()},
+      {"h.0.ln.weight", torch::ones({4}).requires_grad_()},
+      {"wte.emb.weight", torch::ones({8, 4}).requires_grad_()},
+  };
+  EXPECT_TRUE(decays(params[0].first, params[0].second, o));
+  EXPECT_FALSE(decays(params[1].first, params[1].second, o));
+  EXPECT_FALSE(decays(params[3].first, params[3].second, o));
+  auto opt = make_adamw(params, o);
+  for (auto& [name, p] : params) p.mutable_grad() = torch::zeros_like(p);  // pure decay step
+  opt->step();
+  EXPECT_TRUE(torch::allclose(params[0].second, torch::full({4, 4}, 1.0 - 0.1 * 0.5)));
+  for (int i = 1; i < 4; ++i) EXPECT_TRUE(torch::equal(params[i].second, torch::ones_like(params[i].second))) << params[i].first;
+  set_learning_rate(*opt, 0.25);
+  for (auto& g : opt->param_groups()) EXPECT_DOUBLE_EQ(g.options().get_lr(), 0.25);
+  o.beta2 = 1.0;
+  try {
+    make_adamw(params, o);
+    ADD_FAILURE();
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("AdamW beta2=1 must be in [0, 1)"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace dtrain
