@@ -9,7 +9,6 @@
 #include <sched.h>
 
 #include <algorithm>
-#include <future>
 
 #include "dtrain/core/error.hpp"
 #include "dtrain/core/logging.hpp"
