@@ -13,3 +13,4 @@
 #include "dtrain/data/token_shard.hpp"
 #include "dtrain/mesh/device_mesh.hpp"
 #include "dtrain/optim/optim.hpp"
+#include "dtrain/parallel/data_parallel.hpp"

@@ -1,0 +1,154 @@
+// DataParallel: bucketed, backward-overlapped gradient averaging.
+#include "dtrain/parallel/data_parallel.hpp"
+
+#include <ATen/ATen.h>
+
+#include "dtrain/core/error.hpp"
+
+namespace dtrain {
+
+struct DataParallel::Bucket {
+  at::Tensor buffer;                 // flat, reduce dtype
+  std::vector<std::size_t> params;  // indices into params_
+  std::size_t ready = 0;
+  WorkPtr work;
+};
+
+DataParallel::DataParallel(NamedParameters params, CommPtr dp_comm, DataParallelOptions options)
+    : params_(std::move(params)), comm_(std::move(dp_comm)), options_(options) {
+  DTRAIN_CHECK_ARG(comm_ != nullptr, "DataParallel needs a data-parallel communicator");
+  DTRAIN_CHECK_ARG(options_.bucket_bytes > 0, "DataParallel bucket_bytes=",
+                   options_.bucket_bytes, " must be positive");
+  if (options_.broadcast_parameters) {
+    for (auto& [name, p] : params_) {
+      at::NoGradGuard no_grad;
+      comm_->broadcast(p.detach(), {0})->wait();
+    }
+  }
+  // Buckets in reverse registration order (gradients arrive roughly in that order),
+  // split when full or when dtype/device change.
+  bucket_of_.assign(params_.size(), 0);
+  offset_of_.assign(params_.size(), 0);
+  seen_.assign(params_.size(), false);
+  std::vector<std::size_t> current;
+  std::int64_t bytes = 0, elems = 0;
+  auto close = [&]() {
+    if (current.empty()) return;
+    auto b = std::make_unique<Bucket>();
+    const auto& first = params_[current[0]].second;
+    const auto dtype = options_.bf16_reduce ? at::kBFloat16 : first.scalar_type();
+    b->buffer = at::zeros({elems}, first.options().dtype(dtype));
+    b->params = current;
+    buckets_.push_back(std::move(b));
+    current.clear();
+    bytes = elems = 0;
+  };
+  for (std::size_t k = params_.size(); k-- > 0;) {
+    const auto& p = params_[k].second;
+    DTRAIN_CHECK_ARG(p.requires_grad(), "DataParallel: parameter '", params_[k].first,
+                     "' does not require grad; pass only trainable parameters");
+    if (!current.empty()) {
+      const auto& prev = params_[current[0]].second;
+      if (prev.scalar_type() != p.scalar_type() || prev.device() != p.device()) close();
+    }
+    bucket_of_[k] = buckets_.size();
+    offset_of_[k] = elems;
+    current.push_back(k);
+    elems += p.numel();
+    bytes += p.numel() * p.element_size();
+    if (bytes >= options_.bucket_bytes) close();
+  }
+  close();
+  stats_.buckets = static_cast<std::int64_t>(buckets_.size());
+  for (std::size_t k = 0; k < params_.size(); ++k) {
+    hooks_.push_back(params_[k].second.register_hook(
+        [this, k](const at::Tensor& grad) { on_grad(k, grad); }));
+  }
+}
+
+DataParallel::~DataParallel() {
+  for (std::size_t k = 0; k < hooks_.size(); ++k) params_[k].second.remove_hook(hooks_[k]);
+}
+
+void DataParallel::set_sync(bool sync) { sync_ = sync; }
+
+void DataParallel::on_grad(std::size_t k, const at::Tensor& grad) {
+  if (!sync_) return;
+  at::NoGradGuard no_grad;
+  if (!in_backward_) {
+    in_backward_ = true;
+    grads_seen_ = 0;
+    stats_.launched_during_backward = 0;
+    stats_.grads_before_first_launch = 0;
+  }
+  DTRAIN_CHECK(!seen_[k], "DataParallel: parameter '", params_[k].first,
+               "' received two gradients in one backward (shared parameters need one entry)");
+  seen_[k] = true;
+  ++grads_seen_;
+  auto& b = *buckets_[bucket_of_[k]];
+  const auto& p = params_[k].second;
+  at::Tensor slot = b.buffer.narrow(0, offset_of_[k], p.numel());
+  // Earlier micro-batches (sync off) accumulated into .grad: include them.
+  if (p.grad().defined()) {
+    slot.copy_((p.grad() + grad).reshape({-1}));
+  } else {
+    slot.copy_(grad.reshape({-1}));
+  }
+  if (++b.ready == b.params.size()) launch_ready_buckets();
+}
+
+void DataParallel::launch_ready_buckets() {
+  // Strictly in bucket order, so every rank issues the same collectives in the same order.
+  while (next_launch_ < buckets_.size() &&
+         buckets_[next_launch_]->ready == buckets_[next_launch_]->params.size()) {
+    if (in_backward_ && stats_.launched_during_backward == 0) {
+      stats_.grads_before_first_launch = grads_seen_;
+    }
+    if (in_backward_) ++stats_.launched_during_backward;
+    auto& b = *buckets_[next_launch_++];
+    b.work = comm_->all_reduce(b.buffer, {ReduceOp::kAvg});
+  }
+}
+
+void DataParallel::finish_gradient_sync() {
+  at::NoGradGuard no_grad;
+  in_backward_ = false;  // launches from here on are not overlapped with backward
+  std::string missing;
+  for (std::size_t k = 0; k < params_.size(); ++k) {
+    if (seen_[k]) continue;
+    missing += (missing.empty() ? "" : ", ") + params_[k].first;
+    auto& b = *buckets_[bucket_of_[k]];
+    const auto& p = params_[k].second;
+    at::Tensor slot = b.buffer.narrow(0, offset_of_[k], p.numel());
+    if (p.grad().defined()) {
+      slot.copy_(p.grad().reshape({-1}));
+    } else {
+      slot.zero_();
+    }
+    ++b.ready;
+  }
+  // Every rank must raise together (the check is local, so all must see the same
+  // unused set); a rank that raised here would otherwise leave its peers waiting.
+  DTRAIN_CHECK_ARG(missing.empty() || options_.allow_unused,
+                   "DataParallel: parameters received no gradient in this backward: ",
+                   missing, " (set allow_unused to reduce them as zeros)");
+  launch_ready_buckets();
+  for (auto& b : buckets_) {
+    b->work->wait();
+    for (std::size_t k : b->params) {
+      auto& p = params_[k].second;
+      at::Tensor reduced = b->buffer.narrow(0, offset_of_[k], p.numel()).view(p.sizes());
+      if (p.grad().defined()) {
+        p.mutable_grad().copy_(reduced);
+      } else {
+        p.mutable_grad() = reduced.to(p.scalar_type()).clone();
+      }
+      seen_[k] = false;
+    }
+    b->ready = 0;
+    b->work.reset();
+  }
+  next_launch_ = 0;
+}
+
+}  // namespace dtrain
