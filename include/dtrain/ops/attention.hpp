@@ -1,0 +1,12 @@
+// The attention op every model calls: [B, H, T, D] queries, [B, Hkv, T, D] keys/values
+// (grouped-query attention when Hkv < H). For now LibTorch's scaled_dot_product_attention;
+// the kernels issue puts a custom kernel behind this same function.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace dtrain::ops {
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal);
+
+}  // namespace dtrain::ops

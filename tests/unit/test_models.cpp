@@ -1,0 +1,122 @@
+// The GPT model: presets and parameter counts, validation, seeded initialisation, loss at
+// initialisation, causality, activation checkpointing leaves gradients unchanged, and a
+// tiny model learns a repeating sequence.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+
+#include "dtrain/core/error.hpp"
+#include "dtrain/models/gpt.hpp"
+#include "dtrain/optim/optim.hpp"
+
+namespace dtrain::models {
+namespace {
+
+GptConfig tiny_llama() {
+  GptConfig c = GptConfig::preset("tiny");
+  c.family = "llama";
+  c.n_kv_head = 2;  // grouped-query attention
+  c.tie_embeddings = false;
+  return c;
+}
+
+std::int64_t count(Gpt& m) {
+  std::int64_t n = 0;
+  for (const auto& p : m->parameters()) n += p.numel();
+  return n;
+}
+
+TEST(GptConfig, PresetsHaveTheKnownParameterCounts) {
+  EXPECT_EQ(GptConfig::preset("gpt2-124m").num_parameters(), 124475904);  // llm.c's figure
+  EXPECT_EQ(GptConfig::preset("llama-1b").num_parameters(), 1235814400);  // Llama 3.2 1B
+  EXPECT_GT(GptConfig::preset("gpt2-350m").num_parameters(), 350'000'000);
+  for (const auto& c : {GptConfig::preset("tiny"), tiny_llama()}) {
+    Gpt m(c, 1);
+    EXPECT_EQ(count(m), c.num_parameters()) << c.family;
+  }
+  try {
+    GptConfig::preset("gpt5");
+    ADD_FAILURE();
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("allowed: tiny, gpt2-124m, gpt2-350m, llama-1b"), std::string::npos);
+  }
+  GptConfig bad = GptConfig::preset("tiny");
+  bad.n_kv_head = 2;
+  EXPECT_THROW(bad.validate(), InvalidArgument);  // GQA needs llama
+  bad = GptConfig::preset("tiny");
+  bad.d_model = 66;
+  EXPECT_THROW(Gpt(bad, 1), InvalidArgument);
+}
+
+TEST(Gpt, InitialisationIsAPureFunctionOfTheSeed) {
+  Gpt a(GptConfig::preset("tiny"), 7), b(GptConfig::preset("tiny"), 7), c(GptConfig::preset("tiny"), 8);
+  auto pa = a->named_parameters(), pb = b->named_parameters(), pc = c->named_parameters();
+  bool any_diff = false;
+  for (const auto& item : pa) {
+    EXPECT_TRUE(torch::equal(item.value(), pb[item.key()])) << item.key();
+    any_diff = any_diff || !torch::equal(item.value(), pc[item.key()]);
+  }
+  EXPECT_TRUE(any_diff);
+  // Residual projections are scaled by 1/sqrt(2 n_layer).
+  const double s_fc = pa["h.0.mlp_fc.weight"].std().item<double>();
+  const double s_proj = pa["h.0.mlp_proj.weight"].std().item<double>();
+  EXPECT_NEAR(s_proj / s_fc, 1.0 / std::sqrt(4.0), 0.05);
+}
+
+TEST(Gpt, LossAtInitIsNearUniformAndModelIsCausal) {
+  for (const auto& cfg : {GptConfig::preset("tiny"), tiny_llama()}) {
+    Gpt m(cfg, 3);
+    auto idx = torch::randint(0, 256, {4, 32}, torch::kLong);
+    const double loss = m->loss(idx, torch::roll(idx, -1, 1)).item<double>();
+    EXPECT_NEAR(loss, std::log(256.0), 0.3) << cfg.family;
+    // Changing the last token never changes earlier logits.
+    auto idx2 = idx.clone();
+    idx2.index_put_({torch::indexing::Slice(), -1}, (idx.select(1, 31) + 1) % 256);
+    torch::NoGradGuard no_grad;
+    auto l1 = m->forward(idx), l2 = m->forward(idx2);
+    EXPECT_TRUE(torch::allclose(l1.slice(1, 0, 31), l2.slice(1, 0, 31), 1e-5, 1e-6)) << cfg.family;
+    EXPECT_FALSE(torch::allclose(l1.slice(1, 31), l2.slice(1, 31))) << cfg.family;
+  }
+}
+
+TEST(Gpt, ActivationCheckpointingLeavesGradientsUnchanged) {
+  for (auto cfg : {GptConfig::preset("tiny"), tiny_llama()}) {
+    Gpt plain(cfg, 5);
+    cfg.activation_checkpointing = true;
+    Gpt ckpt(cfg, 5);
+    auto idx = torch::randint(0, 256, {2, 16}, torch::kLong);
+    auto tgt = torch::randint(0, 256, {2, 16}, torch::kLong);
+    plain->loss(idx, tgt).backward();
+    ckpt->loss(idx, tgt).backward();
+    auto a = plain->named_parameters(), b = ckpt->named_parameters();
+    for (const auto& item : a) {
+      ASSERT_TRUE(b[item.key()].grad().defined()) << item.key();
+      EXPECT_TRUE(torch::allclose(item.value().grad(), b[item.key()].grad(), 1e-5, 1e-7))
+          << cfg.family << " " << item.key();
+    }
+  }
+}
+
+TEST(Gpt, TinyModelLearnsARepeatingSequence) {
+  Gpt m(GptConfig::preset("tiny"), 11);
+  NamedParameters params;
+  for (const auto& item : m->named_parameters()) params.emplace_back(item.key(), item.value());
+  AdamWOptions o;
+  o.lr = 3e-3;
+  auto opt = make_adamw(params, o);
+  auto seq = torch::arange(0, 33, torch::kLong).remainder(11).unsqueeze(0).repeat({4, 1}) + 97;
+  auto x = seq.slice(1, 0, 32), y = seq.slice(1, 1, 33);
+  double first = 0, last = 0;
+  for (int step = 0; step < 40; ++step) {
+    opt->zero_grad();
+    auto loss = m->loss(x, y);
+    loss.backward();
+    opt->step();
+    (step == 0 ? first : last) = loss.item<double>();
+  }
+  EXPECT_LT(last, first * 0.3) << "loss " << first << " -> " << last;
+}
+
+}  // namespace
+}  // namespace dtrain::models
