@@ -98,11 +98,19 @@ BlockImpl::BlockImpl(const GptConfig& c) : config_(c) {
   down_ = register_module("mlp_proj", linear(c.mlp_hidden(), c.d_model));
 }
 
+namespace {
+// The family's norm: LayerNorm (weight, bias) for gpt2, RMSNorm (weight) in float32 for llama.
+torch::Tensor apply_norm(const GptConfig& c, const torch::Tensor& x, const torch::Tensor& w,
+                         const torch::Tensor& b) {
+  if (c.family == "gpt2") return torch::layer_norm(x, {c.d_model}, w, b, c.norm_eps);
+  auto xf = x.to(torch::kFloat);
+  return (xf * torch::rsqrt(xf.pow(2).mean(-1, true) + c.norm_eps)).to(x.scalar_type()) * w;
+}
+}  // namespace
+
 torch::Tensor BlockImpl::norm(const torch::Tensor& x, const torch::Tensor& w,
                               const torch::Tensor& b) const {
-  if (config_.family == "gpt2") return torch::layer_norm(x, {config_.d_model}, w, b, config_.norm_eps);
-  auto xf = x.to(torch::kFloat);
-  return (xf * torch::rsqrt(xf.pow(2).mean(-1, true) + config_.norm_eps)).to(x.scalar_type()) * w;
+  return apply_norm(config_, x, w, b);
 }
 
 namespace {
@@ -227,12 +235,7 @@ torch::Tensor GptImpl::forward(const torch::Tensor& idx) {
       x = block->forward(x, rope_cos_, rope_sin_);
     }
   }
-  if (c.family == "gpt2") {
-    x = torch::layer_norm(x, {c.d_model}, norm_weight_, norm_bias_, c.norm_eps);
-  } else {
-    auto xf = x.to(torch::kFloat);
-    x = (xf * torch::rsqrt(xf.pow(2).mean(-1, true) + c.norm_eps)).to(x.scalar_type()) * norm_weight_;
-  }
+  x = apply_norm(c, x, norm_weight_, norm_bias_);
   return c.tie_embeddings ? torch::matmul(x, tok_emb_->weight.t()) : lm_head_->forward(x);
 }
 
