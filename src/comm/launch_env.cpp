@@ -1,6 +1,7 @@
 // Launcher detection from environment variables.
 #include "dtrain/comm/launch_env.hpp"
 
+#include <algorithm>
 #include <cstdlib>
 
 #include "dtrain/core/error.hpp"
@@ -25,6 +26,10 @@ std::string LaunchEnv::describe() const {
                           ", local rank ", local_rank, " of ", local_world_size);
   if (launcher == Launcher::kTorchrun) s += str_cat(", store ", master_addr, ":", master_port);
   return s;
+}
+
+int default_intra_op_threads(int cores, int local_world_size) {
+  return std::max(1, cores / std::max(1, local_world_size));
 }
 
 namespace {

@@ -1,6 +1,11 @@
 // Runtime start-up: launcher detection, MPI engine or TCP store, device choice, worlds.
 #include "dtrain/comm/runtime.hpp"
 
+#include <ATen/Parallel.h>
+
+#include <cstdlib>
+#include <thread>
+
 #include "comm/peer_probe.hpp"
 #include "dtrain/core/error.hpp"
 #include "dtrain/core/logging.hpp"
@@ -134,8 +139,16 @@ Runtime::Runtime(int* argc, char*** argv, const RuntimeOptions& options)
     world_ = cpu_world_;
     backend_ = world_->backend();
   }
-  log_info("dtrain runtime: {}; backend {}; device {}", launch_.describe(),
-             to_string(world_->backend()), device_);
+  // Share the cores among the ranks on this node unless the user chose (OMP_NUM_THREADS).
+  std::string threads_source = "OMP_NUM_THREADS";
+  if (std::getenv("OMP_NUM_THREADS") == nullptr) {
+    const int cores = static_cast<int>(std::thread::hardware_concurrency());
+    at::set_num_threads(default_intra_op_threads(cores, launch_.local_world_size));
+    threads_source = format("{} cores / {} local ranks", cores, launch_.local_world_size);
+  }
+  log_info("dtrain runtime: {}; backend {}; device {}; {} intra-op threads ({})",
+           launch_.describe(), to_string(world_->backend()), device_, at::get_num_threads(),
+           threads_source);
 }
 
 Runtime::~Runtime() {

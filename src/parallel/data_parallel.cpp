@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include "dtrain/core/env.hpp"
 #include "dtrain/core/error.hpp"
 
 namespace dtrain {
@@ -25,6 +26,7 @@ DataParallel::DataParallel(NamedParameters params, CommPtr dp_comm, DataParallel
       comm_->broadcast(p.detach(), {0})->wait();
     }
   }
+  if (env::comm_check()) verify_identical_parameters();
   // Buckets in reverse registration order (gradients arrive roughly in that order),
   // split when full or when dtype/device change.
   bucket_of_.assign(params_.size(), 0);
@@ -68,6 +70,31 @@ DataParallel::DataParallel(NamedParameters params, CommPtr dp_comm, DataParallel
 
 DataParallel::~DataParallel() {
   for (std::size_t k = 0; k < hooks_.size(); ++k) params_[k].second.remove_hook(hooks_[k]);
+}
+
+void DataParallel::verify_identical_parameters() {
+  at::NoGradGuard no_grad;
+  // Two float64 checksums per rank: the sum and the sum of absolute values.
+  at::Tensor mine = at::zeros({2}, at::kDouble);
+  for (const auto& [name, p] : params_) {
+    mine[0] += p.detach().to(at::kDouble).sum().cpu();
+    mine[1] += p.detach().to(at::kDouble).abs().sum().cpu();
+  }
+  const auto device = params_.empty() ? at::Device(at::kCPU) : params_[0].second.device();
+  at::Tensor in = mine.to(device), all = at::empty({2 * comm_->size()}, in.options());
+  comm_->all_gather(all, in)->synchronize();
+  at::Tensor sums = all.cpu().view({comm_->size(), 2});
+  std::string differ;
+  for (int r = 1; r < comm_->size(); ++r) {
+    if (!at::equal(sums[r], sums[0])) {
+      differ += detail::str_cat(differ.empty() ? "" : "; ", "rank ", r, " (sum ",
+                                sums[r][0].item<double>(), ", abs sum ", sums[r][1].item<double>(), ")");
+    }
+  }
+  DTRAIN_CHECK_T(CommError, differ.empty(),
+                 "DataParallel (DTRAIN_COMM_CHECK): parameters differ across ranks at start: rank 0 "
+                 "(sum ", sums[0][0].item<double>(), ", abs sum ", sums[0][1].item<double>(),
+                 ") vs ", differ);
 }
 
 void DataParallel::set_sync(bool sync) { sync_ = sync; }

@@ -145,5 +145,26 @@ TEST_F(DdpTest, UnusedParameterIsNamed) {
   EXPECT_EQ(extra.grad().abs().sum().item<float>(), 0.0f);
 }
 
+TEST_F(DdpTest, CommCheckVerifiesIdenticalParametersAtStart) {
+  const int n = nranks(), r = rank();
+  ::setenv(env::kCommCheck, "1", 1);
+  auto model = make_model();
+  if (r == n - 1 && n > 1) {
+    torch::NoGradGuard no_grad;
+    model->parameters()[0].add_(1.0);  // the last rank diverges
+  }
+  DataParallelOptions no_broadcast;
+  no_broadcast.broadcast_parameters = false;
+  try {
+    DataParallel ddp(named(*model), world(), no_broadcast);
+    EXPECT_EQ(n, 1) << "diverged parameters were not reported";
+  } catch (const CommError& e) {
+    EXPECT_NE(std::string(e.what()).find("parameters differ across ranks at start"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("rank " + std::to_string(n - 1) + " (sum"), std::string::npos) << e.what();
+  }
+  DataParallel ddp(named(*model), world());  // broadcast first: identical, no error
+  ::unsetenv(env::kCommCheck);
+}
+
 }  // namespace
 }  // namespace dtrain::testing

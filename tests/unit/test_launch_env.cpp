@@ -98,6 +98,13 @@ TEST(LaunchEnv, BadValuesNameTheVariable) {
             std::string::npos);
 }
 
+TEST(LaunchEnv, IntraOpThreadsShareTheCores) {
+  EXPECT_EQ(default_intra_op_threads(16, 4), 4);
+  EXPECT_EQ(default_intra_op_threads(2, 4), 1);  // never zero
+  EXPECT_EQ(default_intra_op_threads(8, 3), 2);
+  EXPECT_EQ(default_intra_op_threads(8, 0), 8);
+}
+
 TEST(Env, ParsersNameVariableValueAndAllowed) {
   EXPECT_TRUE(env::parse_bool("X", "1"));
   EXPECT_FALSE(env::parse_bool("X", "off"));

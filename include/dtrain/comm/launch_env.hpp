@@ -30,6 +30,10 @@ struct LaunchEnv {
   std::string describe() const;
 };
 
+// Intra-op threads for one rank: the machine's cores shared among the ranks on this node
+// (at least 1), so co-located ranks do not oversubscribe the CPU.
+int default_intra_op_threads(int cores, int local_world_size);
+
 using EnvLookup = std::function<std::optional<std::string>(const std::string&)>;
 
 // Precedence: Open MPI, torchrun (RANK + WORLD_SIZE), PMI (PMI_RANK + PMI_SIZE), Slurm

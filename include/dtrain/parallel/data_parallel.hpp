@@ -20,6 +20,8 @@ struct DataParallelOptions {
   bool bf16_reduce = false;    // reduce gradients in bfloat16 (half the traffic)
   bool allow_unused = false;   // a parameter without a gradient is an error by default
   bool broadcast_parameters = true;  // copy rank 0's parameters to every rank at start
+  // With DTRAIN_COMM_CHECK=1 the constructor also verifies, by checksums, that every rank
+  // then holds the same parameters (CommError naming the ranks that differ).
 };
 
 struct DataParallelStats {
@@ -48,6 +50,7 @@ class DataParallel {
 
  private:
   struct Bucket;
+  void verify_identical_parameters();
   void on_grad(std::size_t index, const at::Tensor& grad);
   void launch_ready_buckets();
 
