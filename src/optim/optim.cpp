@@ -75,7 +75,10 @@ double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm,
   // Sum of squares in float32 or wider, one value per device kind, then across shards.
   at::Tensor sq = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(
                                      grads.empty() ? at::Device(at::kCPU) : grads[0].device()));
-  for (const auto& g : grads) sq += g.detach().to(at::kDouble).pow(2).sum();
+  for (const auto& g : grads) {
+    // Norm accumulated in float64 without materialising a float64 copy of the gradient.
+    sq += at::linalg_vector_norm(g.detach(), 2, c10::nullopt, false, at::kDouble).pow(2);
+  }
   if (shard_comm != nullptr && shard_comm->size() > 1) {
     shard_comm->all_reduce(sq)->synchronize();
   }
