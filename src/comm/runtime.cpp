@@ -3,6 +3,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <thread>
 
@@ -156,6 +157,15 @@ Runtime::~Runtime() {
   cpu_world_.reset();
   detail::set_peer_probe(nullptr);
   impl_.reset();  // stops the MPI engine and finalises MPI when we initialised it
+}
+
+void Runtime::abort(int code) const {
+  std::fflush(stdout);
+  std::fflush(stderr);
+#ifdef DTRAIN_WITH_MPI
+  if (impl_ && impl_->engine) MPI_Abort(MPI_COMM_WORLD, code);
+#endif
+  std::_Exit(code);
 }
 
 CommPtr Runtime::cpu_world() const {

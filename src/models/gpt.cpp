@@ -76,6 +76,19 @@ std::int64_t GptConfig::num_parameters() const {
   return total;
 }
 
+double GptConfig::flops_per_token(std::int64_t seq_len) const {
+  std::int64_t matmul = num_parameters();
+  const bool gpt2 = family == "gpt2";
+  const std::int64_t norm = gpt2 ? 2 * d_model : d_model;
+  matmul -= (2 * n_layer + 1) * norm;  // norm weights (and biases)
+  if (gpt2) {
+    matmul -= context * d_model;  // learned positions: a lookup, no matmul
+    matmul -= n_layer * ((n_head + 2 * n_kv_head) * head_dim() + 2 * d_model + mlp_hidden());
+  }
+  return 6.0 * static_cast<double>(matmul) +
+         12.0 * static_cast<double>(n_layer * n_head * head_dim() * seq_len);
+}
+
 // ---------------------------------------------------------------------------------------
 // Block
 
@@ -178,7 +191,9 @@ struct CheckpointBlock : public torch::autograd::Function<CheckpointBlock> {
 // ---------------------------------------------------------------------------------------
 // Model
 
-GptImpl::GptImpl(const GptConfig& config, std::uint64_t seed) : config_(config) {
+GptImpl::GptImpl(ContextPtr ctx, const GptConfig& config, std::uint64_t seed)
+    : ctx_(std::move(ctx)), config_(config) {
+  DTRAIN_CHECK_ARG(ctx_ != nullptr, "Gpt needs a ParallelContext (ParallelContext::single_process() for one process)");
   config_.validate();
   const auto& c = config_;
   const bool gpt2 = c.family == "gpt2";
@@ -220,6 +235,14 @@ GptImpl::GptImpl(const GptConfig& config, std::uint64_t seed) : config_(config) 
       p.normal_(0.0, residual ? residual_std : c.init_std, gen);
     }
   }
+  to(ctx_->device());
+  if (rope_cos_.defined() && rope_cos_.numel() == 0) rope_cos_ = rope_sin_ = rope_cos_.to(ctx_->device());
+}
+
+NamedParameters GptImpl::parameter_list() const {
+  NamedParameters out;
+  for (const auto& item : named_parameters()) out.emplace_back(item.key(), item.value());
+  return out;
 }
 
 torch::Tensor GptImpl::forward(const torch::Tensor& idx) {

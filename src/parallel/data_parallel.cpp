@@ -3,6 +3,8 @@
 
 #include <ATen/ATen.h>
 
+#include <chrono>
+
 #include "dtrain/core/env.hpp"
 #include "dtrain/core/error.hpp"
 
@@ -62,6 +64,7 @@ DataParallel::DataParallel(NamedParameters params, CommPtr dp_comm, DataParallel
   }
   close();
   stats_.buckets = static_cast<std::int64_t>(buckets_.size());
+  for (const auto& b : buckets_) stats_.bucket_numel.push_back(b->buffer.numel());
   for (std::size_t k = 0; k < params_.size(); ++k) {
     hooks_.push_back(params_[k].second.register_hook(
         [this, k](const at::Tensor& grad) { on_grad(k, grad); }));
@@ -139,6 +142,7 @@ void DataParallel::launch_ready_buckets() {
 
 void DataParallel::finish_gradient_sync() {
   at::NoGradGuard no_grad;
+  const auto start = std::chrono::steady_clock::now();
   in_backward_ = false;  // launches from here on are not overlapped with backward
   std::string missing;
   for (std::size_t k = 0; k < params_.size(); ++k) {
@@ -176,6 +180,8 @@ void DataParallel::finish_gradient_sync() {
     b->work.reset();
   }
   next_launch_ = 0;
+  stats_.sync_wait_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
 }
 
 }  // namespace dtrain

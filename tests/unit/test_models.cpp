@@ -13,6 +13,8 @@
 namespace dtrain::models {
 namespace {
 
+ContextPtr single() { return ParallelContext::single_process(); }
+
 GptConfig tiny_llama() {
   GptConfig c = GptConfig::preset("tiny");
   c.family = "llama";
@@ -32,7 +34,7 @@ TEST(GptConfig, PresetsHaveTheKnownParameterCounts) {
   EXPECT_EQ(GptConfig::preset("llama-1b").num_parameters(), 1235814400);  // Llama 3.2 1B
   EXPECT_GT(GptConfig::preset("gpt2-350m").num_parameters(), 350'000'000);
   for (const auto& c : {GptConfig::preset("tiny"), tiny_llama()}) {
-    Gpt m(c, 1);
+    Gpt m(single(), c, 1);
     EXPECT_EQ(count(m), c.num_parameters()) << c.family;
   }
   try {
@@ -46,11 +48,11 @@ TEST(GptConfig, PresetsHaveTheKnownParameterCounts) {
   EXPECT_THROW(bad.validate(), InvalidArgument);  // GQA needs llama
   bad = GptConfig::preset("tiny");
   bad.d_model = 66;
-  EXPECT_THROW(Gpt(bad, 1), InvalidArgument);
+  EXPECT_THROW(Gpt(single(), bad, 1), InvalidArgument);
 }
 
 TEST(Gpt, InitialisationIsAPureFunctionOfTheSeed) {
-  Gpt a(GptConfig::preset("tiny"), 7), b(GptConfig::preset("tiny"), 7), c(GptConfig::preset("tiny"), 8);
+  Gpt a(single(), GptConfig::preset("tiny"), 7), b(single(), GptConfig::preset("tiny"), 7), c(single(), GptConfig::preset("tiny"), 8);
   auto pa = a->named_parameters(), pb = b->named_parameters(), pc = c->named_parameters();
   bool any_diff = false;
   for (const auto& item : pa) {
@@ -66,7 +68,7 @@ TEST(Gpt, InitialisationIsAPureFunctionOfTheSeed) {
 
 TEST(Gpt, LossAtInitIsNearUniformAndModelIsCausal) {
   for (const auto& cfg : {GptConfig::preset("tiny"), tiny_llama()}) {
-    Gpt m(cfg, 3);
+    Gpt m(single(), cfg, 3);
     auto idx = torch::randint(0, 256, {4, 32}, torch::kLong);
     const double loss = m->loss(idx, torch::roll(idx, -1, 1)).item<double>();
     EXPECT_NEAR(loss, std::log(256.0), 0.3) << cfg.family;
@@ -82,9 +84,9 @@ TEST(Gpt, LossAtInitIsNearUniformAndModelIsCausal) {
 
 TEST(Gpt, ActivationCheckpointingLeavesGradientsUnchanged) {
   for (auto cfg : {GptConfig::preset("tiny"), tiny_llama()}) {
-    Gpt plain(cfg, 5);
+    Gpt plain(single(), cfg, 5);
     cfg.activation_checkpointing = true;
-    Gpt ckpt(cfg, 5);
+    Gpt ckpt(single(), cfg, 5);
     auto idx = torch::randint(0, 256, {2, 16}, torch::kLong);
     auto tgt = torch::randint(0, 256, {2, 16}, torch::kLong);
     plain->loss(idx, tgt).backward();
@@ -99,9 +101,8 @@ TEST(Gpt, ActivationCheckpointingLeavesGradientsUnchanged) {
 }
 
 TEST(Gpt, TinyModelLearnsARepeatingSequence) {
-  Gpt m(GptConfig::preset("tiny"), 11);
-  NamedParameters params;
-  for (const auto& item : m->named_parameters()) params.emplace_back(item.key(), item.value());
+  Gpt m(single(), GptConfig::preset("tiny"), 11);
+  const NamedParameters params = m->parameter_list();
   AdamWOptions o;
   o.lr = 3e-3;
   auto opt = make_adamw(params, o);
@@ -116,6 +117,38 @@ TEST(Gpt, TinyModelLearnsARepeatingSequence) {
     (step == 0 ? first : last) = loss.item<double>();
   }
   EXPECT_LT(last, first * 0.3) << "loss " << first << " -> " << last;
+}
+
+TEST(GptConfig, FlopsPerTokenCountsMatmulWeightsAndAttention) {
+  // gpt2-124m: 124,475,904 parameters less positions (786,432), norms (38,400) and
+  // biases (82,944) leave 123,568,128 matmul weights; attention adds 12*12*768*T.
+  const auto c = GptConfig::preset("gpt2-124m");
+  EXPECT_DOUBLE_EQ(c.flops_per_token(1024), 6.0 * 123568128 + 12.0 * 12 * 768 * 1024);
+  // llama-1b: no biases or positions; 33 RMSNorm weights of 2048.
+  const auto l = GptConfig::preset("llama-1b");
+  EXPECT_DOUBLE_EQ(l.flops_per_token(2048),
+                   6.0 * (1235814400.0 - 33 * 2048) + 12.0 * 16 * 32 * 64 * 2048);
+}
+
+TEST(ParallelContext, DegreesMustFitTheWorld) {
+  ParallelConfig pc;
+  EXPECT_EQ(pc.mesh_axes(6)[1], (std::pair<std::string, int>("dp", 6)));
+  pc.dp = 4;
+  try {
+    pc.mesh_axes(6);
+    ADD_FAILURE();
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("world has 6"), std::string::npos) << e.what();
+  }
+  try {
+    ParallelContext ctx(make_self_communicator("world", 0), ParallelConfig{0, 1, 1, 1, 1});
+    EXPECT_EQ(ctx.dp_size(), 1);
+    ParallelContext bad(make_self_communicator("world", 0), ParallelConfig{0, 1, 3, 1, 1});
+    ADD_FAILURE() << "pp=3 on one rank accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("world size 1 is not divisible by tp x pp x ep x cp = 3"),
+              std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

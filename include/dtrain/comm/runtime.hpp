@@ -42,6 +42,10 @@ class Runtime {
   // when the run has several ranks but no MPI (torchrun-style launch without mpirun).
   CommPtr cpu_world() const;
 
+  // Ends the whole job now with `code`: MPI_Abort when MPI runs (peers blocked in a
+  // collective end too), else std::_Exit. For errors after the ranks stopped agreeing.
+  [[noreturn]] void abort(int code) const;
+
  private:
   struct Impl;
   LaunchEnv launch_;

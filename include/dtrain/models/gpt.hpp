@@ -13,6 +13,9 @@
 #include <string>
 #include <vector>
 
+#include "dtrain/optim/optim.hpp"
+#include "dtrain/parallel/context.hpp"
+
 namespace dtrain::models {
 
 struct GptConfig {
@@ -38,6 +41,12 @@ struct GptConfig {
   std::int64_t mlp_hidden() const;
   // Parameter count from the shapes (what the module registers).
   std::int64_t num_parameters() const;
+  // Training FLOPs (forward + backward) per token at sequence length seq_len: 6 per
+  // weight used in a matmul (every parameter except norms, biases and learned positions;
+  // the tied embedding counts once, as the output projection) plus attention's
+  // 12 * n_layer * n_head * head_dim * seq_len (scores and values, causal mask ignored,
+  // as in PaLM and nanoGPT).
+  double flops_per_token(std::int64_t seq_len) const;
 };
 
 // One transformer block (pre-norm attention + MLP with residuals).
@@ -58,16 +67,23 @@ TORCH_MODULE(Block);
 
 // forward(idx [B, T] int64) -> logits [B, T, vocab]. Initialisation is a pure function of
 // the seed given to the constructor: normal(0, init_std) weights, zero biases, residual
-// output projections scaled by 1/sqrt(2 * n_layer) (GPT-2).
+// output projections scaled by 1/sqrt(2 * n_layer) (GPT-2); drawn on the CPU, then moved
+// to the context's device, so every device and layout starts from the same model.
 class GptImpl : public torch::nn::Module {
  public:
-  GptImpl(const GptConfig& config, std::uint64_t seed);
+  // Raises InvalidArgument for an invalid config (see GptConfig::validate).
+  GptImpl(ContextPtr ctx, const GptConfig& config, std::uint64_t seed);
   torch::Tensor forward(const torch::Tensor& idx);
   // Mean cross-entropy of the next-token predictions.
   torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets);
   const GptConfig& config() const { return config_; }
+  const ContextPtr& context() const { return ctx_; }
+  // Trainable parameters with their names ("tok_emb.weight", "h.0.attn_qkv.weight", ...)
+  // in registration order.
+  NamedParameters parameter_list() const;
 
  private:
+  ContextPtr ctx_;
   GptConfig config_;
   torch::nn::Embedding tok_emb_{nullptr}, pos_emb_{nullptr};  // pos: gpt2 only
   std::vector<Block> blocks_;

@@ -1,0 +1,61 @@
+// ParallelContext: the parallel layout of one run (degrees per mesh axis), the DeviceMesh
+// built from it over the world communicator, and the device this rank computes on. Models
+// and strategies are built from it; with every degree 1 it describes a single process.
+#pragma once
+
+#include <c10/core/Device.h>
+
+#include <memory>
+#include <string>
+
+#include "dtrain/comm/communicator.hpp"
+#include "dtrain/mesh/device_mesh.hpp"
+
+namespace dtrain {
+
+struct ParallelConfig {
+  int dp = 0;  // data-parallel degree; 0: whatever the world size leaves after the others
+  int tp = 1;  // tensor parallel (innermost axis)
+  int pp = 1;  // pipeline stages (outermost axis)
+  int ep = 1;  // expert parallel
+  int cp = 1;  // context (sequence) parallel
+
+  // The mesh axes for `world_size` ranks, in mesh order. Raises InvalidArgument naming
+  // the degrees and the world size when they do not multiply to it.
+  MeshAxes mesh_axes(int world_size) const;
+  // "dp=2 tp=1 pp=1 ep=1 cp=1" (resolved when world_size > 0)
+  std::string describe(int world_size = 0) const;
+};
+
+class ParallelContext;
+using ContextPtr = std::shared_ptr<ParallelContext>;
+
+// Thread-safety: use from the thread that drives training. Creating a context is
+// collective over `world` only when an axis has size > 1 and its communicator is asked for.
+class ParallelContext {
+ public:
+  // Raises InvalidArgument for degrees that do not fit the world, and for strategies this
+  // build does not implement yet (tp, pp, ep, cp > 1), naming the option.
+  ParallelContext(CommPtr world, ParallelConfig config, c10::Device device = c10::kCPU);
+  // One process, every degree 1, on `device`.
+  static ContextPtr single_process(c10::Device device = c10::kCPU);
+
+  const ParallelConfig& config() const { return config_; }  // dp resolved
+  c10::Device device() const { return device_; }
+  DeviceMesh& mesh() { return mesh_; }
+  const CommPtr& world() const { return mesh_.world(); }
+  int rank() const { return world()->rank(); }
+  int world_size() const { return world()->size(); }
+  // The data-parallel group: gradients are averaged over it and it splits the batch.
+  CommPtr dp_comm() { return mesh_.comm("dp"); }
+  int dp_rank() const { return mesh_.coord("dp"); }
+  int dp_size() const { return config_.dp; }
+  bool is_single_process() const { return world_size() == 1; }
+
+ private:
+  ParallelConfig config_;
+  c10::Device device_;
+  DeviceMesh mesh_;
+};
+
+}  // namespace dtrain

@@ -1,0 +1,112 @@
+// Trainer: the pretraining loop of a GPT over a ParallelContext. Validates the whole run
+// before step 0, then per step: micro-batches with gradient accumulation, data-parallel
+// gradient averaging overlapped with backward, clipping, AdamW with a cosine schedule;
+// eval on the val split, logs on rank 0, JSON-lines metrics and a progress bar.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dtrain/models/gpt.hpp"
+#include "dtrain/optim/optim.hpp"
+#include "dtrain/parallel/context.hpp"
+#include "dtrain/parallel/data_parallel.hpp"
+
+namespace dtrain::data {
+class TokenDataset;
+class DistributedSampler;
+}  // namespace dtrain::data
+
+namespace dtrain::train {
+
+struct TrainOptions {
+  // Data: glob patterns of llm.c token shards. val_data may be empty (no evaluation).
+  std::string train_data;
+  std::string val_data;
+  std::int64_t seq_len = 64;        // tokens per sample; at most the model's context
+  std::int64_t global_batch = 16;   // samples per optimizer step over all ranks
+  std::int64_t micro_batch = 0;     // samples per rank per forward; 0: global / dp
+  std::int64_t steps = 100;
+  std::uint64_t seed = 1337;        // model init and data order
+  // Optimizer and schedule (adamw.lr is the peak learning rate).
+  AdamWOptions adamw;
+  double min_lr = 0.0;              // cosine floor; 0: adamw.lr / 10
+  std::int64_t warmup_steps = 10;
+  double grad_clip = 1.0;           // global-norm clipping; 0 disables
+  std::string precision = "fp32";   // fp32 | bf16 (autocast matmuls to bfloat16)
+  // Data parallelism.
+  DataParallelOptions ddp;
+  // Evaluation and reporting.
+  std::int64_t eval_every = 0;      // 0: evaluate only after the last step
+  std::int64_t eval_batches = 4;    // val batches of global_batch samples each
+  std::int64_t log_every = 1;
+  std::string metrics_path;         // JSON lines written by rank 0; empty: none
+  double peak_tflops = 0;           // per device; 0: known GPU table (none for CPUs)
+  std::string progress = "auto";    // auto (when stderr is a terminal) | on | off
+  bool sync_timing = false;         // synchronize the device between phases (exact breakdown)
+};
+
+// What one optimizer step did. Times are milliseconds on this rank; the loss is the
+// global mean over every rank and micro-batch.
+struct StepMetrics {
+  std::int64_t step = 0;  // 1 for the first step: steps completed including this one
+  double loss = 0, grad_norm = 0, lr = 0;
+  double step_ms = 0, forward_ms = 0, backward_ms = 0, sync_ms = 0, optimizer_ms = 0;
+  double tokens_per_s = 0, tflops = 0;  // tflops: achieved per device
+  double mfu = -1;                      // fraction of peak; -1 when the peak is unknown
+  double mem_mib = 0, peak_mem_mib = 0;
+  double val_loss = -1;                 // -1 when no evaluation ran after this step
+  std::int64_t tokens = 0;              // tokens trained so far (all ranks)
+};
+
+class Trainer {
+ public:
+  // Builds model, data, optimizer and data parallelism. Every check runs before training
+  // and the ranks agree on the outcome: InvalidArgument naming the option, its value and
+  // what is allowed (missing or malformed data, vocabulary or sequence larger than the
+  // model, batch sizes that do not divide, ...) is raised on every rank together.
+  Trainer(ContextPtr ctx, models::GptConfig model, TrainOptions options);
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  // One optimizer step (the (step()+1)-th); returns its metrics without logging them.
+  StepMetrics train_step();
+  // Mean loss over eval_batches val batches, averaged over the data-parallel ranks.
+  double evaluate();
+  // Trains from step() to options().steps with evaluation, logging on rank 0 (a line every
+  // log_every steps, JSON lines, progress bar); returns every step's metrics.
+  std::vector<StepMetrics> run();
+
+  std::int64_t step() const { return step_; }  // optimizer steps done
+  std::int64_t grad_accumulation() const { return accum_; }
+  const TrainOptions& options() const { return options_; }
+  models::Gpt& model() { return model_; }
+  const DataParallel& data_parallel() const { return *ddp_; }
+  // Logs the run's shape: model size, data, batch layout, FLOPs per token, peak.
+  void log_summary() const;
+
+ private:
+  struct Reporter;
+  void validate_and_agree();
+  void check_options() const;
+  void load_data();
+
+  ContextPtr ctx_;
+  models::GptConfig model_config_;
+  TrainOptions options_;
+  std::int64_t accum_ = 1, micro_batch_ = 0, step_ = 0, tokens_ = 0;
+  double flops_per_token_ = 0, peak_tflops_ = 0;
+  std::string device_name_;
+  std::unique_ptr<data::TokenDataset> train_, val_;
+  std::unique_ptr<data::DistributedSampler> sampler_, val_sampler_;
+  models::Gpt model_{nullptr};
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::unique_ptr<CosineSchedule> schedule_;
+  std::unique_ptr<DataParallel> ddp_;
+  std::unique_ptr<Reporter> reporter_;
+};
+
+}  // namespace dtrain::train

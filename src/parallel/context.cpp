@@ -1,0 +1,65 @@
+// ParallelContext: degrees -> mesh axes, validation of what this build implements.
+#include "dtrain/parallel/context.hpp"
+
+#include "dtrain/core/error.hpp"
+
+namespace dtrain {
+
+MeshAxes ParallelConfig::mesh_axes(int world_size) const {
+  DTRAIN_CHECK_ARG(tp >= 1 && pp >= 1 && ep >= 1 && cp >= 1 && dp >= 0,
+                   "parallel degrees must be positive (dp may be 0 for automatic); got ",
+                   describe());
+  const int others = tp * pp * ep * cp;
+  int d = dp;
+  if (d == 0) {
+    DTRAIN_CHECK_ARG(world_size % others == 0, "world size ", world_size,
+                     " is not divisible by tp x pp x ep x cp = ", others, " (", describe(), ")");
+    d = world_size / others;
+  }
+  DTRAIN_CHECK_ARG(d * others == world_size, "parallel degrees ", describe(), " multiply to ",
+                   d * others, " ranks but the world has ", world_size,
+                   "; set --dp 0 to fill the world with data parallelism");
+  MeshAxes axes;
+  axes.emplace_back("pp", pp);
+  axes.emplace_back("dp", d);
+  axes.emplace_back("cp", cp);
+  axes.emplace_back("ep", ep);
+  axes.emplace_back("tp", tp);
+  return axes;
+}
+
+std::string ParallelConfig::describe(int world_size) const {
+  int d = dp;
+  if (d == 0 && world_size > 0) d = world_size / (tp * pp * ep * cp);
+  return detail::str_cat("dp=", d == 0 ? std::string("auto") : std::to_string(d), " tp=", tp,
+                         " pp=", pp, " ep=", ep, " cp=", cp);
+}
+
+namespace {
+ParallelConfig resolved(ParallelConfig c, int world_size) {
+  for (const auto& [axis, size] : c.mesh_axes(world_size)) {
+    if (axis == "dp") c.dp = size;
+  }
+  return c;
+}
+}  // namespace
+
+ParallelContext::ParallelContext(CommPtr world, ParallelConfig config, c10::Device device)
+    : config_(resolved(config, world->size())),
+      device_(device),
+      mesh_(world, config_.mesh_axes(world->size())) {
+  // Each strategy lifts its own restriction as it lands (see docs/parallelism.md).
+  const std::pair<const char*, int> pending[] = {
+      {"--tp", config_.tp}, {"--pp", config_.pp}, {"--ep", config_.ep}, {"--cp", config_.cp}};
+  for (const auto& [option, degree] : pending) {
+    DTRAIN_CHECK_ARG(degree == 1, option, "=", degree,
+                     " is not available in this build yet; allowed: 1 (data parallelism "
+                     "over --dp is implemented)");
+  }
+}
+
+ContextPtr ParallelContext::single_process(c10::Device device) {
+  return std::make_shared<ParallelContext>(make_self_communicator("world", 0), ParallelConfig{}, device);
+}
+
+}  // namespace dtrain

@@ -1,0 +1,80 @@
+// Device facts for metrics: names, known peaks, memory, synchronize.
+#include "dtrain/train/device_stats.hpp"
+
+#include <ATen/Parallel.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <utility>
+
+#include "dtrain/core/logging.hpp"
+
+#ifdef DTRAIN_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <cuda_runtime_api.h>
+
+#include "dtrain/core/error.hpp"
+#endif
+
+namespace dtrain::train {
+
+std::string device_name(c10::Device device) {
+#ifdef DTRAIN_WITH_CUDA
+  if (device.is_cuda()) {
+    cudaDeviceProp prop{};
+    DTRAIN_CUDA_CHECK(cudaGetDeviceProperties(&prop, device.index() < 0 ? 0 : device.index()));
+    return prop.name;
+  }
+#endif
+  return format("cpu ({} threads)", at::get_num_threads());
+}
+
+double known_peak_tflops(const std::string& name) {
+  // Vendor data sheets, dense bf16. More specific names first (GH200 before H200, etc.).
+  static const std::pair<const char*, double> table[] = {
+      {"GB200", 2500.0},   {"B200", 2250.0},  {"GH200", 989.5},   {"H200", 989.5},
+      {"H100 PCIe", 756.5}, {"H100 NVL", 835.5}, {"H100", 989.5},  {"H800", 989.5},
+      {"A100", 312.0},     {"A800", 312.0},     {"L40S", 362.1},   {"L40", 181.0},
+      {"L4", 121.0},       {"A10G", 70.0},      {"A10", 125.0},    {"RTX 4090", 165.2},
+      {"RTX 6000 Ada", 364.2}, {"V100", 125.0},  // V100: fp16 tensor cores
+  };
+  for (const auto& [key, tflops] : table) {
+    if (name.find(key) != std::string::npos) return tflops;
+  }
+  return 0.0;
+}
+
+MemoryStats memory_stats(c10::Device device) {
+  MemoryStats m;
+#ifdef DTRAIN_WITH_CUDA
+  if (device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    const auto& all = stats.allocated_bytes[0];  // StatType::AGGREGATE
+    m.current_mib = static_cast<double>(all.current) / (1 << 20);
+    m.peak_mib = static_cast<double>(all.peak) / (1 << 20);
+    return m;
+  }
+#endif
+  (void)device;
+  long pages = 0, resident = 0;
+  if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+    if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
+    std::fclose(f);
+  }
+  m.current_mib = static_cast<double>(resident) * static_cast<double>(sysconf(_SC_PAGESIZE)) / (1 << 20);
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  m.peak_mib = static_cast<double>(usage.ru_maxrss) / 1024.0;  // KiB on Linux
+  return m;
+}
+
+void synchronize(c10::Device device) {
+#ifdef DTRAIN_WITH_CUDA
+  if (device.is_cuda()) c10::cuda::device_synchronize();
+#endif
+  (void)device;
+}
+
+}  // namespace dtrain::train

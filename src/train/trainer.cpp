@@ -1,0 +1,391 @@
+// Trainer: validation with agreement across ranks, the step (micro-batches, overlapped
+// gradient averaging, clipping, AdamW), evaluation, and reporting (log line, JSON lines,
+// progress bar).
+#include "dtrain/train/trainer.hpp"
+
+#include <ATen/autocast_mode.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
+
+#include "dtrain/core/error.hpp"
+#include "dtrain/core/logging.hpp"
+#include "dtrain/data/dataset.hpp"
+#include "dtrain/train/device_stats.hpp"
+
+namespace dtrain::train {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double ms_since(Clock::time_point t) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+}
+
+// bfloat16 autocast for the forward pass (matmuls in bfloat16, reductions in float32).
+class AutocastScope {
+ public:
+  AutocastScope(bool on, c10::DeviceType device) : on_(on), device_(device) {
+    if (!on_) return;
+    at::autocast::set_autocast_dtype(device_, at::kBFloat16);
+    at::autocast::set_autocast_enabled(device_, true);
+  }
+  ~AutocastScope() {
+    if (!on_) return;
+    at::autocast::set_autocast_enabled(device_, false);
+    at::autocast::clear_cache();
+  }
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+
+ private:
+  bool on_;
+  c10::DeviceType device_;
+};
+
+// Rows [begin, end) of a rank's sample list.
+std::vector<std::int64_t> rows(const std::vector<std::int64_t>& all, std::int64_t begin,
+                               std::int64_t end) {
+  return {all.begin() + begin, all.begin() + end};
+}
+
+std::string duration_text(double seconds) {
+  const auto s = static_cast<long>(std::max(0.0, seconds));
+  char buf[32];
+  if (s >= 3600) {
+    std::snprintf(buf, sizeof(buf), "%ld:%02ld:%02ld", s / 3600, (s / 60) % 60, s % 60);
+  } else {
+    std::snprintf(buf, sizeof(buf), "%02ld:%02ld", s / 60, s % 60);
+  }
+  return buf;
+}
+
+}  // namespace
+
+// Rank 0's outputs: the log line, the metrics file and the progress bar.
+struct Trainer::Reporter {
+  bool active = false;  // rank 0
+  bool bar = false;
+  std::ofstream metrics;
+  Clock::time_point start = Clock::now();
+  std::int64_t first_step = 0;
+
+  void clear_bar() const {
+    if (bar) std::fputs("\r\033[K", stderr);
+  }
+  void draw_bar(std::int64_t done, std::int64_t total) const {
+    if (!bar) return;
+    const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+    const double per = done > first_step ? elapsed / static_cast<double>(done - first_step) : 0;
+    const int width = 30;
+    const int filled = static_cast<int>(width * done / std::max<std::int64_t>(1, total));
+    std::string line(static_cast<std::size_t>(filled), '=');
+    line.resize(width, ' ');
+    std::fprintf(stderr, "\r\033[K[%s] %lld/%lld  %.2f s/step  ETA %s", line.c_str(),
+                 static_cast<long long>(done), static_cast<long long>(total), per,
+                 duration_text(per * static_cast<double>(total - done)).c_str());
+    std::fflush(stderr);
+  }
+};
+
+Trainer::Trainer(ContextPtr ctx, models::GptConfig model, TrainOptions options)
+    : ctx_(std::move(ctx)), model_config_(std::move(model)), options_(std::move(options)) {
+  DTRAIN_CHECK_ARG(ctx_ != nullptr, "Trainer needs a ParallelContext");
+  validate_and_agree();
+  model_ = models::Gpt(ctx_, model_config_, options_.seed);
+  const auto params = model_->parameter_list();
+  optimizer_ = make_adamw(params, options_.adamw);
+  const double min_lr = options_.min_lr > 0 ? options_.min_lr : options_.adamw.lr / 10;
+  schedule_ = std::make_unique<CosineSchedule>(options_.adamw.lr, min_lr, options_.warmup_steps,
+                                               options_.steps);
+  ddp_ = std::make_unique<DataParallel>(params, ctx_->dp_comm(), options_.ddp);
+  flops_per_token_ = model_config_.flops_per_token(options_.seq_len);
+  device_name_ = device_name(ctx_->device());
+  peak_tflops_ = options_.peak_tflops > 0 ? options_.peak_tflops : known_peak_tflops(device_name_);
+
+  reporter_ = std::make_unique<Reporter>();
+  reporter_->active = ctx_->rank() == 0;
+  if (reporter_->active) {
+    reporter_->bar = options_.progress == "on" || (options_.progress == "auto" && isatty(2));
+    if (!options_.metrics_path.empty()) {
+      reporter_->metrics.open(options_.metrics_path, std::ios::out | std::ios::trunc);
+      DTRAIN_CHECK_ARG(reporter_->metrics.good(), "--metrics '", options_.metrics_path,
+                       "' cannot be written");
+    }
+  }
+}
+
+Trainer::~Trainer() = default;
+
+void Trainer::check_options() const {
+  const auto& o = options_;
+  model_config_.validate();
+  DTRAIN_CHECK_ARG(!o.train_data.empty(), "--train-data is required (a glob of token shards)");
+  DTRAIN_CHECK_ARG(o.seq_len >= 1 && o.seq_len <= model_config_.context, "--seq-len=", o.seq_len,
+                   " is not allowed: the model context is ", model_config_.context,
+                   " (--context); allowed: 1..", model_config_.context);
+  DTRAIN_CHECK_ARG(o.steps >= 1, "--steps=", o.steps, " must be at least 1");
+  DTRAIN_CHECK_ARG(o.global_batch >= 1, "--global-batch=", o.global_batch, " must be at least 1");
+  DTRAIN_CHECK_ARG(o.micro_batch >= 0, "--micro-batch=", o.micro_batch,
+                   " must be at least 1 (or 0: global batch / data-parallel size)");
+  const std::int64_t dp = ctx_->dp_size();
+  const std::int64_t micro = o.micro_batch > 0 ? o.micro_batch : o.global_batch / dp;
+  DTRAIN_CHECK_ARG(micro >= 1 && o.global_batch % (dp * micro) == 0, "--global-batch=",
+                   o.global_batch, " is not divisible by data-parallel size ", dp,
+                   " x --micro-batch ", micro, " = ", dp * micro,
+                   "; allowed: a multiple of ", dp * std::max<std::int64_t>(1, micro));
+  DTRAIN_CHECK_ARG(o.warmup_steps >= 0 && o.warmup_steps <= o.steps, "--warmup-steps=",
+                   o.warmup_steps, " is not allowed; allowed: 0..--steps (", o.steps, ")");
+  DTRAIN_CHECK_ARG(o.min_lr >= 0 && o.min_lr <= o.adamw.lr, "--min-lr=", o.min_lr,
+                   " is not allowed; allowed: 0..--lr (", o.adamw.lr, ")");
+  DTRAIN_CHECK_ARG(o.grad_clip >= 0, "--grad-clip=", o.grad_clip, " must be >= 0 (0 disables)");
+  DTRAIN_CHECK_ARG(o.precision == "fp32" || o.precision == "bf16", "--precision '", o.precision,
+                   "' is not known; allowed: fp32, bf16");
+  DTRAIN_CHECK_ARG(o.progress == "auto" || o.progress == "on" || o.progress == "off",
+                   "--progress '", o.progress, "' is not known; allowed: auto, on, off");
+  DTRAIN_CHECK_ARG(o.eval_every >= 0, "--eval-every=", o.eval_every, " must be >= 0");
+  DTRAIN_CHECK_ARG(o.eval_batches >= 1, "--eval-batches=", o.eval_batches, " must be >= 1");
+  DTRAIN_CHECK_ARG(o.log_every >= 1, "--log-every=", o.log_every, " must be >= 1");
+  DTRAIN_CHECK_ARG(o.peak_tflops >= 0, "--peak-tflops=", o.peak_tflops, " must be >= 0");
+}
+
+void Trainer::load_data() {
+  const auto& o = options_;
+  const std::int64_t dp = ctx_->dp_size();
+  micro_batch_ = o.micro_batch > 0 ? o.micro_batch : o.global_batch / dp;
+  accum_ = o.global_batch / (dp * micro_batch_);
+  auto open = [&](const char* option, const std::string& pattern) {
+    std::unique_ptr<data::TokenDataset> ds;
+    try {
+      ds = std::make_unique<data::TokenDataset>(pattern, o.seq_len);
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(detail::str_cat(option, " '", pattern, "': ", e.what()));
+    }
+    const int max_token = ds->max_token();
+    DTRAIN_CHECK_ARG(max_token < model_config_.vocab_size, option, " '", pattern,
+                     "' holds token id ", max_token, " but the model's vocabulary is ",
+                     model_config_.vocab_size, " (--vocab-size); allowed: ids below the vocabulary size");
+    return ds;
+  };
+  train_ = open("--train-data", o.train_data);
+  DTRAIN_CHECK_ARG(o.global_batch <= train_->num_samples(), "--global-batch=", o.global_batch,
+                   " exceeds the ", train_->num_samples(), " samples of --seq-len ", o.seq_len,
+                   " in --train-data '", o.train_data, "'");
+  sampler_ = std::make_unique<data::DistributedSampler>(
+      train_->num_samples(), o.global_batch, ctx_->dp_rank(), static_cast<int>(dp), o.seed);
+  if (!o.val_data.empty()) {
+    val_ = open("--val-data", o.val_data);
+    DTRAIN_CHECK_ARG(o.global_batch <= val_->num_samples(), "--val-data '", o.val_data, "' holds ",
+                     val_->num_samples(), " samples of --seq-len ", o.seq_len,
+                     "; one eval batch needs --global-batch=", o.global_batch);
+    val_sampler_ = std::make_unique<data::DistributedSampler>(
+        val_->num_samples(), o.global_batch, ctx_->dp_rank(), static_cast<int>(dp), o.seed,
+        /*shuffle=*/false);
+  }
+}
+
+void Trainer::validate_and_agree() {
+  std::string error;
+  try {
+    check_options();
+    load_data();
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  // Every rank learns which ranks failed, so all raise together instead of hanging.
+  const auto& world = ctx_->world();
+  std::vector<int> failed;
+  if (world->size() == 1) {
+    if (!error.empty()) failed.push_back(0);
+  } else {
+    auto mine = torch::full({1}, error.empty() ? 0 : 1,
+                            torch::TensorOptions().dtype(torch::kInt).device(ctx_->device()));
+    auto all = torch::empty({world->size()}, mine.options());
+    world->all_gather(all, mine)->synchronize();
+    auto flags = all.cpu();
+    for (int r = 0; r < world->size(); ++r) {
+      if (flags[r].item<int>() != 0) failed.push_back(r);
+    }
+  }
+  if (failed.empty()) return;
+  if (!error.empty()) {
+    // When rank 0 is fine, only this rank knows the cause: say whose error it is.
+    if (failed.front() != 0) throw InvalidArgument(format("rank {}: {}", ctx_->rank(), error));
+    throw InvalidArgument(error);
+  }
+  std::string ranks;
+  for (int r : failed) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  throw InvalidArgument("the run cannot start: rank(s) " + ranks +
+                        " rejected the configuration or data (see their error)");
+}
+
+void Trainer::log_summary() const {
+  const auto& o = options_;
+  log_info("model: {} family, {} layers, d_model {}, {} heads ({} kv), context {}, vocab {}: "
+           "{}M parameters, {} GFLOP per token (seq {})",
+           model_config_.family, model_config_.n_layer, model_config_.d_model,
+           model_config_.n_head, model_config_.n_kv_head, model_config_.context,
+           model_config_.vocab_size,
+           std::round(static_cast<double>(model_config_.num_parameters()) / 1e4) / 100,
+           flops_per_token_ / 1e9, o.seq_len);
+  log_info("data: train {} tokens in {} shard(s) ({} samples){}", train_->num_tokens(),
+           train_->num_shards(), train_->num_samples(),
+           val_ ? format(", val {} tokens", val_->num_tokens()) : std::string(", no val split"));
+  log_info("batch: {} samples x {} tokens per step = dp {} x micro-batch {} x accumulation {}; "
+           "{} steps, {} steps per epoch",
+           o.global_batch, o.seq_len, ctx_->dp_size(), micro_batch_, accum_, o.steps,
+           sampler_->steps_per_epoch());
+  log_info("device: {}; peak {} TFLOP/s per device{}; {} gradient bucket(s)", device_name_,
+           peak_tflops_, peak_tflops_ > 0 ? "" : " (unknown: MFU not reported; --peak-tflops)",
+           ddp_->stats().buckets);
+}
+
+StepMetrics Trainer::train_step() {
+  const auto device = ctx_->device();
+  const auto t_step = Clock::now();
+  auto timed_sync = [&]() {
+    if (options_.sync_timing) synchronize(device);
+  };
+  StepMetrics m;
+  m.step = step_ + 1;  // steps completed once this one is done
+  m.lr = schedule_->lr(step_);
+  set_learning_rate(*optimizer_, m.lr);
+  optimizer_->zero_grad();
+  model_->train();
+  const auto samples = sampler_->indices(step_);
+  auto loss_sum = torch::zeros({}, torch::TensorOptions().device(device));
+  for (std::int64_t k = 0; k < accum_; ++k) {
+    auto batch = train_->batch(rows(samples, k * micro_batch_, (k + 1) * micro_batch_));
+    auto inputs = batch.inputs.to(device), targets = batch.targets.to(device);
+    ddp_->set_sync(k == accum_ - 1);
+    auto t = Clock::now();
+    torch::Tensor loss;
+    {
+      AutocastScope autocast(options_.precision == "bf16", device.type());
+      loss = model_->loss(inputs, targets);
+    }
+    timed_sync();
+    m.forward_ms += ms_since(t);
+    t = Clock::now();
+    (loss / static_cast<double>(accum_)).backward();
+    timed_sync();
+    m.backward_ms += ms_since(t);
+    loss_sum += loss.detach().to(torch::kFloat);
+  }
+  auto t = Clock::now();
+  ddp_->finish_gradient_sync();
+  timed_sync();
+  m.sync_ms = ms_since(t);
+  t = Clock::now();
+  const double max_norm =
+      options_.grad_clip > 0 ? options_.grad_clip : std::numeric_limits<double>::infinity();
+  std::vector<at::Tensor> params;
+  for (const auto& p : model_->parameters()) params.push_back(p);
+  m.grad_norm = clip_grad_norm(params, max_norm);
+  optimizer_->step();
+  timed_sync();
+  m.optimizer_ms = ms_since(t);
+  // The global mean loss: one scalar all-reduce over the data-parallel ranks.
+  auto mean = loss_sum / static_cast<double>(accum_);
+  ctx_->dp_comm()->all_reduce(mean, {ReduceOp::kAvg})->wait();
+  m.loss = mean.item<double>();
+  m.step_ms = ms_since(t_step);
+
+  ++step_;
+  const std::int64_t step_tokens = options_.global_batch * options_.seq_len;
+  tokens_ += step_tokens;
+  m.tokens = tokens_;
+  m.tokens_per_s = static_cast<double>(step_tokens) / (m.step_ms / 1e3);
+  m.tflops = flops_per_token_ * m.tokens_per_s / ctx_->world_size() / 1e12;
+  m.mfu = peak_tflops_ > 0 ? m.tflops / peak_tflops_ : -1;
+  const auto mem = memory_stats(device);
+  m.mem_mib = mem.current_mib;
+  m.peak_mem_mib = mem.peak_mib;
+  return m;
+}
+
+double Trainer::evaluate() {
+  DTRAIN_CHECK_ARG(val_ != nullptr, "evaluate() needs --val-data");
+  torch::NoGradGuard no_grad;
+  model_->eval();
+  const auto device = ctx_->device();
+  const std::int64_t batches = std::min(options_.eval_batches, val_sampler_->steps_per_epoch());
+  auto sum = torch::zeros({}, torch::TensorOptions().device(device));
+  for (std::int64_t b = 0; b < batches; ++b) {
+    const auto samples = val_sampler_->indices(b);
+    for (std::int64_t k = 0; k < accum_; ++k) {
+      auto batch = val_->batch(rows(samples, k * micro_batch_, (k + 1) * micro_batch_));
+      AutocastScope autocast(options_.precision == "bf16", device.type());
+      sum += model_->loss(batch.inputs.to(device), batch.targets.to(device)).to(torch::kFloat);
+    }
+  }
+  model_->train();
+  auto mean = sum / static_cast<double>(batches * accum_);
+  ctx_->dp_comm()->all_reduce(mean, {ReduceOp::kAvg})->wait();
+  return mean.item<double>();
+}
+
+std::vector<StepMetrics> Trainer::run() {
+  std::vector<StepMetrics> out;
+  auto& rep = *reporter_;
+  rep.start = Clock::now();
+  rep.first_step = step_;
+  const auto& o = options_;
+  while (step_ < o.steps) {
+    StepMetrics m = train_step();
+    const bool last = step_ == o.steps;
+    if (val_ && (last || (o.eval_every > 0 && step_ % o.eval_every == 0))) m.val_loss = evaluate();
+    if (rep.active) {
+      if (m.step % o.log_every == 0 || m.step == 1 || last || m.val_loss >= 0) {
+        char mfu[32] = "n/a";
+        if (m.mfu >= 0) std::snprintf(mfu, sizeof(mfu), "%.1f%%", 100 * m.mfu);
+        char line[512];
+        std::snprintf(line, sizeof(line),
+                      "step %5lld/%lld | loss %.4f | grad_norm %.3f | lr %.3e | %.0f tok/s | "
+                      "%.3f TFLOP/s | mfu %s | mem %.0f MiB | %.0f ms",
+                      static_cast<long long>(m.step), static_cast<long long>(o.steps), m.loss,
+                      m.grad_norm, m.lr, m.tokens_per_s, m.tflops, mfu, m.peak_mem_mib, m.step_ms);
+        rep.clear_bar();
+        log_info("{}", line);
+        if (m.val_loss >= 0) {
+          std::snprintf(line, sizeof(line), "step %5lld: val loss %.4f",
+                        static_cast<long long>(m.step), m.val_loss);
+          log_info("{}", line);
+        }
+      }
+      if (rep.metrics.is_open()) {
+        nlohmann::json j = {{"step", m.step},
+                            {"loss", m.loss},
+                            {"grad_norm", m.grad_norm},
+                            {"lr", m.lr},
+                            {"tokens", m.tokens},
+                            {"tokens_per_s", m.tokens_per_s},
+                            {"tflops", m.tflops},
+                            {"mfu", m.mfu >= 0 ? nlohmann::json(m.mfu) : nlohmann::json()},
+                            {"step_ms", m.step_ms},
+                            {"forward_ms", m.forward_ms},
+                            {"backward_ms", m.backward_ms},
+                            {"sync_ms", m.sync_ms},
+                            {"optimizer_ms", m.optimizer_ms},
+                            {"mem_mib", m.mem_mib},
+                            {"peak_mem_mib", m.peak_mem_mib}};
+        if (m.val_loss >= 0) j["val_loss"] = m.val_loss;
+        rep.metrics << j.dump() << '\n';
+        rep.metrics.flush();
+      }
+      rep.draw_bar(step_, o.steps);
+    }
+    out.push_back(m);
+  }
+  rep.clear_bar();
+  return out;
+}
+
+}  // namespace dtrain::train
