@@ -72,12 +72,16 @@ double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm,
   for (const auto& p : params) {
     if (p.grad().defined()) grads.push_back(p.grad());
   }
-  // Sum of squares in float32 or wider, one value per device kind, then across shards.
+  // Per-tensor norms in float32 (one multi-tensor kernel), their squares summed in float64,
+  // then summed across shards.
   at::Tensor sq = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(
                                      grads.empty() ? at::Device(at::kCPU) : grads[0].device()));
-  for (const auto& g : grads) {
-    // Norm accumulated in float64 without materialising a float64 copy of the gradient.
-    sq += at::linalg_vector_norm(g.detach(), 2, c10::nullopt, false, at::kDouble).pow(2);
+  if (!grads.empty()) {
+    std::vector<at::Tensor> detached;
+    detached.reserve(grads.size());
+    for (const auto& g : grads) detached.push_back(g.detach());
+    const auto norms = at::_foreach_norm(detached, 2, at::kFloat);
+    sq += at::stack(norms).to(at::kDouble).pow(2).sum();
   }
   if (shard_comm != nullptr && shard_comm->size() > 1) {
     shard_comm->all_reduce(sq)->synchronize();

@@ -10,6 +10,16 @@
 
 namespace dtrain {
 
+namespace {
+// Every rank raises together (the check is local, so all must see the same unused set);
+// a rank that raised alone would leave its peers waiting.
+void check_unused(const std::string& missing, bool allowed) {
+  DTRAIN_CHECK_ARG(missing.empty() || allowed,
+                   "DataParallel: parameters received no gradient in this backward: ", missing,
+                   " (set allow_unused to reduce them as zeros)");
+}
+}  // namespace
+
 struct DataParallel::Bucket {
   at::Tensor buffer;                 // flat, reduce dtype
   std::vector<std::size_t> params;  // indices into params_
@@ -29,11 +39,17 @@ DataParallel::DataParallel(NamedParameters params, CommPtr dp_comm, DataParallel
     }
   }
   if (env::comm_check()) verify_identical_parameters();
+  for (const auto& [name, p] : params_) {
+    DTRAIN_CHECK_ARG(p.requires_grad(), "DataParallel: parameter '", name,
+                     "' does not require grad; pass only trainable parameters");
+  }
+  seen_.assign(params_.size(), false);
+  // One rank: the average is the gradient itself; no buckets, hooks or copies.
+  if (comm_->size() == 1) return;
   // Buckets in reverse registration order (gradients arrive roughly in that order),
   // split when full or when dtype/device change.
   bucket_of_.assign(params_.size(), 0);
   offset_of_.assign(params_.size(), 0);
-  seen_.assign(params_.size(), false);
   std::vector<std::size_t> current;
   std::int64_t bytes = 0, elems = 0;
   auto close = [&]() {
@@ -49,8 +65,6 @@ DataParallel::DataParallel(NamedParameters params, CommPtr dp_comm, DataParallel
   };
   for (std::size_t k = params_.size(); k-- > 0;) {
     const auto& p = params_[k].second;
-    DTRAIN_CHECK_ARG(p.requires_grad(), "DataParallel: parameter '", params_[k].first,
-                     "' does not require grad; pass only trainable parameters");
     if (!current.empty()) {
       const auto& prev = params_[current[0]].second;
       if (prev.scalar_type() != p.scalar_type() || prev.device() != p.device()) close();
@@ -143,6 +157,17 @@ void DataParallel::launch_ready_buckets() {
 void DataParallel::finish_gradient_sync() {
   at::NoGradGuard no_grad;
   const auto start = std::chrono::steady_clock::now();
+  if (buckets_.empty()) {  // one rank
+    std::string missing;
+    for (auto& [name, p] : params_) {
+      if (p.grad().defined()) continue;
+      missing += (missing.empty() ? "" : ", ") + name;
+      if (options_.allow_unused) p.mutable_grad() = at::zeros_like(p);
+    }
+    check_unused(missing, options_.allow_unused);
+    stats_.sync_wait_ms = 0;
+    return;
+  }
   in_backward_ = false;  // launches from here on are not overlapped with backward
   std::string missing;
   for (std::size_t k = 0; k < params_.size(); ++k) {
@@ -158,11 +183,7 @@ void DataParallel::finish_gradient_sync() {
     }
     ++b.ready;
   }
-  // Every rank must raise together (the check is local, so all must see the same
-  // unused set); a rank that raised here would otherwise leave its peers waiting.
-  DTRAIN_CHECK_ARG(missing.empty() || options_.allow_unused,
-                   "DataParallel: parameters received no gradient in this backward: ",
-                   missing, " (set allow_unused to reduce them as zeros)");
+  check_unused(missing, options_.allow_unused);
   launch_ready_buckets();
   for (auto& b : buckets_) {
     b->work->wait();

@@ -33,7 +33,9 @@ struct DataParallelStats {
 };
 
 // Usage per optimizer step: for each micro-batch, set_sync(is_last) then backward; then
-// finish_gradient_sync() before clipping and the optimizer step. With sync off, gradients
+// finish_gradient_sync() before clipping and the optimizer step. Over a communicator of
+// one rank nothing is bucketed or copied (stats().buckets is 0); only the unused-parameter
+// check remains. With sync off, gradients
 // accumulate locally and nothing is communicated. Not copyable; holds hooks on the
 // parameters (removed on destruction). Gradients are averaged over the communicator.
 class DataParallel {
