@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what dtrain needs, and nothing that is already there: Debian packages (compiler,
-# CMake, Ninja, ccache, Open MPI, spdlog, CLI11, nlohmann-json, GoogleTest) and LibTorch
+# CMake, Ninja, ccache, Open MPI, spdlog, CLI11, nlohmann-json, GoogleTest, and `fortunes`,
+# the prose the demo and a pretraining test train on) and LibTorch
 # (an importable torch, else `pip install torch==$DTRAIN_TORCH_VERSION`, default 2.11.0).
 # The CUDA toolkit, NCCL and cuDNN are used from CUDA_HOME or /usr/local/cuda when present.
 set -euo pipefail
@@ -11,7 +12,7 @@ as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; elif command -v sudo >/dev/null;
 
 # ---- Debian packages --------------------------------------------------------------------
 pkgs=(g++ cmake ninja-build ccache pkg-config openmpi-bin libopenmpi-dev libspdlog-dev
-      libcli11-dev nlohmann-json3-dev libgtest-dev libgmock-dev)
+      libcli11-dev nlohmann-json3-dev libgtest-dev libgmock-dev fortunes)
 command -v python3 >/dev/null || pkgs+=(python3)
 python3 -m pip --version >/dev/null 2>&1 || pkgs+=(python3-pip)
 missing=()

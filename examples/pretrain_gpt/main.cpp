@@ -53,15 +53,15 @@ void define(CLI::App& app, Options& o) {
 
   const char* model = "Model";
   app.add_option("--preset", o.preset, "model preset: tiny, gpt2-124m, gpt2-350m, llama-1b")->group(model);
-  app.add_option("--family", o.family, "gpt2 or llama (default: the preset's)")->group(model);
-  app.add_option("--vocab-size", o.vocab_size, "vocabulary size (default: the preset's)")->group(model);
-  app.add_option("--context", o.context, "maximum sequence length (default: the preset's)")->group(model);
-  app.add_option("--n-layer", o.n_layer, "transformer blocks (default: the preset's)")->group(model);
-  app.add_option("--n-head", o.n_head, "attention heads (default: the preset's)")->group(model);
-  app.add_option("--n-kv-head", o.n_kv_head, "key/value heads, llama only (default: the preset's)")->group(model);
-  app.add_option("--d-model", o.d_model, "model width (default: the preset's)")->group(model);
-  app.add_option("--ffn-hidden", o.ffn_hidden, "MLP width, 0: 4 x d (gpt2) or SwiGLU 8/3 x d (default: the preset's)")->group(model);
-  app.add_option("--tie-embeddings", o.tie_embeddings, "true or false (default: the preset's)")->group(model);
+  app.add_option("--family", o.family, "gpt2 or llama (default: the preset's)")->default_str("preset")->group(model);
+  app.add_option("--vocab-size", o.vocab_size, "vocabulary size (default: the preset's)")->default_str("preset")->group(model);
+  app.add_option("--context", o.context, "maximum sequence length (default: the preset's)")->default_str("preset")->group(model);
+  app.add_option("--n-layer", o.n_layer, "transformer blocks (default: the preset's)")->default_str("preset")->group(model);
+  app.add_option("--n-head", o.n_head, "attention heads (default: the preset's)")->default_str("preset")->group(model);
+  app.add_option("--n-kv-head", o.n_kv_head, "key/value heads, llama only (default: the preset's)")->default_str("preset")->group(model);
+  app.add_option("--d-model", o.d_model, "model width (default: the preset's)")->default_str("preset")->group(model);
+  app.add_option("--ffn-hidden", o.ffn_hidden, "MLP width, 0: 4 x d (gpt2) or SwiGLU 8/3 x d (default: the preset's)")->default_str("preset")->group(model);
+  app.add_option("--tie-embeddings", o.tie_embeddings, "true or false (default: the preset's)")->default_str("preset")->group(model);
   app.add_option("--activation-checkpointing", o.activation_checkpointing, "none, or full (recompute every block in backward)")
       ->check(CLI::IsMember({"none", "full"}))->group(model);
 

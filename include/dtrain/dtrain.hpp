@@ -16,4 +16,7 @@
 #include "dtrain/models/gpt.hpp"
 #include "dtrain/ops/attention.hpp"
 #include "dtrain/optim/optim.hpp"
+#include "dtrain/parallel/context.hpp"
 #include "dtrain/parallel/data_parallel.hpp"
+#include "dtrain/train/device_stats.hpp"
+#include "dtrain/train/trainer.hpp"

@@ -1,0 +1,86 @@
+# pretrain_gpt as a user runs it: every kind of bad input exits with code 2 and a message
+# naming the option, before training; --help documents the options; a JSON config is
+# read and flags override it. Run by CTest with:
+#   -DPRETRAIN=<pretrain_gpt> -DPREPARE=<prepare_data> -DMPIEXEC=<mpirun> -DSOURCE_DIR=<repo>
+#   -DWORK_DIR=<scratch dir>
+file(REMOVE_RECURSE "${WORK_DIR}")
+file(MAKE_DIRECTORY "${WORK_DIR}")
+execute_process(COMMAND "${PREPARE}" --input "${SOURCE_DIR}/LICENSE" --output-dir "${WORK_DIR}/data"
+                        --name lic RESULT_VARIABLE rc OUTPUT_QUIET)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "prepare_data failed (${rc})")
+endif()
+set(DATA --train-data "${WORK_DIR}/data/lic_train_*.bin" --val-data "${WORK_DIR}/data/lic_val_*.bin"
+         --progress off)
+set(failures 0)
+
+# expect(<name> <exit code> <regex> [NP n] ARGS ...)
+function(expect name code regex)
+  cmake_parse_arguments(E "" "NP" "ARGS" ${ARGN})
+  if(E_NP)
+    set(cmd "${MPIEXEC}" -np ${E_NP} --oversubscribe "${PRETRAIN}" ${E_ARGS})
+  else()
+    set(cmd "${PRETRAIN}" ${E_ARGS})
+  endif()
+  execute_process(COMMAND ${cmd} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err
+                  TIMEOUT 120)
+  set(all "${out}${err}")
+  set(ok TRUE)
+  if(code STREQUAL "nonzero")
+    if(rc EQUAL 0)
+      set(ok FALSE)
+    endif()
+  elseif(NOT rc EQUAL code)
+    set(ok FALSE)
+  endif()
+  if(NOT all MATCHES "${regex}")
+    set(ok FALSE)
+  endif()
+  if(ok)
+    message(STATUS "ok: ${name}")
+  else()
+    message(STATUS "FAILED: ${name}: exit ${rc} (want ${code}), output must match '${regex}':\n${all}")
+    math(EXPR n "${failures} + 1")
+    set(failures ${n} PARENT_SCOPE)
+  endif()
+endfunction()
+
+expect(help 0 "--config.*--preset.*--global-batch.*Data parallelism.*--bucket-mb" ARGS --help)
+expect(unknown-flag nonzero "--no-such-flag" ARGS --no-such-flag 3 ${DATA})
+expect(unknown-preset 2 "model preset 'gpt5' is not known; allowed: tiny, gpt2-124m" ARGS --preset gpt5 ${DATA})
+expect(missing-data 2 "--train-data '[^']*nowhere_\\*.bin'.*no token shards match"
+       ARGS --train-data "${WORK_DIR}/nowhere_*.bin" --progress off)
+expect(seq-beyond-context 2 "--seq-len=100 is not allowed: the model context is 64" ARGS ${DATA} --seq-len 100)
+expect(batch-not-divisible 2 "--global-batch=10 is not divisible by data-parallel size 1 x --micro-batch 4"
+       ARGS ${DATA} --global-batch 10 --micro-batch 4)
+expect(vocab-too-small 2 "holds token id [0-9]+ but the model's vocabulary is 50" ARGS ${DATA} --vocab-size 50)
+expect(bad-choice nonzero "--activation-checkpointing" ARGS ${DATA} --activation-checkpointing some)
+
+# A file that is not a token shard (magic and version errors: unit_train).
+file(WRITE "${WORK_DIR}/text_000000.bin" "plain text, not a token shard\n")
+expect(malformed-shard 2 "--val-data '[^']*text_000000.bin'.*token shard"
+       ARGS ${DATA} --val-data "${WORK_DIR}/text_000000.bin")
+
+# JSON config: an unknown key is named; flags override the file's values.
+file(WRITE "${WORK_DIR}/bad.json" "{\"preset\": \"tiny\", \"sequence\": 64}")
+expect(config-unknown-key 2 "unknown key 'sequence'" ARGS --config "${WORK_DIR}/bad.json" ${DATA})
+file(WRITE "${WORK_DIR}/run.json"
+     "{\"preset\": \"tiny\", \"seq-len\": 32, \"global-batch\": 4, \"steps\": 3, \"warmup-steps\": 1}")
+expect(config-and-override 0 "steps=2.*done: 2 steps"
+       ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --metrics "${WORK_DIR}/m.jsonl")
+file(STRINGS "${WORK_DIR}/m.jsonl" lines)
+list(LENGTH lines nlines)
+if(NOT nlines EQUAL 2)
+  message(STATUS "FAILED: config-and-override wrote ${nlines} metrics lines, want 2")
+  math(EXPR failures "${failures} + 1")
+endif()
+
+# Two ranks: the data-parallel size enters the divisibility check; all ranks exit 2.
+if(MPIEXEC)
+  expect(np2-batch-not-divisible 2 "--global-batch=3 is not divisible by data-parallel size 2"
+         NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --global-batch 3)
+endif()
+
+if(failures GREATER 0)
+  message(FATAL_ERROR "${failures} pretrain_gpt CLI check(s) failed")
+endif()
