@@ -1,0 +1,244 @@
+// train_bench: training throughput of dtrain against a plain LibTorch loop in the same run.
+// Every rank first runs the plain loop (the same Gpt module, torch::optim::AdamW, no dtrain
+// trainer, no communication) and then dtrain's Trainer with data parallelism over all
+// ranks, in alternating rounds; medians of the per-step times are reported. Weak scaling:
+// --batch samples of --seq tokens per rank per step. Also reported: the step-time
+// breakdown, the time of the gradient all-reduces alone (comm_total) and the part of it
+// the step waited for after backward (comm_exposed).
+//
+//   mpirun -np 2 build/benchmarks/train_bench --preset gpt2-124m --batch 4 --seq 64 --steps 6
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "dtrain/dtrain.hpp"
+#include "dtrain/train/trainer.hpp"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using dtrain::train::StepMetrics;
+
+double ms_since(Clock::time_point t) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+struct Options {
+  std::string preset = "tiny", json, backend = "auto";
+  std::int64_t batch = 4, seq = 64, steps = 6, warmup = 2, rounds = 2, comm_reps = 5;
+  double bucket_mb = 25;
+};
+
+struct Row {
+  std::string strategy;
+  double step_ms = 0, forward_ms = 0, backward_ms = 0, optimizer_ms = 0, sync_ms = 0;
+  double comm_total_ms = 0;
+};
+
+// The plain LibTorch loop: forward, backward, clip, AdamW step.
+class PlainLoop {
+ public:
+  PlainLoop(const dtrain::models::GptConfig& cfg, const Options& o, c10::Device device)
+      : model_(dtrain::ParallelContext::single_process(device), cfg, 1337) {
+    optimizer_ = std::make_unique<torch::optim::AdamW>(
+        model_->parameters(), torch::optim::AdamWOptions(1e-4).betas({0.9, 0.95}).weight_decay(0.1));
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
+    auto tokens = torch::randint(0, cfg.vocab_size, {o.batch, o.seq + 1}, gen, torch::kLong).to(device);
+    x_ = tokens.slice(1, 0, o.seq);
+    y_ = tokens.slice(1, 1, o.seq + 1);
+    device_ = device;
+  }
+  // One step; adds its phase times to row, returns the step time.
+  double step(Row& row) {
+    const auto t0 = Clock::now();
+    optimizer_->zero_grad();
+    auto loss = model_->loss(x_, y_);
+    dtrain::train::synchronize(device_);
+    row.forward_ms += ms_since(t0);
+    auto t = Clock::now();
+    loss.backward();
+    dtrain::train::synchronize(device_);
+    row.backward_ms += ms_since(t);
+    t = Clock::now();
+    torch::nn::utils::clip_grad_norm_(model_->parameters(), 1.0);
+    optimizer_->step();
+    (void)loss.item<float>();
+    row.optimizer_ms += ms_since(t);
+    return ms_since(t0);
+  }
+
+ private:
+  dtrain::models::Gpt model_;
+  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  torch::Tensor x_, y_;
+  c10::Device device_{c10::kCPU};
+};
+
+// The gradient all-reduces of one step without compute: every bucket issued, then waited.
+double time_bucket_all_reduces(const dtrain::CommPtr& comm, const std::vector<std::int64_t>& numel,
+                               c10::Device device, int reps) {
+  std::vector<at::Tensor> buffers;
+  for (auto n : numel) buffers.push_back(torch::ones({n}, torch::TensorOptions().device(device)));
+  std::vector<double> times;
+  for (int r = 0; r < reps + 1; ++r) {
+    comm->barrier()->wait();
+    const auto t = Clock::now();
+    std::vector<dtrain::WorkPtr> works;
+    for (auto& b : buffers) works.push_back(comm->all_reduce(b, {dtrain::ReduceOp::kAvg}));
+    for (auto& w : works) w->synchronize();
+    if (r > 0) times.push_back(ms_since(t));  // the first round warms up
+  }
+  return median(times);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  CLI::App app{"train_bench: dtrain's data-parallel trainer against a plain LibTorch loop"};
+  app.add_option("--preset", o.preset, "model preset: tiny, gpt2-124m, gpt2-350m, llama-1b");
+  app.add_option("--batch", o.batch, "samples per rank per step")->check(CLI::PositiveNumber);
+  app.add_option("--seq", o.seq, "tokens per sample")->check(CLI::PositiveNumber);
+  app.add_option("--steps", o.steps, "timed steps per round and strategy")->check(CLI::PositiveNumber);
+  app.add_option("--warmup", o.warmup, "untimed steps per strategy before the rounds")->check(CLI::NonNegativeNumber);
+  app.add_option("--rounds", o.rounds, "alternating rounds (plain, then dtrain)")->check(CLI::PositiveNumber);
+  app.add_option("--bucket-mb", o.bucket_mb, "DataParallel bucket size in MiB")->check(CLI::PositiveNumber);
+  app.add_option("--backend", o.backend, "auto, mpi or nccl")->check(CLI::IsMember({"auto", "mpi", "nccl"}));
+  app.add_option("-J,--json", o.json, "append one JSON object per strategy to this file");
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    dtrain::Runtime rt(&argc, &argv, dtrain::RuntimeOptions{o.backend});
+    auto cfg = dtrain::models::GptConfig::preset(o.preset);
+    DTRAIN_CHECK_ARG(cfg.vocab_size <= 65536, "--preset ", o.preset, " has vocabulary ", cfg.vocab_size,
+                     "; token shards hold uint16 ids: allowed presets have vocabularies <= 65536");
+    DTRAIN_CHECK_ARG(o.seq <= cfg.context, "--seq=", o.seq, " exceeds the context ", cfg.context);
+    const int n = rt.size();
+    const auto device = rt.device();
+
+    // Synthetic token shard for the trainer (one per rank; contents do not change timing).
+    const std::string dir = "/tmp/dtrain_train_bench_" + std::to_string(::getpid());
+    dtrain::fs::make_directories(dir);
+    {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
+      const std::int64_t count = (o.batch * n * 4) * (o.seq + 1) + 1;
+      auto t = torch::randint(0, cfg.vocab_size, {count}, gen, torch::kInt);
+      std::vector<std::uint16_t> tokens(static_cast<std::size_t>(count));
+      auto acc = t.accessor<int, 1>();
+      for (std::int64_t i = 0; i < count; ++i) tokens[i] = static_cast<std::uint16_t>(acc[i]);
+      dtrain::data::write_token_shard(dir + "/bench_train_000000.bin", tokens);
+    }
+    dtrain::train::TrainOptions to;
+    to.train_data = dir + "/bench_train_*.bin";
+    to.seq_len = o.seq;
+    to.global_batch = o.batch * n;
+    to.steps = o.warmup + o.rounds * o.steps;
+    to.warmup_steps = 0;
+    to.adamw.lr = 1e-4;
+    to.progress = "off";
+    to.sync_timing = true;
+    to.ddp.bucket_bytes = static_cast<std::int64_t>(o.bucket_mb * (1 << 20));
+
+    auto ctx = std::make_shared<dtrain::ParallelContext>(rt.world(), dtrain::ParallelConfig{}, device);
+    dtrain::train::Trainer trainer(ctx, cfg, to);
+    PlainLoop plain(cfg, o, device);
+
+    Row prow{"plain"}, drow{"ddp"};
+    std::vector<double> p_steps, d_steps;
+    Row scratch;
+    for (std::int64_t i = 0; i < o.warmup; ++i) {
+      plain.step(scratch);
+      trainer.train_step();
+    }
+    for (std::int64_t r = 0; r < o.rounds; ++r) {
+      rt.world()->barrier()->wait();
+      for (std::int64_t i = 0; i < o.steps; ++i) p_steps.push_back(plain.step(prow));
+      rt.world()->barrier()->wait();
+      for (std::int64_t i = 0; i < o.steps; ++i) {
+        const StepMetrics m = trainer.train_step();
+        d_steps.push_back(m.step_ms);
+        drow.forward_ms += m.forward_ms;
+        drow.backward_ms += m.backward_ms;
+        drow.sync_ms += m.sync_ms;
+        drow.optimizer_ms += m.optimizer_ms;
+      }
+    }
+    const double timed = static_cast<double>(o.rounds * o.steps);
+    for (Row* row : {&prow, &drow}) {
+      row->forward_ms /= timed;
+      row->backward_ms /= timed;
+      row->sync_ms /= timed;
+      row->optimizer_ms /= timed;
+    }
+    prow.step_ms = median(p_steps);
+    drow.step_ms = median(d_steps);
+    drow.comm_total_ms = time_bucket_all_reduces(rt.world(), trainer.data_parallel().stats().bucket_numel,
+                                                 device, static_cast<int>(o.comm_reps));
+    // The slowest rank sets the pace: report the maximum over ranks.
+    auto t = torch::tensor({prow.step_ms, drow.step_ms, drow.sync_ms, drow.comm_total_ms}, torch::kDouble);
+    auto td = t.to(device);
+    rt.world()->all_reduce(td, {dtrain::ReduceOp::kMax})->synchronize();
+    t = td.cpu();
+    prow.step_ms = t[0].item<double>();
+    drow.step_ms = t[1].item<double>();
+    drow.sync_ms = t[2].item<double>();
+    drow.comm_total_ms = t[3].item<double>();
+    dtrain::fs::remove_tree(dir);
+
+    if (rt.rank() == 0) {
+      const double tokens = static_cast<double>(o.batch * o.seq * n);
+      std::printf("# train_bench: preset %s (%.1fM params), %d rank(s), batch %lld x %lld tokens per rank, "
+                  "%lld rounds x %lld steps, device %s\n",
+                  o.preset.c_str(), static_cast<double>(cfg.num_parameters()) / 1e6, n,
+                  static_cast<long long>(o.batch), static_cast<long long>(o.seq),
+                  static_cast<long long>(o.rounds), static_cast<long long>(o.steps),
+                  dtrain::train::device_name(device).c_str());
+      std::printf("# plain: every rank runs the LibTorch loop alone (no communication); ddp: dtrain Trainer\n");
+      std::printf("%-8s %6s %12s %10s %9s %9s %9s %11s %13s %8s %9s\n", "strategy", "nranks",
+                  "tokens/s", "step_ms", "fwd_ms", "bwd_ms", "opt_ms", "comm_total", "comm_exposed",
+                  "hidden", "vs_plain");
+      std::ofstream json;
+      if (!o.json.empty()) json.open(o.json, std::ios::app);
+      for (const Row* row : {&prow, &drow}) {
+        const bool ddp = row == &drow;
+        const double tps = tokens / (row->step_ms / 1e3);
+        const double hidden = ddp && row->comm_total_ms > 0
+                                  ? std::clamp(1.0 - row->sync_ms / row->comm_total_ms, 0.0, 1.0)
+                                  : 0.0;
+        const double ratio = row->step_ms / prow.step_ms;
+        std::printf("%-8s %6d %12.0f %10.1f %9.1f %9.1f %9.1f %11.2f %13.2f %7.0f%% %9.3f\n",
+                    row->strategy.c_str(), n, tps, row->step_ms, row->forward_ms, row->backward_ms,
+                    row->optimizer_ms, row->comm_total_ms, row->sync_ms, 100 * hidden, ratio);
+        nlohmann::json j = {{"strategy", row->strategy}, {"nranks", n},
+                            {"preset", o.preset},         {"batch", o.batch},
+                            {"seq", o.seq},               {"tokens_per_s", tps},
+                            {"step_ms", row->step_ms},    {"forward_ms", row->forward_ms},
+                            {"backward_ms", row->backward_ms}, {"optimizer_ms", row->optimizer_ms},
+                            {"comm_total_ms", row->comm_total_ms}, {"comm_exposed_ms", row->sync_ms},
+                            {"hidden_fraction", hidden},  {"step_ratio_vs_plain", ratio}};
+        std::printf("%s\n", j.dump().c_str());
+        if (json.is_open()) json << j.dump() << '\n';
+      }
+    }
+    return 0;
+  } catch (const dtrain::InvalidArgument& e) {
+    std::fprintf(stderr, "train_bench: error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "train_bench: error: %s\n", e.what());
+    return 1;
+  }
+}
