@@ -185,7 +185,7 @@ int main(int argc, char** argv) {
     }
     prow.step_ms = median(p_steps);
     drow.step_ms = median(d_steps);
-    drow.comm_total_ms = time_bucket_all_reduces(rt.world(), trainer.data_parallel().stats().bucket_numel,
+    drow.comm_total_ms = time_bucket_all_reduces(rt.world(), trainer.data_parallel()->stats().bucket_numel,
                                                  device, static_cast<int>(o.comm_reps));
     // The slowest rank sets the pace: report the maximum over ranks.
     auto t = torch::tensor({prow.step_ms, drow.step_ms, drow.sync_ms, drow.comm_total_ms}, torch::kDouble);
@@ -207,9 +207,10 @@ int main(int argc, char** argv) {
                   static_cast<long long>(o.rounds), static_cast<long long>(o.steps),
                   dtrain::train::device_name(device).c_str());
       std::printf("# plain: every rank runs the LibTorch loop alone (no communication); ddp: dtrain Trainer\n");
-      std::printf("%-8s %6s %12s %10s %9s %9s %9s %11s %13s %8s %9s\n", "strategy", "nranks",
+      const double peak = dtrain::train::known_peak_tflops(dtrain::train::device_name(device));
+      std::printf("%-8s %6s %12s %10s %9s %9s %9s %11s %13s %8s %9s %8s %6s\n", "strategy", "nranks",
                   "tokens/s", "step_ms", "fwd_ms", "bwd_ms", "opt_ms", "comm_total", "comm_exposed",
-                  "hidden", "vs_plain");
+                  "hidden", "vs_plain", "TFLOP/s", "mfu");
       std::ofstream json;
       if (!o.json.empty()) json.open(o.json, std::ios::app);
       for (const Row* row : {&prow, &drow}) {
@@ -219,16 +220,22 @@ int main(int argc, char** argv) {
                                   ? std::clamp(1.0 - row->sync_ms / row->comm_total_ms, 0.0, 1.0)
                                   : 0.0;
         const double ratio = row->step_ms / prow.step_ms;
-        std::printf("%-8s %6d %12.0f %10.1f %9.1f %9.1f %9.1f %11.2f %13.2f %7.0f%% %9.3f\n",
+        const double tflops = cfg.flops_per_token(o.seq) * tps / n / 1e12;  // per device
+        char mfu[16] = "n/a";
+        if (peak > 0) std::snprintf(mfu, sizeof(mfu), "%.1f%%", 100 * tflops / peak);
+        std::printf("%-8s %6d %12.0f %10.1f %9.1f %9.1f %9.1f %11.2f %13.2f %7.0f%% %9.3f %8.3f %6s\n",
                     row->strategy.c_str(), n, tps, row->step_ms, row->forward_ms, row->backward_ms,
-                    row->optimizer_ms, row->comm_total_ms, row->sync_ms, 100 * hidden, ratio);
+                    row->optimizer_ms, row->comm_total_ms, row->sync_ms, 100 * hidden, ratio,
+                    tflops, mfu);
         nlohmann::json j = {{"strategy", row->strategy}, {"nranks", n},
                             {"preset", o.preset},         {"batch", o.batch},
                             {"seq", o.seq},               {"tokens_per_s", tps},
                             {"step_ms", row->step_ms},    {"forward_ms", row->forward_ms},
                             {"backward_ms", row->backward_ms}, {"optimizer_ms", row->optimizer_ms},
                             {"comm_total_ms", row->comm_total_ms}, {"comm_exposed_ms", row->sync_ms},
-                            {"hidden_fraction", hidden},  {"step_ratio_vs_plain", ratio}};
+                            {"hidden_fraction", hidden},  {"step_ratio_vs_plain", ratio},
+                            {"tflops", tflops},
+                            {"mfu", peak > 0 ? nlohmann::json(tflops / peak) : nlohmann::json()}};
         std::printf("%s\n", j.dump().c_str());
         if (json.is_open()) json << j.dump() << '\n';
       }

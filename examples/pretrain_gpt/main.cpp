@@ -82,6 +82,8 @@ void define(CLI::App& app, Options& o) {
   app.add_option("--grad-clip", t.grad_clip, "clip gradients to this global L2 norm (0: off)")->group(optim);
 
   const char* ddp = "Data parallelism";
+  app.add_option("--fsdp", t.fsdp, "sharding: none (replicated), zero1 (optimizer state), zero2 (+ gradients)")
+      ->group(ddp);
   app.add_option("--bucket-mb", o.bucket_mb, "gradient bucket size in MiB")->group(ddp);
   app.add_flag("--bf16-reduce", t.ddp.bf16_reduce, "all-reduce gradients in bfloat16")->group(ddp);
   app.add_flag("--allow-unused", t.ddp.allow_unused, "reduce parameters without a gradient as zeros instead of failing")->group(ddp);

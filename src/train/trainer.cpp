@@ -101,11 +101,20 @@ Trainer::Trainer(ContextPtr ctx, models::GptConfig model, TrainOptions options)
   validate_and_agree();
   model_ = models::Gpt(ctx_, model_config_, options_.seed);
   const auto params = model_->parameter_list();
-  optimizer_ = make_adamw(params, options_.adamw);
   const double min_lr = options_.min_lr > 0 ? options_.min_lr : options_.adamw.lr / 10;
   schedule_ = std::make_unique<CosineSchedule>(options_.adamw.lr, min_lr, options_.warmup_steps,
                                                options_.steps);
-  ddp_ = std::make_unique<DataParallel>(params, ctx_->dp_comm(), options_.ddp);
+  if (options_.fsdp == "none") {
+    optimizer_ = make_adamw(params, options_.adamw);
+    ddp_ = std::make_unique<DataParallel>(params, ctx_->dp_comm(), options_.ddp);
+  } else {
+    FsdpOptions fo;
+    fo.strategy = parse_sharding(options_.fsdp);
+    fo.adamw = options_.adamw;
+    fo.allow_unused = options_.ddp.allow_unused;
+    fo.broadcast_parameters = options_.ddp.broadcast_parameters;
+    sdp_ = std::make_unique<ShardedDataParallel>(params, ctx_->dp_comm(), fo);
+  }
   flops_per_token_ = model_config_.flops_per_token(options_.seq_len);
   device_name_ = device_name(ctx_->device());
   peak_tflops_ = options_.peak_tflops > 0 ? options_.peak_tflops : known_peak_tflops(device_name_);
@@ -154,6 +163,7 @@ void Trainer::check_options() const {
   DTRAIN_CHECK_ARG(o.eval_batches >= 1, "--eval-batches=", o.eval_batches, " must be >= 1");
   DTRAIN_CHECK_ARG(o.log_every >= 1, "--log-every=", o.log_every, " must be >= 1");
   DTRAIN_CHECK_ARG(o.peak_tflops >= 0, "--peak-tflops=", o.peak_tflops, " must be >= 0");
+  if (o.fsdp != "none") parse_sharding(o.fsdp);  // raises naming --fsdp
 }
 
 void Trainer::load_data() {
@@ -242,9 +252,16 @@ void Trainer::log_summary() const {
            "{} steps, {} steps per epoch",
            o.global_batch, o.seq_len, ctx_->dp_size(), micro_batch_, accum_, o.steps,
            sampler_->steps_per_epoch());
-  log_info("device: {}; peak {} TFLOP/s per device{}; {} gradient bucket(s)", device_name_,
-           peak_tflops_, peak_tflops_ > 0 ? "" : " (unknown: MFU not reported; --peak-tflops)",
-           ddp_->stats().buckets);
+  log_info("device: {}; peak {} TFLOP/s per device{}", device_name_, peak_tflops_,
+           peak_tflops_ > 0 ? "" : " (unknown: MFU not reported; --peak-tflops)");
+  if (sdp_) {
+    log_info("sharding: {} over {} rank(s), {} unit(s), {} parameter elements per rank",
+             to_string(sdp_->strategy()), ctx_->dp_size(), sdp_->stats().units,
+             sdp_->stats().shard_numel);
+  } else {
+    log_info("data parallel: replicated over {} rank(s), {} gradient bucket(s)", ctx_->dp_size(),
+             ddp_->stats().buckets);
+  }
 }
 
 StepMetrics Trainer::train_step() {
@@ -256,15 +273,22 @@ StepMetrics Trainer::train_step() {
   StepMetrics m;
   m.step = step_ + 1;  // steps completed once this one is done
   m.lr = schedule_->lr(step_);
-  set_learning_rate(*optimizer_, m.lr);
-  optimizer_->zero_grad();
+  if (sdp_) {
+    sdp_->zero_grad();
+  } else {
+    optimizer_->zero_grad();
+  }
   model_->train();
   const auto samples = sampler_->indices(step_);
   auto loss_sum = torch::zeros({}, torch::TensorOptions().device(device));
   for (std::int64_t k = 0; k < accum_; ++k) {
     auto batch = train_->batch(rows(samples, k * micro_batch_, (k + 1) * micro_batch_));
     auto inputs = batch.inputs.to(device), targets = batch.targets.to(device);
-    ddp_->set_sync(k == accum_ - 1);
+    if (sdp_) {
+      sdp_->set_sync(k == accum_ - 1);
+    } else {
+      ddp_->set_sync(k == accum_ - 1);
+    }
     auto t = Clock::now();
     torch::Tensor loss;
     {
@@ -280,16 +304,24 @@ StepMetrics Trainer::train_step() {
     loss_sum += loss.detach().to(torch::kFloat);
   }
   auto t = Clock::now();
-  ddp_->finish_gradient_sync();
+  if (sdp_) {
+    sdp_->finish_gradient_sync();
+  } else {
+    ddp_->finish_gradient_sync();
+  }
   timed_sync();
   m.sync_ms = ms_since(t);
   t = Clock::now();
   const double max_norm =
       options_.grad_clip > 0 ? options_.grad_clip : std::numeric_limits<double>::infinity();
-  std::vector<at::Tensor> params;
-  for (const auto& p : model_->parameters()) params.push_back(p);
-  m.grad_norm = clip_grad_norm(params, max_norm);
-  optimizer_->step();
+  if (sdp_) {
+    m.grad_norm = sdp_->clip_grad_norm(max_norm);
+    sdp_->step(m.lr);
+  } else {
+    m.grad_norm = clip_grad_norm(model_->parameters(), max_norm);
+    set_learning_rate(*optimizer_, m.lr);
+    optimizer_->step();
+  }
   timed_sync();
   m.optimizer_ms = ms_since(t);
   // The global mean loss: one scalar all-reduce over the data-parallel ranks.

@@ -5,50 +5,10 @@
 // with backward, and bad input on one rank stops every rank with no hang.
 #include <torch/torch.h>
 
-#include "common/corpus.hpp"
-#include "dist_test.hpp"
-#include "dtrain/train/trainer.hpp"
+#include "train_harness.hpp"
 
 namespace dtrain::testing {
 namespace {
-
-using train::Trainer;
-using train::TrainOptions;
-
-TrainOptions options(const TestCorpus& corpus) {
-  TrainOptions o;
-  o.train_data = corpus.train();
-  o.seq_len = 32;
-  o.global_batch = 12;  // divisible by 1, 2, 3 and 4
-  o.steps = 10;
-  o.adamw.lr = 3e-3;
-  o.warmup_steps = 2;
-  o.grad_clip = 1.0;   // clipping active in the first steps
-  o.progress = "off";
-  return o;
-}
-
-class TrainTest : public DistTest {
- protected:
-  ContextPtr dp_context() { return std::make_shared<ParallelContext>(world(), ParallelConfig{}); }
-
-  void expect_equivalent(Trainer& dp, Trainer& ref) {
-    const auto a = dp.run(), b = ref.run();
-    ASSERT_EQ(a.size(), b.size());
-    bool clipped = false;
-    for (std::size_t i = 0; i < a.size(); ++i) {
-      EXPECT_NEAR(a[i].loss, b[i].loss, 1e-5 * b[i].loss) << "step " << i + 1;
-      EXPECT_NEAR(a[i].grad_norm, b[i].grad_norm, 1e-4 * b[i].grad_norm) << "step " << i + 1;
-      clipped = clipped || b[i].grad_norm > 1.0;
-    }
-    EXPECT_TRUE(clipped) << "the comparison should cover clipped steps";
-    const auto pa = dp.model()->parameter_list(), pb = ref.model()->parameter_list();
-    for (std::size_t i = 0; i < pa.size(); ++i) {
-      EXPECT_TRUE(torch::allclose(pa[i].second, pb[i].second, 1e-5, 1e-5))
-          << pa[i].first << " max diff " << (pa[i].second - pb[i].second).abs().max().item<float>();
-    }
-  }
-};
 
 TEST_F(TrainTest, DataParallelMatchesSingleProcessForTenSteps) {
   TestCorpus corpus("dp" + std::to_string(rank()));
@@ -57,7 +17,7 @@ TEST_F(TrainTest, DataParallelMatchesSingleProcessForTenSteps) {
   o.ddp.bucket_bytes = 64 * 1024;  // several buckets
   Trainer dp(dp_context(), cfg, o);
   Trainer ref(ParallelContext::single_process(), cfg, options(corpus));
-  EXPECT_EQ(dp.data_parallel().stats().buckets > 1, nranks() > 1);
+  EXPECT_EQ(dp.data_parallel()->stats().buckets > 1, nranks() > 1);
   expect_equivalent(dp, ref);
 }
 
@@ -85,7 +45,7 @@ TEST_F(TrainTest, BucketAllReducesStartDuringBackward) {
   o.ddp.bucket_bytes = 16 * 1024;
   Trainer t(dp_context(), models::GptConfig::preset("tiny"), o);
   t.train_step();
-  const auto& s = t.data_parallel().stats();
+  const auto& s = t.data_parallel()->stats();
   if (nranks() == 1) {
     EXPECT_EQ(s.buckets, 0) << "one rank needs no all-reduce";
     return;

@@ -13,6 +13,7 @@
 #include "dtrain/optim/optim.hpp"
 #include "dtrain/parallel/context.hpp"
 #include "dtrain/parallel/data_parallel.hpp"
+#include "dtrain/parallel/fsdp.hpp"
 
 namespace dtrain::data {
 class TokenDataset;
@@ -36,8 +37,9 @@ struct TrainOptions {
   std::int64_t warmup_steps = 10;
   double grad_clip = 1.0;           // global-norm clipping; 0 disables
   std::string precision = "fp32";   // fp32 | bf16 (autocast matmuls to bfloat16)
-  // Data parallelism.
-  DataParallelOptions ddp;
+  // Data parallelism: replicated (DataParallel) or sharded (ZeRO, ShardedDataParallel).
+  std::string fsdp = "none";        // none | zero1 | zero2
+  DataParallelOptions ddp;          // allow_unused and broadcast_parameters apply to both
   // Evaluation and reporting.
   std::int64_t eval_every = 0;      // 0: evaluate only after the last step
   std::int64_t eval_batches = 4;    // val batches of global_batch samples each
@@ -84,7 +86,9 @@ class Trainer {
   std::int64_t grad_accumulation() const { return accum_; }
   const TrainOptions& options() const { return options_; }
   models::Gpt& model() { return model_; }
-  const DataParallel& data_parallel() const { return *ddp_; }
+  // The strategy in use: data_parallel() without --fsdp, sharded() with it (else null).
+  const DataParallel* data_parallel() const { return ddp_.get(); }
+  const ShardedDataParallel* sharded() const { return sdp_.get(); }
   // Logs the run's shape: model size, data, batch layout, FLOPs per token, peak.
   void log_summary() const;
 
@@ -106,6 +110,7 @@ class Trainer {
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::unique_ptr<CosineSchedule> schedule_;
   std::unique_ptr<DataParallel> ddp_;
+  std::unique_ptr<ShardedDataParallel> sdp_;
   std::unique_ptr<Reporter> reporter_;
 };
 

@@ -1,0 +1,101 @@
+// Sharded data parallelism (ZeRO): parameters are grouped into units (by default one per
+// transformer block, plus one for the rest), each unit flattened into one buffer padded
+// so every rank's shard has the same size. zero1: gradients are reduce-scattered after
+// backward and each rank updates only its shard (optimizer state sharded); zero2: a unit's
+// gradients are reduce-scattered as soon as its backward is done and kept only as shards.
+// After the step the updated shards are all-gathered into every rank's parameters.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dtrain/comm/communicator.hpp"
+#include "dtrain/optim/optim.hpp"
+
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace dtrain {
+
+enum class ShardingStrategy { kZero1, kZero2 };
+
+// "zero1" | "zero2"; raises InvalidArgument naming --fsdp and the allowed values (the
+// strategies not implemented yet, full and hybrid, are named as such).
+ShardingStrategy parse_sharding(const std::string& name);
+const char* to_string(ShardingStrategy s);
+
+// Parameter name -> unit key; parameters with the same key form one unit. Units are
+// ordered by their first parameter.
+using WrapPolicy = std::function<std::string(const std::string& name)>;
+// "h.<i>.*" -> "h.<i>" (one unit per transformer block); anything else -> "root".
+std::string block_wrap_policy(const std::string& name);
+
+struct FsdpOptions {
+  ShardingStrategy strategy = ShardingStrategy::kZero1;
+  WrapPolicy wrap = block_wrap_policy;
+  bool allow_unused = false;         // a parameter without a gradient is an error by default
+  bool broadcast_parameters = true;  // copy rank 0's parameters to every rank at start
+  AdamWOptions adamw;                // weight decay as make_adamw decides it, per element
+};
+
+struct FsdpStats {
+  std::int64_t units = 0;
+  std::int64_t launched_during_backward = 0;  // last sync: units reduce-scattered from hooks
+  std::int64_t shard_numel = 0;               // this rank's elements over all units (padded)
+  double sync_wait_ms = 0;                    // last sync: time blocked after backward
+};
+
+// Usage per optimizer step: zero_grad(); for each micro-batch set_sync(is_last), backward;
+// finish_gradient_sync(); clip_grad_norm(max); step(lr). The parameters handed in are
+// re-pointed into the units' flat buffers (same tensors, same names). Not copyable.
+class ShardedDataParallel {
+ public:
+  ShardedDataParallel(NamedParameters params, CommPtr dp_comm, FsdpOptions options = {});
+  ~ShardedDataParallel();
+  ShardedDataParallel(const ShardedDataParallel&) = delete;
+  ShardedDataParallel& operator=(const ShardedDataParallel&) = delete;
+
+  void set_sync(bool sync) { sync_ = sync; }
+  // Every unit's gradient reduced (averaged) into this rank's shard; full gradients freed.
+  void finish_gradient_sync();
+  // Global L2 norm of the sharded gradients (one all-reduce); clips them to max_norm
+  // (infinity: no clipping) and returns the norm before clipping.
+  double clip_grad_norm(double max_norm);
+  // AdamW on this rank's shards at learning rate lr, then the all-gather of the
+  // parameters.
+  void step(double lr);
+  // Drops gradients (full and sharded).
+  void zero_grad();
+
+  const FsdpStats& stats() const { return stats_; }
+  ShardingStrategy strategy() const { return options_.strategy; }
+  // Name and unit of every parameter, in order ("h.0" ...), for logs and checkpoints.
+  std::vector<std::pair<std::string, std::string>> layout() const;
+
+ private:
+  struct Unit;
+  void on_grad_accumulated(std::size_t index);
+  void launch_ready_units();
+  void launch(Unit& u);
+
+  NamedParameters params_;
+  CommPtr comm_;
+  FsdpOptions options_;
+  std::vector<std::unique_ptr<Unit>> units_;  // in parameter order
+  std::vector<std::size_t> unit_of_;
+  std::vector<std::int64_t> offset_of_;
+  std::vector<bool> seen_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::size_t next_launch_ = 0;  // index into the reverse unit order
+  bool sync_ = true;
+  bool in_backward_ = false;
+  FsdpStats stats_;
+};
+
+}  // namespace dtrain

@@ -1,0 +1,245 @@
+// ShardedDataParallel (ZeRO-1/2): units of flat, padded, sharded parameters; gradient
+// reduce-scatter after backward (zero1) or per unit from post-accumulate hooks (zero2);
+// AdamW on the shards with per-element weight decay; all-gather of the parameters.
+#include "dtrain/parallel/fsdp.hpp"
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <map>
+
+#include "dtrain/core/error.hpp"
+#include "dtrain/core/logging.hpp"
+
+namespace dtrain {
+
+ShardingStrategy parse_sharding(const std::string& name) {
+  if (name == "zero1") return ShardingStrategy::kZero1;
+  if (name == "zero2") return ShardingStrategy::kZero2;
+  DTRAIN_CHECK_ARG(name != "full" && name != "hybrid", "--fsdp '", name,
+                   "' (ZeRO-3 / HSDP) is not available in this build yet; allowed: none, zero1, zero2");
+  throw InvalidArgument(detail::str_cat("--fsdp '", name,
+                                        "' is not known; allowed: none, zero1, zero2"));
+}
+
+const char* to_string(ShardingStrategy s) {
+  return s == ShardingStrategy::kZero1 ? "zero1" : "zero2";
+}
+
+std::string block_wrap_policy(const std::string& name) {
+  if (name.rfind("h.", 0) == 0) {
+    const auto dot = name.find('.', 2);
+    if (dot != std::string::npos) return name.substr(0, dot);
+  }
+  return "root";
+}
+
+struct ShardedDataParallel::Unit {
+  std::string key;
+  std::vector<std::size_t> params;  // indices into params_
+  std::int64_t numel = 0;           // unpadded
+  std::int64_t shard = 0;           // elements per rank
+  at::Tensor flat;                  // [shard * size]: the parameters live here
+  at::Tensor master;                // this rank's shard of flat (the optimizer's tensor)
+  at::Tensor decay_mask;            // [shard]: 1 where weight decay applies
+  at::Tensor grad_flat;             // [shard * size] during a sync
+  at::Tensor grad_shard;            // [shard]
+  std::size_t ready = 0;
+  WorkPtr work;
+};
+
+namespace {
+struct AccumulatedHook : torch::autograd::PostAccumulateGradHook {
+  explicit AccumulatedHook(std::function<void()> f) : fn(std::move(f)) {}
+  void operator()(const torch::autograd::Variable&) override { fn(); }
+  std::function<void()> fn;
+};
+}  // namespace
+
+ShardedDataParallel::ShardedDataParallel(NamedParameters params, CommPtr dp_comm,
+                                         FsdpOptions options)
+    : params_(std::move(params)), comm_(std::move(dp_comm)), options_(std::move(options)) {
+  DTRAIN_CHECK_ARG(comm_ != nullptr, "ShardedDataParallel needs a data-parallel communicator");
+  DTRAIN_CHECK_ARG(!params_.empty(), "ShardedDataParallel: no parameters");
+  const int world = comm_->size(), rank = comm_->rank();
+  // Units in order of their first parameter.
+  std::map<std::string, std::size_t> index;
+  unit_of_.assign(params_.size(), 0);
+  offset_of_.assign(params_.size(), 0);
+  seen_.assign(params_.size(), false);
+  const auto dtype = params_[0].second.scalar_type();
+  const auto device = params_[0].second.device();
+  for (std::size_t k = 0; k < params_.size(); ++k) {
+    const auto& [name, p] = params_[k];
+    DTRAIN_CHECK_ARG(p.requires_grad(), "ShardedDataParallel: parameter '", name,
+                     "' does not require grad; pass only trainable parameters");
+    DTRAIN_CHECK_ARG(p.scalar_type() == dtype && p.device() == device,
+                     "ShardedDataParallel: parameter '", name, "' is ", p.scalar_type(), " on ",
+                     p.device(), "; every parameter must be ", dtype, " on ", device);
+    const std::string key = options_.wrap(name);
+    auto it = index.find(key);
+    if (it == index.end()) {
+      it = index.emplace(key, units_.size()).first;
+      units_.push_back(std::make_unique<Unit>());
+      units_.back()->key = key;
+    }
+    auto& u = *units_[it->second];
+    unit_of_[k] = it->second;
+    offset_of_[k] = u.numel;
+    u.params.push_back(k);
+    u.numel += p.numel();
+  }
+  torch::NoGradGuard no_grad;
+  for (auto& up : units_) {
+    auto& u = *up;
+    u.shard = (u.numel + world - 1) / world;
+    u.flat = torch::zeros({u.shard * world}, torch::TensorOptions().dtype(dtype).device(device));
+    auto mask = torch::zeros({u.shard * world}, torch::TensorOptions().dtype(torch::kFloat).device(device));
+    for (std::size_t k : u.params) {
+      auto& [name, p] = params_[k];
+      auto slot = u.flat.narrow(0, offset_of_[k], p.numel());
+      slot.copy_(p.detach().reshape({-1}));
+      if (decays(name, p, options_.adamw)) mask.narrow(0, offset_of_[k], p.numel()).fill_(1.0);
+      p.set_data(slot.view(p.sizes()));  // the parameter now lives in the flat buffer
+    }
+    if (options_.broadcast_parameters) comm_->broadcast(u.flat, {0})->wait();
+    u.master = u.flat.narrow(0, rank * u.shard, u.shard);
+    u.decay_mask = mask.narrow(0, rank * u.shard, u.shard).clone();
+    stats_.shard_numel += u.shard;
+  }
+  stats_.units = static_cast<std::int64_t>(units_.size());
+
+  // AdamW without its own decay (applied per element in step()).
+  std::vector<at::Tensor> masters;
+  for (auto& u : units_) masters.push_back(u->master);
+  const auto& o = options_.adamw;
+  DTRAIN_CHECK_ARG(o.lr > 0 && o.eps > 0 && o.weight_decay >= 0 && o.beta1 >= 0 && o.beta1 < 1 &&
+                       o.beta2 >= 0 && o.beta2 < 1,
+                   "ShardedDataParallel: AdamW options out of range (lr ", o.lr, ", betas ", o.beta1,
+                   "/", o.beta2, ", eps ", o.eps, ", weight_decay ", o.weight_decay, ")");
+  optimizer_ = std::make_unique<torch::optim::AdamW>(
+      masters, torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(0.0));
+
+  if (options_.strategy == ShardingStrategy::kZero2) {
+    for (std::size_t k = 0; k < params_.size(); ++k) {
+      torch::autograd::impl::set_post_acc_grad_hooks(
+          params_[k].second, std::make_unique<AccumulatedHook>([this, k] { on_grad_accumulated(k); }));
+    }
+  }
+}
+
+ShardedDataParallel::~ShardedDataParallel() {
+  if (options_.strategy != ShardingStrategy::kZero2) return;
+  for (auto& [name, p] : params_) torch::autograd::impl::post_acc_grad_hooks(p).reset();
+}
+
+std::vector<std::pair<std::string, std::string>> ShardedDataParallel::layout() const {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (std::size_t k = 0; k < params_.size(); ++k) {
+    out.emplace_back(params_[k].first, units_[unit_of_[k]]->key);
+  }
+  return out;
+}
+
+void ShardedDataParallel::on_grad_accumulated(std::size_t k) {
+  if (!sync_) return;
+  if (!in_backward_) {
+    in_backward_ = true;
+    stats_.launched_during_backward = 0;
+  }
+  DTRAIN_CHECK(!seen_[k], "ShardedDataParallel: parameter '", params_[k].first,
+               "' received two gradients in one backward");
+  seen_[k] = true;
+  auto& u = *units_[unit_of_[k]];
+  if (++u.ready == u.params.size()) launch_ready_units();
+}
+
+// Units are reduce-scattered in reverse order (the order backward completes them), strictly
+// one after another so that every rank issues the same collectives in the same order.
+void ShardedDataParallel::launch_ready_units() {
+  while (next_launch_ < units_.size()) {
+    auto& u = *units_[units_.size() - 1 - next_launch_];
+    if (u.ready != u.params.size()) break;
+    if (in_backward_) ++stats_.launched_during_backward;
+    launch(u);
+    ++next_launch_;
+  }
+}
+
+void ShardedDataParallel::launch(Unit& u) {
+  torch::NoGradGuard no_grad;
+  u.grad_flat = torch::zeros({u.shard * comm_->size()}, u.flat.options());
+  for (std::size_t k : u.params) {
+    auto& p = params_[k].second;
+    if (p.grad().defined()) {
+      u.grad_flat.narrow(0, offset_of_[k], p.numel()).copy_(p.grad().reshape({-1}));
+      p.mutable_grad() = at::Tensor();  // only the shard is kept
+    }
+  }
+  u.grad_shard = torch::empty({u.shard}, u.flat.options());
+  u.work = comm_->reduce_scatter(u.grad_shard, u.grad_flat, {ReduceOp::kAvg});
+}
+
+void ShardedDataParallel::finish_gradient_sync() {
+  const auto start = std::chrono::steady_clock::now();
+  in_backward_ = false;
+  std::string missing;
+  for (std::size_t k = 0; k < params_.size(); ++k) {
+    if (seen_[k]) continue;
+    const bool has_grad = params_[k].second.grad().defined();
+    if (!has_grad) missing += (missing.empty() ? "" : ", ") + params_[k].first;
+    ++units_[unit_of_[k]]->ready;
+  }
+  DTRAIN_CHECK_ARG(missing.empty() || options_.allow_unused,
+                   "ShardedDataParallel: parameters received no gradient in this backward: ",
+                   missing, " (set allow_unused to reduce them as zeros)");
+  launch_ready_units();
+  torch::NoGradGuard no_grad;
+  for (auto& up : units_) {
+    auto& u = *up;
+    u.work->wait();
+    u.work.reset();
+    u.grad_flat = at::Tensor();
+    // Accumulate into the shard's gradient (several syncs between zero_grad calls add up).
+    if (u.master.grad().defined()) {
+      u.master.mutable_grad().add_(u.grad_shard);
+    } else {
+      u.master.mutable_grad() = u.grad_shard;
+    }
+    u.grad_shard = at::Tensor();
+    u.ready = 0;
+  }
+  std::fill(seen_.begin(), seen_.end(), false);
+  next_launch_ = 0;
+  stats_.sync_wait_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+}
+
+double ShardedDataParallel::clip_grad_norm(double max_norm) {
+  std::vector<at::Tensor> shards;
+  for (auto& u : units_) shards.push_back(u->master);
+  return dtrain::clip_grad_norm(shards, max_norm, comm_.get());
+}
+
+void ShardedDataParallel::step(double lr) {
+  torch::NoGradGuard no_grad;
+  const double wd = options_.adamw.weight_decay;
+  for (auto& u : units_) {
+    // AdamW's decoupled decay, p *= 1 - lr * wd, where the element decays.
+    if (wd > 0 && u->master.grad().defined()) u->master.mul_(1.0 - lr * wd * u->decay_mask);
+  }
+  set_learning_rate(*optimizer_, lr);
+  optimizer_->step();
+  std::vector<WorkPtr> works;
+  for (auto& u : units_) works.push_back(comm_->all_gather(u->flat, u->master));  // in place
+  for (auto& w : works) w->wait();
+}
+
+void ShardedDataParallel::zero_grad() {
+  for (auto& u : units_) u->master.mutable_grad() = at::Tensor();
+  for (auto& [name, p] : params_) p.mutable_grad() = at::Tensor();
+}
+
+}  // namespace dtrain

@@ -1,0 +1,53 @@
+// Equivalence harness for training strategies: the options of a short run on the test
+// corpus, and a fixture that runs a strategy's Trainer and the single-process Trainer in
+// the same process and compares per-step losses, gradient norms and final parameters.
+#pragma once
+
+#include <torch/torch.h>
+
+#include "common/corpus.hpp"
+#include "dist_test.hpp"
+#include "dtrain/train/trainer.hpp"
+
+namespace dtrain::testing {
+
+using train::Trainer;
+using train::TrainOptions;
+
+// 10 steps of 12 samples x 32 tokens, warm-up 2, clipping at 1.0 (active early on).
+inline TrainOptions options(const TestCorpus& corpus) {
+  TrainOptions o;
+  o.train_data = corpus.train();
+  o.seq_len = 32;
+  o.global_batch = 12;  // divisible by 1, 2, 3 and 4
+  o.steps = 10;
+  o.adamw.lr = 3e-3;
+  o.warmup_steps = 2;
+  o.grad_clip = 1.0;   // clipping active in the first steps
+  o.progress = "off";
+  return o;
+}
+
+class TrainTest : public DistTest {
+ protected:
+  ContextPtr dp_context() { return std::make_shared<ParallelContext>(world(), ParallelConfig{}); }
+
+  void expect_equivalent(Trainer& dp, Trainer& ref) {
+    const auto a = dp.run(), b = ref.run();
+    ASSERT_EQ(a.size(), b.size());
+    bool clipped = false;
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      EXPECT_NEAR(a[i].loss, b[i].loss, 1e-5 * b[i].loss) << "step " << i + 1;
+      EXPECT_NEAR(a[i].grad_norm, b[i].grad_norm, 1e-4 * b[i].grad_norm) << "step " << i + 1;
+      clipped = clipped || b[i].grad_norm > 1.0;
+    }
+    EXPECT_TRUE(clipped) << "the comparison should cover clipped steps";
+    const auto pa = dp.model()->parameter_list(), pb = ref.model()->parameter_list();
+    for (std::size_t i = 0; i < pa.size(); ++i) {
+      EXPECT_TRUE(torch::allclose(pa[i].second, pb[i].second, 1e-5, 1e-5))
+          << pa[i].first << " max diff " << (pa[i].second - pb[i].second).abs().max().item<float>();
+    }
+  }
+};
+
+}  // namespace dtrain::testing
