@@ -3,7 +3,7 @@
 // the long flag names ({"preset": "tiny", "seq-len": 64}); flags given on the command line
 // override the file. Exit codes: 0 done, 2 bad input (named in the message), 1 failure.
 //
-//   mpirun -np 2 build/examples/pretrain_gpt --config examples/configs/tiny.json \
+//   mpirun -np 2 build/examples/pretrain_gpt --config examples/configs/tiny.json
 //       --train-data 'data/fortunes/fortunes_train_*.bin' --val-data 'data/fortunes/fortunes_val_*.bin'
 #include <CLI/CLI.hpp>
 
@@ -82,7 +82,7 @@ void define(CLI::App& app, Options& o) {
   app.add_option("--grad-clip", t.grad_clip, "clip gradients to this global L2 norm (0: off)")->group(optim);
 
   const char* ddp = "Data parallelism";
-  app.add_option("--fsdp", t.fsdp, "sharding: none (replicated), zero1 (optimizer state), zero2 (+ gradients)")
+  app.add_option("--fsdp", t.fsdp, "sharding: none (replicated), zero1 (optimizer state), zero2 (+ gradients), full (+ parameters)")
       ->group(ddp);
   app.add_option("--bucket-mb", o.bucket_mb, "gradient bucket size in MiB")->group(ddp);
   app.add_flag("--bf16-reduce", t.ddp.bf16_reduce, "all-reduce gradients in bfloat16")->group(ddp);

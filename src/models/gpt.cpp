@@ -251,12 +251,15 @@ torch::Tensor GptImpl::forward(const torch::Tensor& idx) {
                    c.context, "; got ", idx.sizes());
   auto x = tok_emb_->forward(idx);
   if (pos_emb_) x = x + pos_emb_->forward(torch::arange(idx.size(1), idx.options()));
-  for (auto& block : blocks_) {
+  for (std::size_t i = 0; i < blocks_.size(); ++i) {
+    auto& block = blocks_[i];
+    if (hooks_ != nullptr) x = hooks_->enter(i, x);
     if (c.activation_checkpointing && is_training() && torch::GradMode::is_enabled()) {
       x = CheckpointBlock::apply(x, rope_cos_, rope_sin_, block.get());
     } else {
       x = block->forward(x, rope_cos_, rope_sin_);
     }
+    if (hooks_ != nullptr) x = hooks_->exit(i, x);
   }
   x = apply_norm(c, x, norm_weight_, norm_bias_);
   return c.tie_embeddings ? torch::matmul(x, tok_emb_->weight.t()) : lm_head_->forward(x);

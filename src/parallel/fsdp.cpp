@@ -18,14 +18,20 @@ namespace dtrain {
 ShardingStrategy parse_sharding(const std::string& name) {
   if (name == "zero1") return ShardingStrategy::kZero1;
   if (name == "zero2") return ShardingStrategy::kZero2;
-  DTRAIN_CHECK_ARG(name != "full" && name != "hybrid", "--fsdp '", name,
-                   "' (ZeRO-3 / HSDP) is not available in this build yet; allowed: none, zero1, zero2");
+  if (name == "full") return ShardingStrategy::kFull;
+  DTRAIN_CHECK_ARG(name != "hybrid", "--fsdp 'hybrid' (HSDP) is not available in this build yet; "
+                   "allowed: none, zero1, zero2, full");
   throw InvalidArgument(detail::str_cat("--fsdp '", name,
-                                        "' is not known; allowed: none, zero1, zero2"));
+                                        "' is not known; allowed: none, zero1, zero2, full"));
 }
 
 const char* to_string(ShardingStrategy s) {
-  return s == ShardingStrategy::kZero1 ? "zero1" : "zero2";
+  switch (s) {
+    case ShardingStrategy::kZero1: return "zero1";
+    case ShardingStrategy::kZero2: return "zero2";
+    case ShardingStrategy::kFull: return "full";
+  }
+  return "?";
 }
 
 std::string block_wrap_policy(const std::string& name) {
@@ -48,6 +54,23 @@ struct ShardedDataParallel::Unit {
   at::Tensor grad_shard;            // [shard]
   std::size_t ready = 0;
   WorkPtr work;
+  // full sharding: flat's storage is freed between uses and all-gathered again.
+  bool reshard = false;             // freed after forward and after its backward
+  bool gathered = true;
+  WorkPtr pending;                  // an issued (prefetched) gather
+  at::Tensor gather_out;            // alias of flat with its own version counter
+};
+
+// Gathers a unit in forward before its block and (through backward of the exit function)
+// before its backward; releases it after the block's forward.
+class ShardedDataParallel::Hooks final : public BlockHooks {
+ public:
+  explicit Hooks(ShardedDataParallel* owner) : owner_(owner) {}
+  at::Tensor enter(std::size_t index, const at::Tensor& x) override;
+  at::Tensor exit(std::size_t index, const at::Tensor& y) override;
+
+ private:
+  ShardedDataParallel* owner_;
 };
 
 namespace {
@@ -105,11 +128,15 @@ ShardedDataParallel::ShardedDataParallel(NamedParameters params, CommPtr dp_comm
       p.set_data(slot.view(p.sizes()));  // the parameter now lives in the flat buffer
     }
     if (options_.broadcast_parameters) comm_->broadcast(u.flat, {0})->wait();
+    // zero1/zero2 update the shard inside the flat buffer; full keeps it apart (the flat
+    // buffer is freed between uses).
     u.master = u.flat.narrow(0, rank * u.shard, u.shard);
+    if (options_.strategy == ShardingStrategy::kFull) u.master = u.master.clone();
     u.decay_mask = mask.narrow(0, rank * u.shard, u.shard).clone();
     stats_.shard_numel += u.shard;
   }
   stats_.units = static_cast<std::int64_t>(units_.size());
+  stats_.gathered_units = stats_.peak_gathered_units = stats_.units;
 
   // AdamW without its own decay (applied per element in step()).
   std::vector<at::Tensor> masters;
@@ -122,7 +149,23 @@ ShardedDataParallel::ShardedDataParallel(NamedParameters params, CommPtr dp_comm
   optimizer_ = std::make_unique<torch::optim::AdamW>(
       masters, torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(0.0));
 
-  if (options_.strategy == ShardingStrategy::kZero2) {
+  if (options_.strategy == ShardingStrategy::kFull) {
+    // Block units in block order ("h.0", "h.1", ...), as the model calls the hooks.
+    for (std::size_t i = 0;; ++i) {
+      auto it = index.find("h." + std::to_string(i));
+      if (it == index.end()) break;
+      blocks_.push_back(units_[it->second].get());
+    }
+    DTRAIN_CHECK_ARG(!blocks_.empty(), "--fsdp full needs one unit per transformer block "
+                     "(parameters named h.<i>.*, the default wrap policy)");
+    DTRAIN_CHECK_ARG(options_.prefetch >= 0, "FSDP prefetch=", options_.prefetch, " must be >= 0");
+    for (auto* u : blocks_) {
+      u->reshard = true;  // the root unit (embeddings, final norm, head) stays gathered
+      release(*u);
+    }
+    hooks_ = std::make_unique<Hooks>(this);
+  }
+  if (options_.strategy != ShardingStrategy::kZero1) {
     for (std::size_t k = 0; k < params_.size(); ++k) {
       torch::autograd::impl::set_post_acc_grad_hooks(
           params_[k].second, std::make_unique<AccumulatedHook>([this, k] { on_grad_accumulated(k); }));
@@ -131,7 +174,10 @@ ShardedDataParallel::ShardedDataParallel(NamedParameters params, CommPtr dp_comm
 }
 
 ShardedDataParallel::~ShardedDataParallel() {
-  if (options_.strategy != ShardingStrategy::kZero2) return;
+  for (auto& u : units_) {
+    if (u->pending) u->pending->wait();
+  }
+  if (options_.strategy == ShardingStrategy::kZero1) return;
   for (auto& [name, p] : params_) torch::autograd::impl::post_acc_grad_hooks(p).reset();
 }
 
@@ -180,6 +226,139 @@ void ShardedDataParallel::launch(Unit& u) {
   }
   u.grad_shard = torch::empty({u.shard}, u.flat.options());
   u.work = comm_->reduce_scatter(u.grad_shard, u.grad_flat, {ReduceOp::kAvg});
+  // Every use of the unit's parameters in backward is done once all its gradients exist.
+  if (u.reshard && in_backward_) release(u);
+}
+
+// ---------------------------------------------------------------------------------------
+// Full sharding: gather and release
+
+void ShardedDataParallel::issue_gather(Unit& u) {
+  if (u.gathered || u.pending) return;
+  auto* storage = u.flat.storage().unsafeGetStorageImpl();
+  const std::size_t nbytes = static_cast<std::size_t>(u.flat.numel()) * u.flat.element_size();
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
+  storage->set_nbytes(nbytes);
+  // Written through an alias with its own version counter: the parameters (views of flat)
+  // may be saved for backward, and a gather must not count as an in-place change of them.
+  u.gather_out = at::from_blob(u.flat.data_ptr(), {u.flat.numel()}, u.flat.options());
+  u.pending = comm_->all_gather(u.gather_out, u.master);
+  stats_.peak_gathered_units = std::max(stats_.peak_gathered_units, ++stats_.gathered_units);
+}
+
+void ShardedDataParallel::ensure_gathered(Unit& u) {
+  if (u.gathered) return;
+  issue_gather(u);
+  u.pending->wait();
+  u.pending.reset();
+  u.gather_out = at::Tensor();
+  u.gathered = true;
+}
+
+void ShardedDataParallel::release(Unit& u) {
+  if (!u.gathered) return;
+  auto* storage = u.flat.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(c10::DataPtr(nullptr, u.flat.device()));
+  storage->set_nbytes(0);
+  u.gathered = false;
+  --stats_.gathered_units;
+}
+
+ShardedDataParallel::Unit* ShardedDataParallel::block_unit(std::ptrdiff_t block) {
+  if (block < 0 || block >= static_cast<std::ptrdiff_t>(blocks_.size())) return nullptr;
+  return blocks_[static_cast<std::size_t>(block)];
+}
+
+void ShardedDataParallel::gather_parameters() {
+  for (auto& u : units_) ensure_gathered(*u);
+}
+
+BlockHooks* ShardedDataParallel::block_hooks() { return hooks_.get(); }
+
+namespace {
+// Identity functions that run a strategy callback in forward (EnterBlock, ExitBlock) and
+// in backward (ExitBlock: before the block's backward). The owner and the block index
+// travel as integers (IValue holds no raw pointers); the owner outlives the graph.
+using Callback = void (*)(std::int64_t owner, std::int64_t block);
+
+struct EnterBlock : public torch::autograd::Function<EnterBlock> {
+  static torch::Tensor forward(torch::autograd::AutogradContext*, torch::Tensor x,
+                               std::int64_t owner, std::int64_t block, std::int64_t before) {
+    reinterpret_cast<Callback>(before)(owner, block);
+    return x;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list grads) {
+    return {grads[0], torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+struct ExitBlock : public torch::autograd::Function<ExitBlock> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor y,
+                               std::int64_t owner, std::int64_t block, std::int64_t after,
+                               std::int64_t before_backward) {
+    ctx->saved_data["owner"] = owner;
+    ctx->saved_data["block"] = block;
+    ctx->saved_data["before_backward"] = before_backward;
+    reinterpret_cast<Callback>(after)(owner, block);
+    return y;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    reinterpret_cast<Callback>(ctx->saved_data["before_backward"].toInt())(
+        ctx->saved_data["owner"].toInt(), ctx->saved_data["block"].toInt());
+    return {grads[0], torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+}  // namespace
+
+// Before block i's forward: prefetch the next blocks, gather this one.
+void ShardedDataParallel::before_forward(std::int64_t owner, std::int64_t i) {
+  auto* o = reinterpret_cast<ShardedDataParallel*>(owner);
+  for (int k = 1; k <= o->options_.prefetch; ++k) {
+    if (auto* next = o->block_unit(i + k)) o->issue_gather(*next);
+  }
+  o->ensure_gathered(*o->block_unit(i));
+}
+
+// After block i's forward: free it unless it is the last block (whose backward is next).
+void ShardedDataParallel::after_forward(std::int64_t owner, std::int64_t i) {
+  auto* o = reinterpret_cast<ShardedDataParallel*>(owner);
+  auto* u = o->block_unit(i);
+  if (u->reshard && o->options_.reshard_after_forward &&
+      i + 1 < static_cast<std::int64_t>(o->blocks_.size())) {
+    o->release(*u);
+  }
+}
+
+// Before block i's backward: prefetch the blocks before it, gather this one.
+void ShardedDataParallel::before_backward(std::int64_t owner, std::int64_t i) {
+  auto* o = reinterpret_cast<ShardedDataParallel*>(owner);
+  for (int k = 1; k <= o->options_.prefetch; ++k) {
+    if (auto* prev = o->block_unit(i - k)) o->issue_gather(*prev);
+  }
+  o->ensure_gathered(*o->block_unit(i));
+}
+
+at::Tensor ShardedDataParallel::Hooks::enter(std::size_t index, const at::Tensor& x) {
+  const auto owner = reinterpret_cast<std::int64_t>(owner_);
+  const auto i = static_cast<std::int64_t>(index);
+  if (!torch::GradMode::is_enabled() || !x.requires_grad()) {
+    before_forward(owner, i);
+    return x;
+  }
+  return EnterBlock::apply(x, owner, i, reinterpret_cast<std::int64_t>(&before_forward));
+}
+
+at::Tensor ShardedDataParallel::Hooks::exit(std::size_t index, const at::Tensor& y) {
+  const auto owner = reinterpret_cast<std::int64_t>(owner_);
+  const auto i = static_cast<std::int64_t>(index);
+  if (!torch::GradMode::is_enabled() || !y.requires_grad()) {
+    after_forward(owner, i);
+    return y;
+  }
+  return ExitBlock::apply(y, owner, i, reinterpret_cast<std::int64_t>(&after_forward),
+                          reinterpret_cast<std::int64_t>(&before_backward));
 }
 
 void ShardedDataParallel::finish_gradient_sync() {
@@ -232,12 +411,30 @@ void ShardedDataParallel::step(double lr) {
   }
   set_learning_rate(*optimizer_, lr);
   optimizer_->step();
-  std::vector<WorkPtr> works;
-  for (auto& u : units_) works.push_back(comm_->all_gather(u->flat, u->master));  // in place
-  for (auto& w : works) w->wait();
+  if (options_.strategy != ShardingStrategy::kFull) {
+    std::vector<WorkPtr> works;
+    for (auto& u : units_) works.push_back(comm_->all_gather(u->flat, u->master));  // in place
+    for (auto& w : works) w->wait();
+    return;
+  }
+  // Full sharding: units still gathered hold stale values. Blocks are freed (the next
+  // forward gathers them); the root unit is gathered again now.
+  for (auto& u : units_) {
+    if (u->reshard) {
+      release(*u);
+    } else {
+      u->gathered = false;  // stale
+      --stats_.gathered_units;
+      issue_gather(*u);
+    }
+  }
+  for (auto& u : units_) {
+    if (!u->reshard) ensure_gathered(*u);
+  }
 }
 
 void ShardedDataParallel::zero_grad() {
+  stats_.peak_gathered_units = stats_.gathered_units;
   for (auto& u : units_) u->master.mutable_grad() = at::Tensor();
   for (auto& [name, p] : params_) p.mutable_grad() = at::Tensor();
 }

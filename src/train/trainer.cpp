@@ -114,6 +114,7 @@ Trainer::Trainer(ContextPtr ctx, models::GptConfig model, TrainOptions options)
     fo.allow_unused = options_.ddp.allow_unused;
     fo.broadcast_parameters = options_.ddp.broadcast_parameters;
     sdp_ = std::make_unique<ShardedDataParallel>(params, ctx_->dp_comm(), fo);
+    model_->set_block_hooks(sdp_->block_hooks());  // full sharding: gather around blocks
   }
   flops_per_token_ = model_config_.flops_per_token(options_.seq_len);
   device_name_ = device_name(ctx_->device());
@@ -131,7 +132,13 @@ Trainer::Trainer(ContextPtr ctx, models::GptConfig model, TrainOptions options)
   }
 }
 
-Trainer::~Trainer() = default;
+Trainer::~Trainer() {
+  if (model_) model_->set_block_hooks(nullptr);
+}
+
+void Trainer::gather_parameters() {
+  if (sdp_) sdp_->gather_parameters();
+}
 
 void Trainer::check_options() const {
   const auto& o = options_;

@@ -68,7 +68,9 @@ TEST_F(TrainTest, BadDataOnOneRankStopsEveryRank) {
     const std::string what = e.what();
     if (rank() == bad) {
       EXPECT_NE(what.find("missing_*.bin"), std::string::npos) << what;
-      if (bad != 0) EXPECT_EQ(what.rfind("rank " + std::to_string(bad) + ":", 0), 0u) << what;
+      if (bad != 0) {
+        EXPECT_EQ(what.rfind("rank " + std::to_string(bad) + ":", 0), 0u) << what;
+      }
     } else {
       EXPECT_NE(what.find("rank(s) " + std::to_string(bad) + " rejected"), std::string::npos) << what;
     }

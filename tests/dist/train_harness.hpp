@@ -42,9 +42,14 @@ class TrainTest : public DistTest {
       clipped = clipped || b[i].grad_norm > 1.0;
     }
     EXPECT_TRUE(clipped) << "the comparison should cover clipped steps";
+    // Parameters: rtol 1e-5, atol 5e-5. Averages over ranks sum in another order than the
+    // single-process mean; Adam's normalisation turns those float32 roundings into update
+    // differences up to about 1e-5 (measured) after 10 steps of lr 3e-3. A wrong average or
+    // a lost micro-batch moves parameters by O(lr).
+    dp.gather_parameters();
     const auto pa = dp.model()->parameter_list(), pb = ref.model()->parameter_list();
     for (std::size_t i = 0; i < pa.size(); ++i) {
-      EXPECT_TRUE(torch::allclose(pa[i].second, pb[i].second, 1e-5, 1e-5))
+      EXPECT_TRUE(torch::allclose(pa[i].second, pb[i].second, 1e-5, 5e-5))
           << pa[i].first << " max diff " << (pa[i].second - pb[i].second).abs().max().item<float>();
     }
   }

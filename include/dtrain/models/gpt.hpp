@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "dtrain/optim/optim.hpp"
+#include "dtrain/parallel/block_hooks.hpp"
 #include "dtrain/parallel/context.hpp"
 
 namespace dtrain::models {
@@ -81,8 +82,12 @@ class GptImpl : public torch::nn::Module {
   // Trainable parameters with their names ("tok_emb.weight", "h.0.attn_qkv.weight", ...)
   // in registration order.
   NamedParameters parameter_list() const;
+  // Installs hooks called around every block's forward (null removes them); the caller
+  // keeps them alive while the model runs.
+  void set_block_hooks(BlockHooks* hooks) { hooks_ = hooks; }
 
  private:
+  BlockHooks* hooks_ = nullptr;
   ContextPtr ctx_;
   GptConfig config_;
   torch::nn::Embedding tok_emb_{nullptr}, pos_emb_{nullptr};  // pos: gpt2 only

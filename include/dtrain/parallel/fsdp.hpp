@@ -1,9 +1,11 @@
-// Sharded data parallelism (ZeRO): parameters are grouped into units (by default one per
-// transformer block, plus one for the rest), each unit flattened into one buffer padded
-// so every rank's shard has the same size. zero1: gradients are reduce-scattered after
-// backward and each rank updates only its shard (optimizer state sharded); zero2: a unit's
-// gradients are reduce-scattered as soon as its backward is done and kept only as shards.
-// After the step the updated shards are all-gathered into every rank's parameters.
+// Sharded data parallelism (ZeRO / FSDP): parameters are grouped into units (by default
+// one per transformer block, plus one for the rest), each unit flattened into one buffer
+// padded so every rank's shard has the same size. zero1: gradients are reduce-scattered
+// after backward and each rank updates only its shard (optimizer state sharded); zero2: a
+// unit's gradients are reduce-scattered as soon as its backward is done and kept only as
+// shards; full (ZeRO-3): a block's parameters exist in full only around its forward and
+// its backward (all-gathered before, with the next block's gather prefetched, and freed
+// after); between uses each rank holds its shard.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -16,6 +18,7 @@
 
 #include "dtrain/comm/communicator.hpp"
 #include "dtrain/optim/optim.hpp"
+#include "dtrain/parallel/block_hooks.hpp"
 
 namespace torch::optim {
 class Optimizer;
@@ -23,10 +26,10 @@ class Optimizer;
 
 namespace dtrain {
 
-enum class ShardingStrategy { kZero1, kZero2 };
+enum class ShardingStrategy { kZero1, kZero2, kFull };
 
-// "zero1" | "zero2"; raises InvalidArgument naming --fsdp and the allowed values (the
-// strategies not implemented yet, full and hybrid, are named as such).
+// "zero1" | "zero2" | "full"; raises InvalidArgument naming --fsdp and the allowed values
+// (hybrid, not implemented yet, is named as such).
 ShardingStrategy parse_sharding(const std::string& name);
 const char* to_string(ShardingStrategy s);
 
@@ -42,6 +45,11 @@ struct FsdpOptions {
   bool allow_unused = false;         // a parameter without a gradient is an error by default
   bool broadcast_parameters = true;  // copy rank 0's parameters to every rank at start
   AdamWOptions adamw;                // weight decay as make_adamw decides it, per element
+  // full: free a block's parameters after its forward (never the last block, whose
+  // backward comes next); blocks are always freed after their backward. The "root" unit
+  // (embeddings, final norm, head) stays gathered.
+  bool reshard_after_forward = true;
+  int prefetch = 1;                   // full: units gathered ahead, in forward and backward
 };
 
 struct FsdpStats {
@@ -49,6 +57,8 @@ struct FsdpStats {
   std::int64_t launched_during_backward = 0;  // last sync: units reduce-scattered from hooks
   std::int64_t shard_numel = 0;               // this rank's elements over all units (padded)
   double sync_wait_ms = 0;                    // last sync: time blocked after backward
+  std::int64_t gathered_units = 0;            // full: units whose parameters exist now
+  std::int64_t peak_gathered_units = 0;       // full: most at once since the last zero_grad
 };
 
 // Usage per optimizer step: zero_grad(); for each micro-batch set_sync(is_last), backward;
@@ -72,6 +82,12 @@ class ShardedDataParallel {
   void step(double lr);
   // Drops gradients (full and sharded).
   void zero_grad();
+  // full: every unit's parameters gathered (e.g. to read or save them); they are freed
+  // again by the next forward. zero1/zero2: nothing to do.
+  void gather_parameters();
+  // full: the hooks the model must call around each block (models::Gpt::set_block_hooks);
+  // null for zero1/zero2.
+  BlockHooks* block_hooks();
 
   const FsdpStats& stats() const { return stats_; }
   ShardingStrategy strategy() const { return options_.strategy; }
@@ -80,9 +96,18 @@ class ShardedDataParallel {
 
  private:
   struct Unit;
+  class Hooks;
   void on_grad_accumulated(std::size_t index);
   void launch_ready_units();
   void launch(Unit& u);
+  void issue_gather(Unit& u);
+  void ensure_gathered(Unit& u);
+  void release(Unit& u);
+  Unit* block_unit(std::ptrdiff_t block);  // null when out of range
+  // Full sharding around block forward/backward (called from autograd functions).
+  static void before_forward(std::int64_t owner, std::int64_t block);
+  static void after_forward(std::int64_t owner, std::int64_t block);
+  static void before_backward(std::int64_t owner, std::int64_t block);
 
   NamedParameters params_;
   CommPtr comm_;
@@ -92,6 +117,8 @@ class ShardedDataParallel {
   std::vector<std::int64_t> offset_of_;
   std::vector<bool> seen_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::unique_ptr<Hooks> hooks_;
+  std::vector<Unit*> blocks_;  // full: the unit of block i
   std::size_t next_launch_ = 0;  // index into the reverse unit order
   bool sync_ = true;
   bool in_backward_ = false;

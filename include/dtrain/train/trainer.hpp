@@ -38,7 +38,7 @@ struct TrainOptions {
   double grad_clip = 1.0;           // global-norm clipping; 0 disables
   std::string precision = "fp32";   // fp32 | bf16 (autocast matmuls to bfloat16)
   // Data parallelism: replicated (DataParallel) or sharded (ZeRO, ShardedDataParallel).
-  std::string fsdp = "none";        // none | zero1 | zero2
+  std::string fsdp = "none";        // none | zero1 | zero2 | full
   DataParallelOptions ddp;          // allow_unused and broadcast_parameters apply to both
   // Evaluation and reporting.
   std::int64_t eval_every = 0;      // 0: evaluate only after the last step
@@ -89,6 +89,9 @@ class Trainer {
   // The strategy in use: data_parallel() without --fsdp, sharded() with it (else null).
   const DataParallel* data_parallel() const { return ddp_.get(); }
   const ShardedDataParallel* sharded() const { return sdp_.get(); }
+  // Makes every parameter of model() readable (full sharding frees blocks between uses;
+  // the next forward frees them again). A no-op for the other strategies.
+  void gather_parameters();
   // Logs the run's shape: model size, data, batch layout, FLOPs per token, peak.
   void log_summary() const;
 
