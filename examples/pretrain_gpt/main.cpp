@@ -29,7 +29,7 @@ constexpr int kExitFailure = 1;
 struct Options {
   std::string config;
   std::string backend = "auto";
-  int dp = 0;
+  int dp = 0, dp_shard = 0;
   // Model: the preset, then any field overridden (-1 / empty: the preset's value).
   std::string preset = "tiny";
   std::string family, tie_embeddings, activation_checkpointing = "none";
@@ -47,6 +47,7 @@ void define(CLI::App& app, Options& o) {
   const char* run = "Run";
   app.add_option("--backend", o.backend, "communication backend")->check(CLI::IsMember({"auto", "mpi", "nccl"}))->group(run);
   app.add_option("--dp", o.dp, "data-parallel degree (0: all ranks)")->group(run);
+  app.add_option("--dp-shard", o.dp_shard, "ranks per replica for --fsdp hybrid (0: no hybrid)")->group(run);
   app.add_option("--steps", t.steps, "optimizer steps")->group(run);
   app.add_option("--seed", t.seed, "seed of the initialisation and of the data order")->group(run);
   app.add_option("--precision", t.precision, "fp32, or bf16 (autocast matmuls to bfloat16)")->group(run);
@@ -82,7 +83,7 @@ void define(CLI::App& app, Options& o) {
   app.add_option("--grad-clip", t.grad_clip, "clip gradients to this global L2 norm (0: off)")->group(optim);
 
   const char* ddp = "Data parallelism";
-  app.add_option("--fsdp", t.fsdp, "sharding: none (replicated), zero1 (optimizer state), zero2 (+ gradients), full (+ parameters)")
+  app.add_option("--fsdp", t.fsdp, "sharding: none (replicated), zero1 (optimizer state), zero2 (+ gradients), full (+ parameters), hybrid (full within --dp-shard ranks, replicated across)")
       ->group(ddp);
   app.add_option("--bucket-mb", o.bucket_mb, "gradient bucket size in MiB")->group(ddp);
   app.add_flag("--bf16-reduce", t.ddp.bf16_reduce, "all-reduce gradients in bfloat16")->group(ddp);
@@ -200,6 +201,7 @@ int main(int argc, char** argv) {
     o.train.ddp.bucket_bytes = static_cast<std::int64_t>(o.bucket_mb * (1 << 20));
     dtrain::ParallelConfig parallel;
     parallel.dp = o.dp;
+    parallel.dp_shard = o.dp_shard;
     auto ctx = std::make_shared<dtrain::ParallelContext>(runtime->world(), parallel, runtime->device());
     trainer = std::make_unique<dtrain::train::Trainer>(ctx, model, o.train);
     trainer->log_summary();

@@ -6,7 +6,7 @@
 namespace dtrain {
 
 MeshAxes ParallelConfig::mesh_axes(int world_size) const {
-  DTRAIN_CHECK_ARG(tp >= 1 && pp >= 1 && ep >= 1 && cp >= 1 && dp >= 0,
+  DTRAIN_CHECK_ARG(tp >= 1 && pp >= 1 && ep >= 1 && cp >= 1 && dp >= 0 && dp_shard >= 0,
                    "parallel degrees must be positive (dp may be 0 for automatic); got ",
                    describe());
   const int others = tp * pp * ep * cp;
@@ -21,7 +21,15 @@ MeshAxes ParallelConfig::mesh_axes(int world_size) const {
                    "; set --dp 0 to fill the world with data parallelism");
   MeshAxes axes;
   axes.emplace_back("pp", pp);
-  axes.emplace_back("dp", d);
+  if (dp_shard > 0) {
+    DTRAIN_CHECK_ARG(d % dp_shard == 0, "--dp-shard=", dp_shard,
+                     " does not divide the data-parallel size ", d,
+                     "; allowed: a divisor of ", d);
+    axes.emplace_back("dp_replicate", d / dp_shard);
+    axes.emplace_back("dp_shard", dp_shard);
+  } else {
+    axes.emplace_back("dp", d);
+  }
   axes.emplace_back("cp", cp);
   axes.emplace_back("ep", ep);
   axes.emplace_back("tp", tp);
@@ -31,15 +39,18 @@ MeshAxes ParallelConfig::mesh_axes(int world_size) const {
 std::string ParallelConfig::describe(int world_size) const {
   int d = dp;
   if (d == 0 && world_size > 0) d = world_size / (tp * pp * ep * cp);
-  return detail::str_cat("dp=", d == 0 ? std::string("auto") : std::to_string(d), " tp=", tp,
-                         " pp=", pp, " ep=", ep, " cp=", cp);
+  return detail::str_cat("dp=", d == 0 ? std::string("auto") : std::to_string(d),
+                         dp_shard > 0 ? " (dp_shard=" + std::to_string(dp_shard) + ")" : "",
+                         " tp=", tp, " pp=", pp, " ep=", ep, " cp=", cp);
 }
 
 namespace {
 ParallelConfig resolved(ParallelConfig c, int world_size) {
+  int d = 1;
   for (const auto& [axis, size] : c.mesh_axes(world_size)) {
-    if (axis == "dp") c.dp = size;
+    if (axis == "dp" || axis == "dp_replicate" || axis == "dp_shard") d *= size;
   }
+  c.dp = d;
   return c;
 }
 }  // namespace
@@ -56,6 +67,23 @@ ParallelContext::ParallelContext(CommPtr world, ParallelConfig config, c10::Devi
                      " is not available in this build yet; allowed: 1 (data parallelism "
                      "over --dp is implemented)");
   }
+}
+
+CommPtr ParallelContext::dp_comm() {
+  return config_.dp_shard > 0 ? mesh_.comm({"dp_replicate", "dp_shard"}) : mesh_.comm("dp");
+}
+
+int ParallelContext::dp_rank() const {
+  if (config_.dp_shard == 0) return mesh_.coord("dp");
+  return mesh_.coord("dp_replicate") * config_.dp_shard + mesh_.coord("dp_shard");
+}
+
+CommPtr ParallelContext::shard_comm() {
+  return config_.dp_shard > 0 ? mesh_.comm("dp_shard") : dp_comm();
+}
+
+CommPtr ParallelContext::replicate_comm() {
+  return mesh_.comm("dp_replicate");  // a Self communicator without dp_shard
 }
 
 ContextPtr ParallelContext::single_process(c10::Device device) {

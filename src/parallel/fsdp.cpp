@@ -19,10 +19,9 @@ ShardingStrategy parse_sharding(const std::string& name) {
   if (name == "zero1") return ShardingStrategy::kZero1;
   if (name == "zero2") return ShardingStrategy::kZero2;
   if (name == "full") return ShardingStrategy::kFull;
-  DTRAIN_CHECK_ARG(name != "hybrid", "--fsdp 'hybrid' (HSDP) is not available in this build yet; "
-                   "allowed: none, zero1, zero2, full");
+  if (name == "hybrid") return ShardingStrategy::kHybrid;
   throw InvalidArgument(detail::str_cat("--fsdp '", name,
-                                        "' is not known; allowed: none, zero1, zero2, full"));
+                                        "' is not known; allowed: none, zero1, zero2, full, hybrid"));
 }
 
 const char* to_string(ShardingStrategy s) {
@@ -30,6 +29,7 @@ const char* to_string(ShardingStrategy s) {
     case ShardingStrategy::kZero1: return "zero1";
     case ShardingStrategy::kZero2: return "zero2";
     case ShardingStrategy::kFull: return "full";
+    case ShardingStrategy::kHybrid: return "hybrid";
   }
   return "?";
 }
@@ -81,10 +81,14 @@ struct AccumulatedHook : torch::autograd::PostAccumulateGradHook {
 };
 }  // namespace
 
-ShardedDataParallel::ShardedDataParallel(NamedParameters params, CommPtr dp_comm,
-                                         FsdpOptions options)
-    : params_(std::move(params)), comm_(std::move(dp_comm)), options_(std::move(options)) {
+ShardedDataParallel::ShardedDataParallel(NamedParameters params, CommPtr shard_comm,
+                                         FsdpOptions options, CommPtr replicate_comm)
+    : params_(std::move(params)), comm_(std::move(shard_comm)), options_(std::move(options)) {
   DTRAIN_CHECK_ARG(comm_ != nullptr, "ShardedDataParallel needs a data-parallel communicator");
+  DTRAIN_CHECK_ARG(options_.strategy == ShardingStrategy::kHybrid || replicate_comm == nullptr ||
+                       replicate_comm->size() == 1,
+                   "ShardedDataParallel: a replicate communicator needs the hybrid strategy");
+  if (replicate_comm && replicate_comm->size() > 1) replicate_ = std::move(replicate_comm);
   DTRAIN_CHECK_ARG(!params_.empty(), "ShardedDataParallel: no parameters");
   const int world = comm_->size(), rank = comm_->rank();
   // Units in order of their first parameter.
@@ -127,11 +131,14 @@ ShardedDataParallel::ShardedDataParallel(NamedParameters params, CommPtr dp_comm
       if (decays(name, p, options_.adamw)) mask.narrow(0, offset_of_[k], p.numel()).fill_(1.0);
       p.set_data(slot.view(p.sizes()));  // the parameter now lives in the flat buffer
     }
-    if (options_.broadcast_parameters) comm_->broadcast(u.flat, {0})->wait();
+    if (options_.broadcast_parameters) {
+      comm_->broadcast(u.flat, {0})->wait();
+      if (replicate_) replicate_->broadcast(u.flat, {0})->wait();
+    }
     // zero1/zero2 update the shard inside the flat buffer; full keeps it apart (the flat
     // buffer is freed between uses).
     u.master = u.flat.narrow(0, rank * u.shard, u.shard);
-    if (options_.strategy == ShardingStrategy::kFull) u.master = u.master.clone();
+    if (full_sharding()) u.master = u.master.clone();
     u.decay_mask = mask.narrow(0, rank * u.shard, u.shard).clone();
     stats_.shard_numel += u.shard;
   }
@@ -149,14 +156,15 @@ ShardedDataParallel::ShardedDataParallel(NamedParameters params, CommPtr dp_comm
   optimizer_ = std::make_unique<torch::optim::AdamW>(
       masters, torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(0.0));
 
-  if (options_.strategy == ShardingStrategy::kFull) {
+  if (full_sharding()) {
     // Block units in block order ("h.0", "h.1", ...), as the model calls the hooks.
     for (std::size_t i = 0;; ++i) {
       auto it = index.find("h." + std::to_string(i));
       if (it == index.end()) break;
       blocks_.push_back(units_[it->second].get());
     }
-    DTRAIN_CHECK_ARG(!blocks_.empty(), "--fsdp full needs one unit per transformer block "
+    DTRAIN_CHECK_ARG(!blocks_.empty(), "--fsdp ", to_string(options_.strategy),
+                     " needs one unit per transformer block "
                      "(parameters named h.<i>.*, the default wrap policy)");
     DTRAIN_CHECK_ARG(options_.prefetch >= 0, "FSDP prefetch=", options_.prefetch, " must be >= 0");
     for (auto* u : blocks_) {
@@ -376,6 +384,13 @@ void ShardedDataParallel::finish_gradient_sync() {
                    missing, " (set allow_unused to reduce them as zeros)");
   launch_ready_units();
   torch::NoGradGuard no_grad;
+  if (replicate_) {
+    // Hybrid: each shard's gradient is averaged across the replicas too.
+    for (auto& up : units_) {
+      up->work->wait();
+      up->work = replicate_->all_reduce(up->grad_shard, {ReduceOp::kAvg});
+    }
+  }
   for (auto& up : units_) {
     auto& u = *up;
     u.work->wait();
@@ -411,7 +426,7 @@ void ShardedDataParallel::step(double lr) {
   }
   set_learning_rate(*optimizer_, lr);
   optimizer_->step();
-  if (options_.strategy != ShardingStrategy::kFull) {
+  if (!full_sharding()) {
     std::vector<WorkPtr> works;
     for (auto& u : units_) works.push_back(comm_->all_gather(u->flat, u->master));  // in place
     for (auto& w : works) w->wait();

@@ -113,7 +113,12 @@ Trainer::Trainer(ContextPtr ctx, models::GptConfig model, TrainOptions options)
     fo.adamw = options_.adamw;
     fo.allow_unused = options_.ddp.allow_unused;
     fo.broadcast_parameters = options_.ddp.broadcast_parameters;
-    sdp_ = std::make_unique<ShardedDataParallel>(params, ctx_->dp_comm(), fo);
+    if (fo.strategy == ShardingStrategy::kHybrid) {
+      sdp_ = std::make_unique<ShardedDataParallel>(params, ctx_->shard_comm(), fo,
+                                                   ctx_->replicate_comm());
+    } else {
+      sdp_ = std::make_unique<ShardedDataParallel>(params, ctx_->dp_comm(), fo);
+    }
     model_->set_block_hooks(sdp_->block_hooks());  // full sharding: gather around blocks
   }
   flops_per_token_ = model_config_.flops_per_token(options_.seq_len);
@@ -171,6 +176,11 @@ void Trainer::check_options() const {
   DTRAIN_CHECK_ARG(o.log_every >= 1, "--log-every=", o.log_every, " must be >= 1");
   DTRAIN_CHECK_ARG(o.peak_tflops >= 0, "--peak-tflops=", o.peak_tflops, " must be >= 0");
   if (o.fsdp != "none") parse_sharding(o.fsdp);  // raises naming --fsdp
+  const int dp_shard = ctx_->config().dp_shard;
+  DTRAIN_CHECK_ARG((o.fsdp == "hybrid") == (dp_shard > 0),
+                   o.fsdp == "hybrid" ? "--fsdp hybrid needs --dp-shard N (ranks per replica)"
+                                      : "--dp-shard is only used by --fsdp hybrid",
+                   "; got --fsdp ", o.fsdp, " --dp-shard ", dp_shard);
 }
 
 void Trainer::load_data() {
@@ -262,9 +272,13 @@ void Trainer::log_summary() const {
   log_info("device: {}; peak {} TFLOP/s per device{}", device_name_, peak_tflops_,
            peak_tflops_ > 0 ? "" : " (unknown: MFU not reported; --peak-tflops)");
   if (sdp_) {
-    log_info("sharding: {} over {} rank(s), {} unit(s), {} parameter elements per rank",
-             to_string(sdp_->strategy()), ctx_->dp_size(), sdp_->stats().units,
-             sdp_->stats().shard_numel);
+    log_info("sharding: {} over {} rank(s){}, {} unit(s), {} parameter elements per rank",
+             to_string(sdp_->strategy()), ctx_->dp_size(),
+             ctx_->config().dp_shard > 0
+                 ? format(" ({} replicas x {} shards)", ctx_->dp_size() / ctx_->config().dp_shard,
+                          ctx_->config().dp_shard)
+                 : std::string(),
+             sdp_->stats().units, sdp_->stats().shard_numel);
   } else {
     log_info("data parallel: replicated over {} rank(s), {} gradient bucket(s)", ctx_->dp_size(),
              ddp_->stats().buckets);

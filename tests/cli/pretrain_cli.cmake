@@ -54,9 +54,8 @@ expect(seq-beyond-context 2 "--seq-len=100 is not allowed: the model context is 
 expect(batch-not-divisible 2 "--global-batch=10 is not divisible by data-parallel size 1 x --micro-batch 4"
        ARGS ${DATA} --global-batch 10 --micro-batch 4)
 expect(vocab-too-small 2 "holds token id [0-9]+ but the model's vocabulary is 50" ARGS ${DATA} --vocab-size 50)
-expect(fsdp-not-built 2 "--fsdp 'hybrid' \\(HSDP\\) is not available in this build yet; allowed: none, zero1, zero2, full"
-       ARGS ${DATA} --fsdp hybrid)
-expect(fsdp-unknown 2 "--fsdp 'zero9' is not known; allowed: none, zero1, zero2, full" ARGS ${DATA} --fsdp zero9)
+expect(hybrid-without-dp-shard 2 "--fsdp hybrid needs --dp-shard N" ARGS ${DATA} --fsdp hybrid)
+expect(fsdp-unknown 2 "--fsdp 'zero9' is not known; allowed: none, zero1, zero2, full, hybrid" ARGS ${DATA} --fsdp zero9)
 expect(bad-choice nonzero "--activation-checkpointing" ARGS ${DATA} --activation-checkpointing some)
 
 # A file that is not a token shard (magic and version errors: unit_train).
@@ -84,6 +83,10 @@ if(MPIEXEC)
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --fsdp zero2)
   expect(np2-full 0 "sharding: full over 2 rank\\(s\\).*val loss"
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --fsdp full)
+  expect(np2-hybrid 0 "sharding: hybrid over 2 rank\\(s\\) \\(1 replicas x 2 shards\\).*val loss"
+         NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --fsdp hybrid --dp-shard 2)
+  expect(np2-dp-shard-not-divisor 2 "--dp-shard=3 does not divide the data-parallel size 2"
+         NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --fsdp hybrid --dp-shard 3)
   expect(np2-batch-not-divisible 2 "--global-batch=3 is not divisible by data-parallel size 2"
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --global-batch 3)
 endif()

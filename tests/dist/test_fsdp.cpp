@@ -134,15 +134,40 @@ TEST_F(FsdpTest, FullShardingKeepsFewBlocksGathered) {
   }
 }
 
-TEST_F(FsdpTest, HybridIsNamedAsNotBuiltYet) {
+// Hybrid sharding: full sharding inside replicas of dp_shard ranks, gradients averaged
+// across replicas. 2 x 2 at four ranks (and 1 x 2 at two; one replica of n at odd n).
+TEST_F(FsdpTest, HybridMatchesSingleProcessForTenSteps) {
+  TestCorpus corpus("hy" + std::to_string(rank()));
+  const auto cfg = models::GptConfig::preset("tiny");
+  ParallelConfig pc;
+  pc.dp_shard = nranks() % 2 == 0 ? 2 : nranks();
+  auto ctx = std::make_shared<ParallelContext>(world(), pc);
+  EXPECT_EQ(ctx->dp_size(), nranks());
+  EXPECT_EQ(ctx->shard_comm()->size(), pc.dp_shard);
+  EXPECT_EQ(ctx->replicate_comm()->size(), nranks() / pc.dp_shard);
+  auto o = options(corpus);
+  o.fsdp = "hybrid";
+  Trainer sharded(ctx, cfg, o);
+  Trainer ref(ParallelContext::single_process(), cfg, options(corpus));
+  expect_equivalent(sharded, ref);
+}
+
+TEST_F(FsdpTest, HybridNeedsDpShardAndUnknownStrategiesAreNamed) {
+  TestCorpus corpus("hyerr" + std::to_string(rank()));
+  auto o = options(corpus);
+  o.fsdp = "hybrid";
   try {
-    parse_sharding("hybrid");
+    Trainer t(dp_context(), models::GptConfig::preset("tiny"), o);
     ADD_FAILURE();
   } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("not available in this build yet; allowed: none, zero1, zero2, full"),
-              std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("--fsdp hybrid needs --dp-shard"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(parse_sharding("zero4"), InvalidArgument);
+  try {
+    parse_sharding("zero4");
+    ADD_FAILURE();
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("allowed: none, zero1, zero2, full, hybrid"), std::string::npos);
+  }
 }
 
 }  // namespace

@@ -19,6 +19,9 @@ struct ParallelConfig {
   int pp = 1;  // pipeline stages (outermost axis)
   int ep = 1;  // expert parallel
   int cp = 1;  // context (sequence) parallel
+  // Hybrid sharding (HSDP): the dp ranks form dp / dp_shard replicas of dp_shard ranks
+  // each (mesh axes dp_replicate x dp_shard); 0: no such split (axis dp).
+  int dp_shard = 0;
 
   // The mesh axes for `world_size` ranks, in mesh order. Raises InvalidArgument naming
   // the degrees and the world size when they do not multiply to it.
@@ -46,10 +49,15 @@ class ParallelContext {
   const CommPtr& world() const { return mesh_.world(); }
   int rank() const { return world()->rank(); }
   int world_size() const { return world()->size(); }
-  // The data-parallel group: gradients are averaged over it and it splits the batch.
-  CommPtr dp_comm() { return mesh_.comm("dp"); }
-  int dp_rank() const { return mesh_.coord("dp"); }
+  // The data-parallel group: gradients are averaged over it and it splits the batch
+  // (with dp_shard: the dp_replicate x dp_shard ranks together).
+  CommPtr dp_comm();
+  int dp_rank() const;
   int dp_size() const { return config_.dp; }
+  // Hybrid sharding: the ranks that share one model's shards, and the ranks that hold the
+  // same shard (one per replica). Without dp_shard: dp_comm(), and a Self communicator.
+  CommPtr shard_comm();
+  CommPtr replicate_comm();
   bool is_single_process() const { return world_size() == 1; }
 
  private:

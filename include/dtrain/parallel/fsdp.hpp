@@ -26,10 +26,12 @@ class Optimizer;
 
 namespace dtrain {
 
-enum class ShardingStrategy { kZero1, kZero2, kFull };
+// kHybrid: kFull inside each replica (the shard communicator), gradients averaged across
+// replicas (the replicate communicator).
+enum class ShardingStrategy { kZero1, kZero2, kFull, kHybrid };
 
-// "zero1" | "zero2" | "full"; raises InvalidArgument naming --fsdp and the allowed values
-// (hybrid, not implemented yet, is named as such).
+// "zero1" | "zero2" | "full" | "hybrid"; raises InvalidArgument naming --fsdp and the
+// allowed values.
 ShardingStrategy parse_sharding(const std::string& name);
 const char* to_string(ShardingStrategy s);
 
@@ -66,7 +68,10 @@ struct FsdpStats {
 // re-pointed into the units' flat buffers (same tensors, same names). Not copyable.
 class ShardedDataParallel {
  public:
-  ShardedDataParallel(NamedParameters params, CommPtr dp_comm, FsdpOptions options = {});
+  // shard_comm: the ranks that split each unit; replicate_comm (hybrid only): the ranks
+  // that hold the same shard in the other replicas (null or size 1: none).
+  ShardedDataParallel(NamedParameters params, CommPtr shard_comm, FsdpOptions options = {},
+                      CommPtr replicate_comm = nullptr);
   ~ShardedDataParallel();
   ShardedDataParallel(const ShardedDataParallel&) = delete;
   ShardedDataParallel& operator=(const ShardedDataParallel&) = delete;
@@ -109,8 +114,14 @@ class ShardedDataParallel {
   static void after_forward(std::int64_t owner, std::int64_t block);
   static void before_backward(std::int64_t owner, std::int64_t block);
 
+  bool full_sharding() const {
+    return options_.strategy == ShardingStrategy::kFull ||
+           options_.strategy == ShardingStrategy::kHybrid;
+  }
+
   NamedParameters params_;
   CommPtr comm_;
+  CommPtr replicate_;  // null unless hybrid with several replicas
   FsdpOptions options_;
   std::vector<std::unique_ptr<Unit>> units_;  // in parameter order
   std::vector<std::size_t> unit_of_;

@@ -38,7 +38,7 @@ struct TrainOptions {
   double grad_clip = 1.0;           // global-norm clipping; 0 disables
   std::string precision = "fp32";   // fp32 | bf16 (autocast matmuls to bfloat16)
   // Data parallelism: replicated (DataParallel) or sharded (ZeRO, ShardedDataParallel).
-  std::string fsdp = "none";        // none | zero1 | zero2 | full
+  std::string fsdp = "none";        // none | zero1 | zero2 | full | hybrid (ctx dp_shard)
   DataParallelOptions ddp;          // allow_unused and broadcast_parameters apply to both
   // Evaluation and reporting.
   std::int64_t eval_every = 0;      // 0: evaluate only after the last step
