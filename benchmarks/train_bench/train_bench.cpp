@@ -4,9 +4,12 @@
 // ranks, in alternating rounds; medians of the per-step times are reported. Weak scaling:
 // --batch samples of --seq tokens per rank per step. Also reported: the step-time
 // breakdown, the time of the gradient all-reduces alone (comm_total) and the part of it
-// the step waited for after backward (comm_exposed).
+// the step waited for after backward (comm_exposed). With --fsdp a list of strategies runs
+// one after another (each alternating with the plain loop), adding the model-state bytes
+// per rank and the bytes sent per step against DDP's theoretical all-reduce volume.
 //
 //   mpirun -np 2 build/benchmarks/train_bench --preset gpt2-124m --batch 4 --seq 64 --steps 6
+//   mpirun -np 4 build/benchmarks/train_bench --fsdp none,zero1,zero2,full
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -40,12 +43,14 @@ struct Options {
   std::string preset = "tiny", json, backend = "auto";
   std::int64_t batch = 4, seq = 64, steps = 6, warmup = 2, rounds = 2, comm_reps = 5;
   double bucket_mb = 25;
+  std::vector<std::string> strategies = {"none"};
 };
 
 struct Row {
   std::string strategy;
   double step_ms = 0, forward_ms = 0, backward_ms = 0, optimizer_ms = 0, sync_ms = 0;
   double comm_total_ms = 0;
+  double state_bytes = 0, comm_bytes = 0;
 };
 
 // The plain LibTorch loop: forward, backward, clip, AdamW step.
@@ -117,6 +122,8 @@ int main(int argc, char** argv) {
   app.add_option("--rounds", o.rounds, "alternating rounds (plain, then dtrain)")->check(CLI::PositiveNumber);
   app.add_option("--bucket-mb", o.bucket_mb, "DataParallel bucket size in MiB")->check(CLI::PositiveNumber);
   app.add_option("--backend", o.backend, "auto, mpi or nccl")->check(CLI::IsMember({"auto", "mpi", "nccl"}));
+  app.add_option("--fsdp", o.strategies, "strategies to run, each against the plain loop: none (ddp), zero1, zero2, full")
+      ->delimiter(',')->check(CLI::IsMember({"none", "zero1", "zero2", "full"}));
   app.add_option("-J,--json", o.json, "append one JSON object per strategy to this file");
   CLI11_PARSE(app, argc, argv);
 
@@ -153,80 +160,104 @@ int main(int argc, char** argv) {
     to.ddp.bucket_bytes = static_cast<std::int64_t>(o.bucket_mb * (1 << 20));
 
     auto ctx = std::make_shared<dtrain::ParallelContext>(rt.world(), dtrain::ParallelConfig{}, device);
-    dtrain::train::Trainer trainer(ctx, cfg, to);
     PlainLoop plain(cfg, o, device);
-
-    Row prow{"plain"}, drow{"ddp"};
-    std::vector<double> p_steps, d_steps;
     Row scratch;
-    for (std::int64_t i = 0; i < o.warmup; ++i) {
-      plain.step(scratch);
-      trainer.train_step();
-    }
-    for (std::int64_t r = 0; r < o.rounds; ++r) {
-      rt.world()->barrier()->wait();
-      for (std::int64_t i = 0; i < o.steps; ++i) p_steps.push_back(plain.step(prow));
-      rt.world()->barrier()->wait();
-      for (std::int64_t i = 0; i < o.steps; ++i) {
-        const StepMetrics m = trainer.train_step();
-        d_steps.push_back(m.step_ms);
-        drow.forward_ms += m.forward_ms;
-        drow.backward_ms += m.backward_ms;
-        drow.sync_ms += m.sync_ms;
-        drow.optimizer_ms += m.optimizer_ms;
+    for (std::int64_t i = 0; i < o.warmup; ++i) plain.step(scratch);
+
+    // The slowest rank sets the pace: the maximum over ranks of each value.
+    auto max_over_ranks = [&](std::vector<double> v) {
+      auto t = torch::tensor(v, torch::kDouble).to(device);
+      rt.world()->all_reduce(t, {dtrain::ReduceOp::kMax})->synchronize();
+      t = t.cpu();
+      for (std::size_t i = 0; i < v.size(); ++i) v[i] = t[static_cast<std::int64_t>(i)].item<double>();
+      return v;
+    };
+
+    Row prow{"plain"};
+    std::vector<double> p_steps;
+    std::vector<Row> rows;
+    for (const auto& strategy : o.strategies) {
+      to.fsdp = strategy;
+      dtrain::train::Trainer trainer(ctx, cfg, to);
+      for (std::int64_t i = 0; i < o.warmup; ++i) trainer.train_step();
+      Row row{strategy == "none" ? "ddp" : strategy};
+      std::vector<double> steps;
+      for (std::int64_t r = 0; r < o.rounds; ++r) {
+        rt.world()->barrier()->wait();
+        for (std::int64_t i = 0; i < o.steps; ++i) p_steps.push_back(plain.step(prow));
+        rt.world()->barrier()->wait();
+        for (std::int64_t i = 0; i < o.steps; ++i) {
+          const StepMetrics m = trainer.train_step();
+          steps.push_back(m.step_ms);
+          row.forward_ms += m.forward_ms;
+          row.backward_ms += m.backward_ms;
+          row.sync_ms += m.sync_ms;
+          row.optimizer_ms += m.optimizer_ms;
+        }
       }
+      const double timed = static_cast<double>(o.rounds * o.steps);
+      row.forward_ms /= timed;
+      row.backward_ms /= timed;
+      row.sync_ms /= timed;
+      row.optimizer_ms /= timed;
+      row.step_ms = median(steps);
+      row.state_bytes = static_cast<double>(trainer.model_state_bytes());
+      row.comm_bytes = trainer.comm_bytes();
+      if (const auto* ddp = trainer.data_parallel()) {
+        row.comm_total_ms = time_bucket_all_reduces(rt.world(), ddp->stats().bucket_numel, device,
+                                                    static_cast<int>(o.comm_reps));
+      }
+      const auto v = max_over_ranks({row.step_ms, row.sync_ms, row.comm_total_ms, row.state_bytes});
+      row.step_ms = v[0];
+      row.sync_ms = v[1];
+      row.comm_total_ms = v[2];
+      row.state_bytes = v[3];
+      rows.push_back(row);
     }
-    const double timed = static_cast<double>(o.rounds * o.steps);
-    for (Row* row : {&prow, &drow}) {
-      row->forward_ms /= timed;
-      row->backward_ms /= timed;
-      row->sync_ms /= timed;
-      row->optimizer_ms /= timed;
-    }
-    prow.step_ms = median(p_steps);
-    drow.step_ms = median(d_steps);
-    drow.comm_total_ms = time_bucket_all_reduces(rt.world(), trainer.data_parallel()->stats().bucket_numel,
-                                                 device, static_cast<int>(o.comm_reps));
-    // The slowest rank sets the pace: report the maximum over ranks.
-    auto t = torch::tensor({prow.step_ms, drow.step_ms, drow.sync_ms, drow.comm_total_ms}, torch::kDouble);
-    auto td = t.to(device);
-    rt.world()->all_reduce(td, {dtrain::ReduceOp::kMax})->synchronize();
-    t = td.cpu();
-    prow.step_ms = t[0].item<double>();
-    drow.step_ms = t[1].item<double>();
-    drow.sync_ms = t[2].item<double>();
-    drow.comm_total_ms = t[3].item<double>();
+    const double timed_plain = static_cast<double>(p_steps.size());
+    prow.forward_ms /= timed_plain;
+    prow.backward_ms /= timed_plain;
+    prow.optimizer_ms /= timed_plain;
+    prow.step_ms = max_over_ranks({median(p_steps)})[0];
+    prow.state_bytes = static_cast<double>(cfg.num_parameters()) * 4 * 4;  // params, grads, 2 Adam
     dtrain::fs::remove_tree(dir);
 
     if (rt.rank() == 0) {
       const double tokens = static_cast<double>(o.batch * o.seq * n);
+      const double param_bytes = static_cast<double>(cfg.num_parameters()) * 4;
       std::printf("# train_bench: preset %s (%.1fM params), %d rank(s), batch %lld x %lld tokens per rank, "
                   "%lld rounds x %lld steps, device %s\n",
                   o.preset.c_str(), static_cast<double>(cfg.num_parameters()) / 1e6, n,
                   static_cast<long long>(o.batch), static_cast<long long>(o.seq),
                   static_cast<long long>(o.rounds), static_cast<long long>(o.steps),
                   dtrain::train::device_name(device).c_str());
-      std::printf("# plain: every rank runs the LibTorch loop alone (no communication); ddp: dtrain Trainer\n");
+      std::printf("# plain: every rank runs the LibTorch loop alone (no communication); ddp: dtrain Trainer"
+                  "; zero1/zero2/full: dtrain Trainer with --fsdp\n");
       const double peak = dtrain::train::known_peak_tflops(dtrain::train::device_name(device));
-      std::printf("%-8s %6s %12s %10s %9s %9s %9s %11s %13s %8s %9s %8s %6s\n", "strategy", "nranks",
-                  "tokens/s", "step_ms", "fwd_ms", "bwd_ms", "opt_ms", "comm_total", "comm_exposed",
-                  "hidden", "vs_plain", "TFLOP/s", "mfu");
+      std::printf("%-8s %6s %10s %9s %8s %8s %8s %10s %12s %7s %8s %9s %9s %8s %7s %6s\n", "strategy",
+                  "nranks", "tokens/s", "step_ms", "fwd_ms", "bwd_ms", "opt_ms", "comm_total",
+                  "comm_exposed", "hidden", "vs_plain", "state_MiB", "comm_MB", "comm/ddp", "TFLOP/s", "mfu");
       std::ofstream json;
       if (!o.json.empty()) json.open(o.json, std::ios::app);
-      for (const Row* row : {&prow, &drow}) {
-        const bool ddp = row == &drow;
+      // DDP's traffic per step in theory: one all-reduce of every gradient.
+      const double ddp_theory = dtrain::wire_bytes(dtrain::OpKind::kAllReduce, param_bytes, n);
+      std::vector<const Row*> all = {&prow};
+      for (const auto& r : rows) all.push_back(&r);
+      for (const Row* row : all) {
+        const bool is_plain = row == &prow;
         const double tps = tokens / (row->step_ms / 1e3);
-        const double hidden = ddp && row->comm_total_ms > 0
+        const double hidden = row->comm_total_ms > 0
                                   ? std::clamp(1.0 - row->sync_ms / row->comm_total_ms, 0.0, 1.0)
                                   : 0.0;
         const double ratio = row->step_ms / prow.step_ms;
         const double tflops = cfg.flops_per_token(o.seq) * tps / n / 1e12;  // per device
+        const double comm_ratio = ddp_theory > 0 ? row->comm_bytes / ddp_theory : 0.0;
         char mfu[16] = "n/a";
         if (peak > 0) std::snprintf(mfu, sizeof(mfu), "%.1f%%", 100 * tflops / peak);
-        std::printf("%-8s %6d %12.0f %10.1f %9.1f %9.1f %9.1f %11.2f %13.2f %7.0f%% %9.3f %8.3f %6s\n",
+        std::printf("%-8s %6d %10.0f %9.1f %8.1f %8.1f %8.1f %10.2f %12.2f %6.0f%% %8.3f %9.1f %9.1f %8.3f %7.3f %6s\n",
                     row->strategy.c_str(), n, tps, row->step_ms, row->forward_ms, row->backward_ms,
                     row->optimizer_ms, row->comm_total_ms, row->sync_ms, 100 * hidden, ratio,
-                    tflops, mfu);
+                    row->state_bytes / (1 << 20), row->comm_bytes / 1e6, comm_ratio, tflops, mfu);
         nlohmann::json j = {{"strategy", row->strategy}, {"nranks", n},
                             {"preset", o.preset},         {"batch", o.batch},
                             {"seq", o.seq},               {"tokens_per_s", tps},
@@ -234,6 +265,9 @@ int main(int argc, char** argv) {
                             {"backward_ms", row->backward_ms}, {"optimizer_ms", row->optimizer_ms},
                             {"comm_total_ms", row->comm_total_ms}, {"comm_exposed_ms", row->sync_ms},
                             {"hidden_fraction", hidden},  {"step_ratio_vs_plain", ratio},
+                            {"state_bytes_per_rank", row->state_bytes},
+                            {"comm_bytes", row->comm_bytes},
+                            {"comm_bytes_vs_ddp_theory", is_plain ? nlohmann::json() : nlohmann::json(comm_ratio)},
                             {"tflops", tflops},
                             {"mfu", peak > 0 ? nlohmann::json(tflops / peak) : nlohmann::json()}};
         std::printf("%s\n", j.dump().c_str());

@@ -24,6 +24,17 @@ const char* to_string(Backend backend) {
   return "?";
 }
 
+double wire_bytes(OpKind kind, double bytes, int n) {
+  if (n <= 1) return 0;
+  switch (kind) {
+    case OpKind::kAllReduce: return bytes * 2.0 * (n - 1) / n;
+    case OpKind::kAllGather:
+    case OpKind::kReduceScatter:
+    case OpKind::kAllToAll: return bytes * (n - 1) / n;
+    default: return bytes;
+  }
+}
+
 const char* to_string(OpKind kind) {
   switch (kind) {
     case OpKind::kAllReduce: return "all_reduce";

@@ -185,7 +185,10 @@ void DataParallel::finish_gradient_sync() {
   }
   check_unused(missing, options_.allow_unused);
   launch_ready_buckets();
+  stats_.comm_bytes = 0;
   for (auto& b : buckets_) {
+    stats_.comm_bytes += wire_bytes(OpKind::kAllReduce,
+                                    static_cast<double>(b->buffer.nbytes()), comm_->size());
     b->work->wait();
     for (std::size_t k : b->params) {
       auto& p = params_[k].second;

@@ -234,6 +234,8 @@ void ShardedDataParallel::launch(Unit& u) {
   }
   u.grad_shard = torch::empty({u.shard}, u.flat.options());
   u.work = comm_->reduce_scatter(u.grad_shard, u.grad_flat, {ReduceOp::kAvg});
+  stats_.comm_bytes += wire_bytes(OpKind::kReduceScatter, static_cast<double>(u.grad_flat.nbytes()),
+                                  comm_->size());
   // Every use of the unit's parameters in backward is done once all its gradients exist.
   if (u.reshard && in_backward_) release(u);
 }
@@ -251,6 +253,7 @@ void ShardedDataParallel::issue_gather(Unit& u) {
   // may be saved for backward, and a gather must not count as an in-place change of them.
   u.gather_out = at::from_blob(u.flat.data_ptr(), {u.flat.numel()}, u.flat.options());
   u.pending = comm_->all_gather(u.gather_out, u.master);
+  stats_.comm_bytes += wire_bytes(OpKind::kAllGather, static_cast<double>(nbytes), comm_->size());
   stats_.peak_gathered_units = std::max(stats_.peak_gathered_units, ++stats_.gathered_units);
 }
 
@@ -389,6 +392,8 @@ void ShardedDataParallel::finish_gradient_sync() {
     for (auto& up : units_) {
       up->work->wait();
       up->work = replicate_->all_reduce(up->grad_shard, {ReduceOp::kAvg});
+      stats_.comm_bytes += wire_bytes(OpKind::kAllReduce, static_cast<double>(up->grad_shard.nbytes()),
+                                      replicate_->size());
     }
   }
   for (auto& up : units_) {
@@ -428,7 +433,11 @@ void ShardedDataParallel::step(double lr) {
   optimizer_->step();
   if (!full_sharding()) {
     std::vector<WorkPtr> works;
-    for (auto& u : units_) works.push_back(comm_->all_gather(u->flat, u->master));  // in place
+    for (auto& u : units_) {
+      works.push_back(comm_->all_gather(u->flat, u->master));  // in place
+      stats_.comm_bytes += wire_bytes(OpKind::kAllGather, static_cast<double>(u->flat.nbytes()),
+                                      comm_->size());
+    }
     for (auto& w : works) w->wait();
     return;
   }
@@ -450,6 +459,7 @@ void ShardedDataParallel::step(double lr) {
 
 void ShardedDataParallel::zero_grad() {
   stats_.peak_gathered_units = stats_.gathered_units;
+  stats_.comm_bytes = 0;
   for (auto& u : units_) u->master.mutable_grad() = at::Tensor();
   for (auto& [name, p] : params_) p.mutable_grad() = at::Tensor();
 }

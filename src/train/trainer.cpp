@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <fstream>
 #include <limits>
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include "dtrain/core/error.hpp"
@@ -251,6 +252,38 @@ void Trainer::validate_and_agree() {
   for (int r : failed) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
   throw InvalidArgument("the run cannot start: rank(s) " + ranks +
                         " rejected the configuration or data (see their error)");
+}
+
+std::int64_t Trainer::model_state_bytes() const {
+  std::set<const void*> seen;
+  std::int64_t bytes = 0;
+  auto add = [&](const at::Tensor& t) {
+    if (!t.defined()) return;
+    const auto* storage = t.storage().unsafeGetStorageImpl();
+    if (seen.insert(storage).second) bytes += static_cast<std::int64_t>(storage->nbytes());
+  };
+  const torch::optim::Optimizer& opt = sdp_ ? sdp_->optimizer() : *optimizer_;
+  for (const auto& p : model_->parameters()) {
+    add(p);
+    add(p.grad());
+  }
+  for (const auto& group : opt.param_groups()) {
+    for (const auto& p : group.params()) {
+      add(p);
+      add(p.grad());
+    }
+  }
+  for (const auto& [key, state] : opt.state()) {
+    const auto& s = static_cast<const torch::optim::AdamWParamState&>(*state);
+    add(s.exp_avg());
+    add(s.exp_avg_sq());
+    add(s.max_exp_avg_sq());
+  }
+  return bytes;
+}
+
+double Trainer::comm_bytes() const {
+  return sdp_ ? sdp_->stats().comm_bytes : ddp_->stats().comm_bytes;
 }
 
 void Trainer::log_summary() const {

@@ -61,4 +61,10 @@ struct P2POptions {
   Timeout timeout{0};
 };
 
+// Bytes each rank sends in a bandwidth-optimal (ring) algorithm for a collective over n
+// ranks whose full buffer has `bytes` (all-reduce: 2(n-1)/n; all-gather output and
+// reduce-scatter input: (n-1)/n; broadcast: 1; n = 1: 0). nccl-tests' "bus bytes";
+// strategies report their traffic with it.
+double wire_bytes(OpKind kind, double bytes, int n);
+
 }  // namespace dtrain

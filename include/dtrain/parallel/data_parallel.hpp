@@ -30,6 +30,7 @@ struct DataParallelStats {
   std::int64_t grads_before_first_launch = 0;  // last sync: gradients seen at 1st issue
   double sync_wait_ms = 0;  // last sync: time finish_gradient_sync blocked (exposed comm)
   std::vector<std::int64_t> bucket_numel;  // elements per bucket, in launch order
+  double comm_bytes = 0;  // last sync: bytes each rank sent (comm/types.hpp wire_bytes)
 };
 
 // Usage per optimizer step: for each micro-batch, set_sync(is_last) then backward; then

@@ -61,6 +61,7 @@ struct FsdpStats {
   double sync_wait_ms = 0;                    // last sync: time blocked after backward
   std::int64_t gathered_units = 0;            // full: units whose parameters exist now
   std::int64_t peak_gathered_units = 0;       // full: most at once since the last zero_grad
+  double comm_bytes = 0;  // since the last zero_grad: bytes this rank sent (wire_bytes)
 };
 
 // Usage per optimizer step: zero_grad(); for each micro-batch set_sync(is_last), backward;
@@ -93,6 +94,8 @@ class ShardedDataParallel {
   // full: the hooks the model must call around each block (models::Gpt::set_block_hooks);
   // null for zero1/zero2.
   BlockHooks* block_hooks();
+  // The sharded AdamW (its state holds this rank's shards only).
+  const torch::optim::Optimizer& optimizer() const { return *optimizer_; }
 
   const FsdpStats& stats() const { return stats_; }
   ShardingStrategy strategy() const { return options_.strategy; }

@@ -92,6 +92,11 @@ class Trainer {
   // Makes every parameter of model() readable (full sharding frees blocks between uses;
   // the next forward frees them again). A no-op for the other strategies.
   void gather_parameters();
+  // Bytes this rank holds now for the model state: parameters (gathered storage only),
+  // gradients (full and sharded) and optimizer state, each storage counted once.
+  std::int64_t model_state_bytes() const;
+  // Bytes this rank sent in the strategy's collectives during the last step.
+  double comm_bytes() const;
   // Logs the run's shape: model size, data, batch layout, FLOPs per token, peak.
   void log_summary() const;
 
