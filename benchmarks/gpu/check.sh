@@ -28,6 +28,6 @@ for precision in fp32 bf16; do
     --precision "$precision" --progress off --log-every 50 2>&1 | grep -E "device|step |done"
 done
 echo "== train_bench gpt2-124m"
-"$build/benchmarks/train_bench" --preset gpt2-124m --batch 8 --seq 1024 --steps 5 --rounds 2 \
+"$build/benchmarks/train_bench" --preset gpt2-124m --batch 8 --seq 1024 --steps 5 --rounds 2 --fsdp none,full \
   --warmup 2 2>&1 | grep -v "^\[" 
 echo "== GPU check passed"
