@@ -85,6 +85,14 @@ void define(CLI::App& app, Options& o) {
   const char* ddp = "Data parallelism";
   app.add_option("--fsdp", t.fsdp, "sharding: none (replicated), zero1 (optimizer state), zero2 (+ gradients), full (+ parameters), hybrid (full within --dp-shard ranks, replicated across)")
       ->group(ddp);
+  app.add_option("--fsdp-prefetch", t.fsdp_prefetch, "full/hybrid: blocks whose all-gather is issued ahead")
+      ->group(ddp);
+  app.add_option("--fsdp-reshard-after-forward", t.fsdp_reshard_after_forward,
+                 "full/hybrid: free each block between its forward and its backward (false: keep, more memory)")
+      ->group(ddp);
+  app.add_option("--param-dtype", t.param_dtype, "--fsdp: parameters' compute dtype: float32, bfloat16 (float32 masters)")
+      ->group(ddp);
+  app.add_option("--reduce-dtype", t.reduce_dtype, "--fsdp: gradient reduction dtype: float32, bfloat16")->group(ddp);
   app.add_option("--bucket-mb", o.bucket_mb, "gradient bucket size in MiB")->group(ddp);
   app.add_flag("--bf16-reduce", t.ddp.bf16_reduce, "all-reduce gradients in bfloat16")->group(ddp);
   app.add_flag("--allow-unused", t.ddp.allow_unused, "reduce parameters without a gradient as zeros instead of failing")->group(ddp);

@@ -130,7 +130,8 @@ namespace {
 // Rotary embedding on [B, H, T, D] with the half-split convention.
 torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
   const auto T = x.size(2), half = x.size(3) / 2;
-  auto c = cos.slice(0, 0, T), s = sin.slice(0, 0, T);
+  // In the activations' dtype (bfloat16 parameters give bfloat16 q and k).
+  auto c = cos.slice(0, 0, T).to(x.scalar_type()), s = sin.slice(0, 0, T).to(x.scalar_type());
   auto x1 = x.slice(3, 0, half), x2 = x.slice(3, half);
   return torch::cat({x1 * c - x2 * s, x1 * s + x2 * c}, 3);
 }

@@ -48,7 +48,9 @@ struct ShardedDataParallel::Unit {
   std::int64_t numel = 0;           // unpadded
   std::int64_t shard = 0;           // elements per rank
   at::Tensor flat;                  // [shard * size]: the parameters live here
-  at::Tensor master;                // this rank's shard of flat (the optimizer's tensor)
+  at::Tensor master;                // float32 shard the optimizer updates
+  at::Tensor param_shard;           // the shard in the parameter dtype (all-gather input);
+                                    // master itself when that is a view of flat
   at::Tensor decay_mask;            // [shard]: 1 where weight decay applies
   at::Tensor grad_flat;             // [shard * size] during a sync
   at::Tensor grad_shard;            // [shard]
@@ -96,15 +98,21 @@ ShardedDataParallel::ShardedDataParallel(NamedParameters params, CommPtr shard_c
   unit_of_.assign(params_.size(), 0);
   offset_of_.assign(params_.size(), 0);
   seen_.assign(params_.size(), false);
-  const auto dtype = params_[0].second.scalar_type();
+  const auto given = params_[0].second.scalar_type();
   const auto device = params_[0].second.device();
+  const auto dtype = options_.param_dtype == c10::ScalarType::Undefined ? given : options_.param_dtype;
+  reduce_dtype_ = options_.reduce_dtype == c10::ScalarType::Undefined ? at::kFloat : options_.reduce_dtype;
+  for (auto t : {dtype, reduce_dtype_}) {
+    DTRAIN_CHECK_ARG(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf,
+                     "ShardedDataParallel: dtype ", t, " is not allowed; allowed: float32, bfloat16, float16");
+  }
   for (std::size_t k = 0; k < params_.size(); ++k) {
     const auto& [name, p] = params_[k];
     DTRAIN_CHECK_ARG(p.requires_grad(), "ShardedDataParallel: parameter '", name,
                      "' does not require grad; pass only trainable parameters");
-    DTRAIN_CHECK_ARG(p.scalar_type() == dtype && p.device() == device,
+    DTRAIN_CHECK_ARG(p.scalar_type() == given && p.device() == device,
                      "ShardedDataParallel: parameter '", name, "' is ", p.scalar_type(), " on ",
-                     p.device(), "; every parameter must be ", dtype, " on ", device);
+                     p.device(), "; every parameter must be ", given, " on ", device);
     const std::string key = options_.wrap(name);
     auto it = index.find(key);
     if (it == index.end()) {
@@ -122,23 +130,33 @@ ShardedDataParallel::ShardedDataParallel(NamedParameters params, CommPtr shard_c
   for (auto& up : units_) {
     auto& u = *up;
     u.shard = (u.numel + world - 1) / world;
-    u.flat = torch::zeros({u.shard * world}, torch::TensorOptions().dtype(dtype).device(device));
+    // The given values, exactly, then cast to the compute dtype.
+    auto full = torch::zeros({u.shard * world}, torch::TensorOptions().dtype(given).device(device));
     auto mask = torch::zeros({u.shard * world}, torch::TensorOptions().dtype(torch::kFloat).device(device));
     for (std::size_t k : u.params) {
       auto& [name, p] = params_[k];
-      auto slot = u.flat.narrow(0, offset_of_[k], p.numel());
-      slot.copy_(p.detach().reshape({-1}));
+      full.narrow(0, offset_of_[k], p.numel()).copy_(p.detach().reshape({-1}));
       if (decays(name, p, options_.adamw)) mask.narrow(0, offset_of_[k], p.numel()).fill_(1.0);
-      p.set_data(slot.view(p.sizes()));  // the parameter now lives in the flat buffer
     }
     if (options_.broadcast_parameters) {
-      comm_->broadcast(u.flat, {0})->wait();
-      if (replicate_) replicate_->broadcast(u.flat, {0})->wait();
+      comm_->broadcast(full, {0})->wait();
+      if (replicate_) replicate_->broadcast(full, {0})->wait();
     }
-    // zero1/zero2 update the shard inside the flat buffer; full keeps it apart (the flat
-    // buffer is freed between uses).
-    u.master = u.flat.narrow(0, rank * u.shard, u.shard);
-    if (full_sharding()) u.master = u.master.clone();
+    u.flat = dtype == given ? full : full.to(dtype);
+    for (std::size_t k : u.params) {
+      auto& p = params_[k].second;
+      // The parameter now lives in the flat buffer (in the compute dtype).
+      p.set_data(u.flat.narrow(0, offset_of_[k], p.numel()).view(p.sizes()));
+    }
+    // zero1/zero2 in float32 update the shard inside the flat buffer; otherwise (full
+    // sharding frees the buffer; mixed precision needs float32) the master is apart.
+    u.master = full.narrow(0, rank * u.shard, u.shard);
+    if (full_sharding() || dtype != given || given != at::kFloat) {
+      u.master = u.master.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+      u.param_shard = u.master.to(dtype, false, true);
+    } else {
+      u.param_shard = u.master;
+    }
     u.decay_mask = mask.narrow(0, rank * u.shard, u.shard).clone();
     stats_.shard_numel += u.shard;
   }
@@ -224,7 +242,7 @@ void ShardedDataParallel::launch_ready_units() {
 
 void ShardedDataParallel::launch(Unit& u) {
   torch::NoGradGuard no_grad;
-  u.grad_flat = torch::zeros({u.shard * comm_->size()}, u.flat.options());
+  u.grad_flat = torch::zeros({u.shard * comm_->size()}, u.flat.options().dtype(reduce_dtype_));
   for (std::size_t k : u.params) {
     auto& p = params_[k].second;
     if (p.grad().defined()) {
@@ -232,7 +250,7 @@ void ShardedDataParallel::launch(Unit& u) {
       p.mutable_grad() = at::Tensor();  // only the shard is kept
     }
   }
-  u.grad_shard = torch::empty({u.shard}, u.flat.options());
+  u.grad_shard = torch::empty({u.shard}, u.grad_flat.options());
   u.work = comm_->reduce_scatter(u.grad_shard, u.grad_flat, {ReduceOp::kAvg});
   stats_.comm_bytes += wire_bytes(OpKind::kReduceScatter, static_cast<double>(u.grad_flat.nbytes()),
                                   comm_->size());
@@ -252,7 +270,7 @@ void ShardedDataParallel::issue_gather(Unit& u) {
   // Written through an alias with its own version counter: the parameters (views of flat)
   // may be saved for backward, and a gather must not count as an in-place change of them.
   u.gather_out = at::from_blob(u.flat.data_ptr(), {u.flat.numel()}, u.flat.options());
-  u.pending = comm_->all_gather(u.gather_out, u.master);
+  u.pending = comm_->all_gather(u.gather_out, u.param_shard);
   stats_.comm_bytes += wire_bytes(OpKind::kAllGather, static_cast<double>(nbytes), comm_->size());
   stats_.peak_gathered_units = std::max(stats_.peak_gathered_units, ++stats_.gathered_units);
 }
@@ -405,7 +423,7 @@ void ShardedDataParallel::finish_gradient_sync() {
     if (u.master.grad().defined()) {
       u.master.mutable_grad().add_(u.grad_shard);
     } else {
-      u.master.mutable_grad() = u.grad_shard;
+      u.master.mutable_grad() = u.grad_shard.to(at::kFloat);
     }
     u.grad_shard = at::Tensor();
     u.ready = 0;
@@ -431,10 +449,13 @@ void ShardedDataParallel::step(double lr) {
   }
   set_learning_rate(*optimizer_, lr);
   optimizer_->step();
+  for (auto& u : units_) {
+    if (!u->param_shard.is_same(u->master)) u->param_shard.copy_(u->master);  // cast
+  }
   if (!full_sharding()) {
     std::vector<WorkPtr> works;
     for (auto& u : units_) {
-      works.push_back(comm_->all_gather(u->flat, u->master));  // in place
+      works.push_back(comm_->all_gather(u->flat, u->param_shard));  // in place in float32
       stats_.comm_bytes += wire_bytes(OpKind::kAllGather, static_cast<double>(u->flat.nbytes()),
                                       comm_->size());
     }

@@ -51,6 +51,15 @@ class AutocastScope {
   c10::DeviceType device_;
 };
 
+// "float32" | "bfloat16" | "float16" for the option `option`.
+c10::ScalarType parse_dtype(const char* option, const std::string& name) {
+  if (name == "float32") return at::kFloat;
+  if (name == "bfloat16") return at::kBFloat16;
+  if (name == "float16") return at::kHalf;
+  throw InvalidArgument(detail::str_cat(option, " '", name,
+                                        "' is not known; allowed: float32, bfloat16, float16"));
+}
+
 // Rows [begin, end) of a rank's sample list.
 std::vector<std::int64_t> rows(const std::vector<std::int64_t>& all, std::int64_t begin,
                                std::int64_t end) {
@@ -114,6 +123,10 @@ Trainer::Trainer(ContextPtr ctx, models::GptConfig model, TrainOptions options)
     fo.adamw = options_.adamw;
     fo.allow_unused = options_.ddp.allow_unused;
     fo.broadcast_parameters = options_.ddp.broadcast_parameters;
+    fo.prefetch = options_.fsdp_prefetch;
+    fo.param_dtype = parse_dtype("--param-dtype", options_.param_dtype);
+    fo.reduce_dtype = parse_dtype("--reduce-dtype", options_.reduce_dtype);
+    fo.reshard_after_forward = options_.fsdp_reshard_after_forward;
     if (fo.strategy == ShardingStrategy::kHybrid) {
       sdp_ = std::make_unique<ShardedDataParallel>(params, ctx_->shard_comm(), fo,
                                                    ctx_->replicate_comm());
@@ -177,6 +190,14 @@ void Trainer::check_options() const {
   DTRAIN_CHECK_ARG(o.log_every >= 1, "--log-every=", o.log_every, " must be >= 1");
   DTRAIN_CHECK_ARG(o.peak_tflops >= 0, "--peak-tflops=", o.peak_tflops, " must be >= 0");
   if (o.fsdp != "none") parse_sharding(o.fsdp);  // raises naming --fsdp
+  DTRAIN_CHECK_ARG(o.fsdp_prefetch >= 0 && o.fsdp_prefetch <= 16, "--fsdp-prefetch=",
+                   o.fsdp_prefetch, " is not allowed; allowed: 0..16");
+  parse_dtype("--param-dtype", o.param_dtype);
+  parse_dtype("--reduce-dtype", o.reduce_dtype);
+  DTRAIN_CHECK_ARG(o.fsdp != "none" || (o.param_dtype == "float32" && o.reduce_dtype == "float32"),
+                   "--param-dtype / --reduce-dtype other than float32 need --fsdp (got --fsdp none, ",
+                   "--param-dtype ", o.param_dtype, ", --reduce-dtype ", o.reduce_dtype,
+                   "); use --precision bf16 for autocast with replicated data parallelism");
   const int dp_shard = ctx_->config().dp_shard;
   DTRAIN_CHECK_ARG((o.fsdp == "hybrid") == (dp_shard > 0),
                    o.fsdp == "hybrid" ? "--fsdp hybrid needs --dp-shard N (ranks per replica)"

@@ -56,6 +56,10 @@ expect(batch-not-divisible 2 "--global-batch=10 is not divisible by data-paralle
 expect(vocab-too-small 2 "holds token id [0-9]+ but the model's vocabulary is 50" ARGS ${DATA} --vocab-size 50)
 expect(hybrid-without-dp-shard 2 "--fsdp hybrid needs --dp-shard N" ARGS ${DATA} --fsdp hybrid)
 expect(fsdp-unknown 2 "--fsdp 'zero9' is not known; allowed: none, zero1, zero2, full, hybrid" ARGS ${DATA} --fsdp zero9)
+expect(param-dtype-needs-fsdp 2 "--param-dtype / --reduce-dtype other than float32 need --fsdp"
+       ARGS ${DATA} --param-dtype bfloat16)
+expect(param-dtype-unknown 2 "--param-dtype 'fp8' is not known; allowed: float32, bfloat16, float16"
+       ARGS ${DATA} --fsdp zero1 --param-dtype fp8)
 expect(bad-choice nonzero "--activation-checkpointing" ARGS ${DATA} --activation-checkpointing some)
 
 # A file that is not a token shard (magic and version errors: unit_train).

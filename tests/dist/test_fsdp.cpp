@@ -98,6 +98,56 @@ TEST_F(FsdpTest, FullShardingMatchesSingleProcessForTenSteps) {
   }
 }
 
+// Prefetching two blocks ahead and keeping blocks between forward and backward change
+// when parameters exist, never the numbers.
+TEST_F(FsdpTest, FullShardingOptionsLeaveResultsUnchanged) {
+  TestCorpus corpus("opts" + std::to_string(rank()));
+  auto cfg = models::GptConfig::preset("tiny");
+  cfg.n_layer = 4;
+  auto o = options(corpus);
+  o.fsdp = "full";
+  o.fsdp_prefetch = 2;
+  o.fsdp_reshard_after_forward = false;
+  Trainer sharded(dp_context(), cfg, o);
+  Trainer ref(ParallelContext::single_process(), cfg, options(corpus));
+  expect_equivalent(sharded, ref);
+}
+
+// Mixed precision: bfloat16 parameters, float32 masters and optimizer state, float32 or
+// bfloat16 reduction, against the same policy in one process (a single-process bfloat16
+// run). Stated tolerance: losses within 2e-3 relative, parameters (bfloat16) within 1e-2
+// absolute: the float32 averages differ in the last bits, and casting the updated master
+// to bfloat16 may round one ulp (2^-8 relative) the other way.
+TEST_F(FsdpTest, Bfloat16ParametersMatchSingleProcessBfloat16) {
+  for (const char* reduce : {"float32", "bfloat16"}) {
+    for (const char* strategy : {"zero2", "full"}) {
+      TestCorpus corpus(std::string("bf") + strategy + reduce + std::to_string(rank()));
+      auto cfg = models::GptConfig::preset("tiny");
+      cfg.family = "llama";  // RoPE and RMSNorm in bfloat16 too
+      cfg.n_kv_head = 2;
+      auto o = options(corpus);
+      o.fsdp = strategy;
+      o.param_dtype = "bfloat16";
+      o.reduce_dtype = reduce;
+      Trainer sharded(dp_context(), cfg, o);
+      Trainer ref(ParallelContext::single_process(), cfg, o);
+      EXPECT_EQ(sharded.model()->parameters()[0].scalar_type(), torch::kBFloat16);
+      const auto a = sharded.run(), b = ref.run();
+      for (std::size_t i = 0; i < a.size(); ++i) {
+        EXPECT_NEAR(a[i].loss, b[i].loss, 2e-3 * b[i].loss) << strategy << " " << reduce << " step " << i + 1;
+      }
+      EXPECT_LT(b.back().loss, b.front().loss - 0.5) << "bfloat16 training must still learn";
+      sharded.gather_parameters();
+      ref.gather_parameters();
+      const auto pa = sharded.model()->parameter_list(), pb = ref.model()->parameter_list();
+      for (std::size_t i = 0; i < pa.size(); ++i) {
+        const double diff = (pa[i].second.to(torch::kFloat) - pb[i].second.to(torch::kFloat)).abs().max().item<double>();
+        EXPECT_LE(diff, 1e-2) << strategy << " " << reduce << " " << pa[i].first;
+      }
+    }
+  }
+}
+
 TEST_F(FsdpTest, FullShardingWithAccumulationLlama) {
   TestCorpus corpus("fullacc" + std::to_string(rank()));
   auto cfg = models::GptConfig::preset("tiny");

@@ -52,6 +52,11 @@ struct FsdpOptions {
   // (embeddings, final norm, head) stays gathered.
   bool reshard_after_forward = true;
   int prefetch = 1;                   // full: units gathered ahead, in forward and backward
+  // Mixed precision: the dtype the parameters are computed in (Undefined: as given; e.g.
+  // BFloat16) and the dtype gradients are reduced in (Undefined: float32). Master weights
+  // and optimizer state are always float32 shards.
+  c10::ScalarType param_dtype = c10::ScalarType::Undefined;
+  c10::ScalarType reduce_dtype = c10::ScalarType::Undefined;
 };
 
 struct FsdpStats {
@@ -125,6 +130,7 @@ class ShardedDataParallel {
   NamedParameters params_;
   CommPtr comm_;
   CommPtr replicate_;  // null unless hybrid with several replicas
+  c10::ScalarType reduce_dtype_ = c10::ScalarType::Float;
   FsdpOptions options_;
   std::vector<std::unique_ptr<Unit>> units_;  // in parameter order
   std::vector<std::size_t> unit_of_;

@@ -40,6 +40,10 @@ struct TrainOptions {
   // Data parallelism: replicated (DataParallel) or sharded (ZeRO, ShardedDataParallel).
   std::string fsdp = "none";        // none | zero1 | zero2 | full | hybrid (ctx dp_shard)
   DataParallelOptions ddp;          // allow_unused and broadcast_parameters apply to both
+  int fsdp_prefetch = 1;            // full/hybrid: blocks gathered ahead
+  std::string param_dtype = "float32";   // --fsdp only: compute dtype of the parameters
+  std::string reduce_dtype = "float32";  // --fsdp only: dtype of the gradient reduction
+  bool fsdp_reshard_after_forward = true;  // full/hybrid: free blocks between forward and backward
   // Evaluation and reporting.
   std::int64_t eval_every = 0;      // 0: evaluate only after the last step
   std::int64_t eval_batches = 4;    // val batches of global_batch samples each
