@@ -341,13 +341,17 @@ struct ExitBlock : public torch::autograd::Function<ExitBlock> {
 };
 }  // namespace
 
-// Before block i's forward: prefetch the next blocks, gather this one.
-void ShardedDataParallel::before_forward(std::int64_t owner, std::int64_t i) {
-  auto* o = reinterpret_cast<ShardedDataParallel*>(owner);
-  for (int k = 1; k <= o->options_.prefetch; ++k) {
-    if (auto* next = o->block_unit(i + k)) o->issue_gather(*next);
+// Gathers block i after issuing the gathers of the `prefetch` blocks that run next
+// (direction +1 in forward, -1 in backward).
+void ShardedDataParallel::gather_block(std::int64_t i, int direction) {
+  for (int k = 1; k <= options_.prefetch; ++k) {
+    if (auto* next = block_unit(i + direction * k)) issue_gather(*next);
   }
-  o->ensure_gathered(*o->block_unit(i));
+  ensure_gathered(*block_unit(i));
+}
+
+void ShardedDataParallel::before_forward(std::int64_t owner, std::int64_t i) {
+  reinterpret_cast<ShardedDataParallel*>(owner)->gather_block(i, +1);
 }
 
 // After block i's forward: free it unless it is the last block (whose backward is next).
@@ -360,13 +364,8 @@ void ShardedDataParallel::after_forward(std::int64_t owner, std::int64_t i) {
   }
 }
 
-// Before block i's backward: prefetch the blocks before it, gather this one.
 void ShardedDataParallel::before_backward(std::int64_t owner, std::int64_t i) {
-  auto* o = reinterpret_cast<ShardedDataParallel*>(owner);
-  for (int k = 1; k <= o->options_.prefetch; ++k) {
-    if (auto* prev = o->block_unit(i - k)) o->issue_gather(*prev);
-  }
-  o->ensure_gathered(*o->block_unit(i));
+  reinterpret_cast<ShardedDataParallel*>(owner)->gather_block(i, -1);
 }
 
 at::Tensor ShardedDataParallel::Hooks::enter(std::size_t index, const at::Tensor& x) {

@@ -117,6 +117,7 @@ class ShardedDataParallel {
   void ensure_gathered(Unit& u);
   void release(Unit& u);
   Unit* block_unit(std::ptrdiff_t block);  // null when out of range
+  void gather_block(std::int64_t block, int direction);
   // Full sharding around block forward/backward (called from autograd functions).
   static void before_forward(std::int64_t owner, std::int64_t block);
   static void after_forward(std::int64_t owner, std::int64_t block);
