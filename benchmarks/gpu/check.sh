@@ -1,33 +1,97 @@
 #!/usr/bin/env bash
-# GPU check, run on the lent GPU machine in one call (torch wheel, nvcc, cmake, ninja; no
-# MPI, no package access: carry/ from scripts/carry.sh travels with the tree). Builds
-# without MPI for the local GPU's architecture, runs the unit, GPU and CLI tests (NCCL
-# backend at world size 1), trains the tiny model on the GPU in fp32 and bf16, and runs
-# train_bench, printing what a docs/benchmarks.md entry needs.
-set -euo pipefail
+# GPU check: benchmarks/gpu/check.sh [OUTDIR]. Run on a machine with one CUDA GPU, python3's
+# torch wheel, nvcc, cmake and ninja but no MPI and no package access (carry/ from
+# scripts/carry.sh travels with the tree). Builds without MPI for the local GPU, runs the
+# unit, GPU and CLI tests (NCCL backend at world size 1), trains the tiny model on the GPU
+# (fp32, bf16, fp16, full sharding), and runs train_bench for gpt2-124m in fp32 and bf16 over
+# every sharding strategy. Full logs and JSON lines go to OUTDIR (default build-gpu/out);
+# a phase that fails is recorded and the next one still runs; a summary table comes last.
+# Exit status: 0 when every phase passed. DTRAIN_CHECK_BENCH overrides train_bench's model
+# and shape (default "--preset gpt2-124m --batch 8 --seq 1024"), e.g. for a CPU dry run.
+set -uo pipefail
 cd "$(dirname "$0")/../.."
-echo "== $(date -u +%Y-%m-%dT%H:%MZ) $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader)"
-python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+out="${1:-build-gpu/out}"
 build="${DTRAIN_GPU_BUILD_DIR:-build-gpu}"
-arch="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)"
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDTRAIN_WITH_MPI=OFF \
-  -DCMAKE_CUDA_ARCHITECTURES="${arch:-90}" >"$build.configure.log" 2>&1 ||
-  { tail -40 "$build.configure.log"; exit 1; }
-cmake --build "$build" --parallel "$(nproc)" 2>&1 | tail -5
-ctest --test-dir "$build" --output-on-failure -L "unit|gpu|cli" -E install_consumer
+mkdir -p "$out"
+summary="$out/summary.txt"
+: >"$summary"
+failed=0
+start_all=$SECONDS
 
-# Training on the GPU (NCCL backend, one rank): the tiny model must learn in fp32 and bf16,
-# then trainer vs plain LibTorch throughput and MFU for gpt2-124m.
+# phase NAME TIMEOUT_S COMMAND...: runs COMMAND with its output in $out/NAME.log, records
+# status and seconds in the summary.
+phase() {
+  local name="$1" limit="$2"
+  shift 2
+  local t0=$SECONDS rc
+  echo "== $name"
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  rc=$?
+  local status=ok
+  if [ "$rc" -ne 0 ]; then
+    status="FAILED (exit $rc$([ "$rc" -eq 124 ] && echo ', timeout'))"
+    failed=1
+    tail -25 "$out/$name.log"
+  fi
+  printf '%-26s %-22s %5ss\n' "$name" "$status" "$((SECONDS - t0))" >>"$summary"
+  return "$rc"
+}
+
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%MZ)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+  nvcc --version | tail -2
+  echo "cores: $(nproc)"
+} 2>&1 | tee "$out/machine.txt"
+arch="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)"
+
+phase configure 300 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DDTRAIN_WITH_MPI=OFF -DCMAKE_CUDA_ARCHITECTURES="${arch:-90}" || { cat "$summary"; exit 1; }
+phase build 900 cmake --build "$build" --parallel "$(nproc)" || { cat "$summary"; exit 1; }
+
+# Tests: the CPU unit tests, the NCCL/CUDA tests and the CLI tests (no MPI here).
+phase tests 600 env OMP_NUM_THREADS=2 ctest --test-dir "$build" --output-on-failure -j 8 \
+  -L "unit|gpu|cli" -E install_consumer
+
+# Training on the GPU (NCCL backend, one rank): the tiny model must learn.
 data="$build/gpu-data"
-"$build/examples/prepare_data" --input LICENSE README.md docs/*.md examples/*/README.md \
-  --output-dir "$data" --name docs >/dev/null
+phase data 120 "$build/examples/prepare_data" --input LICENSE README.md docs/*.md \
+  examples/*/README.md --output-dir "$data" --name docs
+train() {  # train NAME ARGS...: tiny model for 200 steps
+  local name="$1"
+  shift
+  phase "$name" 300 "$build/examples/pretrain_gpt" --config examples/configs/tiny.json \
+    --steps 200 --eval-every 0 --train-data "$data/docs_train_*.bin" \
+    --val-data "$data/docs_val_*.bin" --progress off --log-every 50 \
+    --metrics "$out/$name.jsonl" "$@"
+}
+train train_tiny_fp32 --precision fp32
+train train_tiny_bf16 --precision bf16
+train train_tiny_fp16 --precision fp16
+train train_tiny_full_fp32 --precision fp32 --fsdp full
+train train_tiny_full_bf16 --fsdp full --param-dtype bfloat16
+train train_tiny_zero2_fp16 --fsdp zero2 --param-dtype float16
+
+# Throughput and memory: dtrain's trainer against a plain LibTorch loop, gpt2-124m.
 for precision in fp32 bf16; do
-  echo "== pretrain_gpt tiny, $precision"
-  "$build/examples/pretrain_gpt" --config examples/configs/tiny.json --steps 200 --eval-every 0 \
-    --train-data "$data/docs_train_*.bin" --val-data "$data/docs_val_*.bin" \
-    --precision "$precision" --progress off --log-every 50 2>&1 | grep -E "device|step |done"
+  # shellcheck disable=SC2086
+  phase "train_bench_$precision" 300 "$build/benchmarks/train_bench" \
+    ${DTRAIN_CHECK_BENCH:---preset gpt2-124m --batch 8 --seq 1024} --steps 5 --rounds 2 --warmup 2 --precision "$precision" \
+    --fsdp none,zero1,zero2,full --json "$out/train_bench.jsonl"
 done
-echo "== train_bench gpt2-124m"
-"$build/benchmarks/train_bench" --preset gpt2-124m --batch 8 --seq 1024 --steps 5 --rounds 2 --fsdp none,full \
-  --warmup 2 2>&1 | grep -v "^\[" 
-echo "== GPU check passed"
+
+echo
+echo "== GPU check summary ($(head -1 "$out/machine.txt"), $((SECONDS - start_all)) s)"
+sed -n 2p "$out/machine.txt"
+grep -E "tests passed|tests failed" "$out/tests.log" | tail -1
+for f in "$out"/train_tiny_*.log; do
+  [ -f "$f" ] || continue
+  printf '%-22s %s\n' "$(basename "$f" .log)" "$(grep -oE "done: .*" "$f" | tail -1)"
+done
+for precision in fp32 bf16; do
+  f="$out/train_bench_$precision.log"
+  [ -f "$f" ] && { echo "-- train_bench $precision"; grep -E "^(strategy|plain|ddp|zero1|zero2|full) " "$f"; }
+done
+cat "$summary"
+exit "$failed"

@@ -6,7 +6,10 @@
 // breakdown, the time of the gradient all-reduces alone (comm_total) and the part of it
 // the step waited for after backward (comm_exposed). With --fsdp a list of strategies runs
 // one after another (each alternating with the plain loop), adding the model-state bytes
-// per rank and the bytes sent per step against DDP's theoretical all-reduce volume.
+// per rank and the bytes sent per step against DDP's theoretical all-reduce volume. On a
+// GPU, peak_MiB is the caching allocator's peak over each loop's own steps minus what was
+// allocated before that loop existed (its parameters, gradients, optimizer state and
+// activations). --precision bf16 runs both loops under the same autocast.
 //
 //   mpirun -np 2 build/benchmarks/train_bench --preset gpt2-124m --batch 4 --seq 64 --steps 6
 //   mpirun -np 4 build/benchmarks/train_bench --fsdp none,zero1,zero2,full
@@ -21,6 +24,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dtrain/dtrain.hpp"
+#include "dtrain/train/autocast.hpp"
 #include "dtrain/train/trainer.hpp"
 
 namespace {
@@ -40,7 +44,7 @@ double median(std::vector<double> v) {
 }
 
 struct Options {
-  std::string preset = "tiny", json, backend = "auto";
+  std::string preset = "tiny", json, backend = "auto", precision = "fp32";
   std::int64_t batch = 4, seq = 64, steps = 6, warmup = 2, rounds = 2, comm_reps = 5;
   double bucket_mb = 25;
   std::vector<std::string> strategies = {"none"};
@@ -51,6 +55,7 @@ struct Row {
   double step_ms = 0, forward_ms = 0, backward_ms = 0, optimizer_ms = 0, sync_ms = 0;
   double comm_total_ms = 0;
   double state_bytes = 0, comm_bytes = 0;
+  double peak_bytes = -1;  // CUDA only: allocator peak attributable to this loop
 };
 
 // The plain LibTorch loop: forward, backward, clip, AdamW step.
@@ -65,12 +70,17 @@ class PlainLoop {
     x_ = tokens.slice(1, 0, o.seq);
     y_ = tokens.slice(1, 1, o.seq + 1);
     device_ = device;
+    dtype_ = dtrain::train::precision_dtype(o.precision);
   }
   // One step; adds its phase times to row, returns the step time.
   double step(Row& row) {
     const auto t0 = Clock::now();
     optimizer_->zero_grad();
-    auto loss = model_->loss(x_, y_);
+    torch::Tensor loss;
+    {
+      dtrain::train::AutocastScope autocast(dtype_, device_.type());
+      loss = model_->loss(x_, y_);
+    }
     dtrain::train::synchronize(device_);
     row.forward_ms += ms_since(t0);
     auto t = Clock::now();
@@ -90,7 +100,18 @@ class PlainLoop {
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   torch::Tensor x_, y_;
   c10::Device device_{c10::kCPU};
+  c10::ScalarType dtype_ = at::kFloat;
 };
+
+// Allocated bytes now; and the peak since `reset_peak_memory` (CUDA), in bytes.
+double allocated_bytes(c10::Device device) {
+  dtrain::train::synchronize(device);
+  return dtrain::train::memory_stats(device).current_mib * (1 << 20);
+}
+double peak_bytes(c10::Device device) {
+  dtrain::train::synchronize(device);
+  return dtrain::train::memory_stats(device).peak_mib * (1 << 20);
+}
 
 // The gradient all-reduces of one step without compute: every bucket issued, then waited.
 double time_bucket_all_reduces(const dtrain::CommPtr& comm, const std::vector<std::int64_t>& numel,
@@ -124,6 +145,8 @@ int main(int argc, char** argv) {
   app.add_option("--backend", o.backend, "auto, mpi or nccl")->check(CLI::IsMember({"auto", "mpi", "nccl"}));
   app.add_option("--fsdp", o.strategies, "strategies to run, each against the plain loop: none (ddp), zero1, zero2, full")
       ->delimiter(',')->check(CLI::IsMember({"none", "zero1", "zero2", "full"}));
+  app.add_option("--precision", o.precision, "fp32, or bf16 autocast for both loops")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
   app.add_option("-J,--json", o.json, "append one JSON object per strategy to this file");
   CLI11_PARSE(app, argc, argv);
 
@@ -157,12 +180,16 @@ int main(int argc, char** argv) {
     to.adamw.lr = 1e-4;
     to.progress = "off";
     to.sync_timing = true;
+    to.precision = o.precision;
     to.ddp.bucket_bytes = static_cast<std::int64_t>(o.bucket_mb * (1 << 20));
 
     auto ctx = std::make_shared<dtrain::ParallelContext>(rt.world(), dtrain::ParallelConfig{}, device);
+    const double before_plain = allocated_bytes(device);
+    const bool track_peak = dtrain::train::reset_peak_memory(device);
     PlainLoop plain(cfg, o, device);
     Row scratch;
-    for (std::int64_t i = 0; i < o.warmup; ++i) plain.step(scratch);
+    for (std::int64_t i = 0; i < std::max<std::int64_t>(o.warmup, 1); ++i) plain.step(scratch);
+    const double plain_peak = track_peak ? peak_bytes(device) - before_plain : -1;
 
     // The slowest rank sets the pace: the maximum over ranks of each value.
     auto max_over_ranks = [&](std::vector<double> v) {
@@ -178,6 +205,7 @@ int main(int argc, char** argv) {
     std::vector<Row> rows;
     for (const auto& strategy : o.strategies) {
       to.fsdp = strategy;
+      const double before = allocated_bytes(device);
       dtrain::train::Trainer trainer(ctx, cfg, to);
       for (std::int64_t i = 0; i < o.warmup; ++i) trainer.train_step();
       Row row{strategy == "none" ? "ddp" : strategy};
@@ -186,6 +214,7 @@ int main(int argc, char** argv) {
         rt.world()->barrier()->wait();
         for (std::int64_t i = 0; i < o.steps; ++i) p_steps.push_back(plain.step(prow));
         rt.world()->barrier()->wait();
+        if (track_peak) dtrain::train::reset_peak_memory(device);
         for (std::int64_t i = 0; i < o.steps; ++i) {
           const StepMetrics m = trainer.train_step();
           steps.push_back(m.step_ms);
@@ -194,6 +223,7 @@ int main(int argc, char** argv) {
           row.sync_ms += m.sync_ms;
           row.optimizer_ms += m.optimizer_ms;
         }
+        if (track_peak) row.peak_bytes = std::max(row.peak_bytes, peak_bytes(device) - before);
       }
       const double timed = static_cast<double>(o.rounds * o.steps);
       row.forward_ms /= timed;
@@ -207,18 +237,22 @@ int main(int argc, char** argv) {
         row.comm_total_ms = time_bucket_all_reduces(rt.world(), ddp->stats().bucket_numel, device,
                                                     static_cast<int>(o.comm_reps));
       }
-      const auto v = max_over_ranks({row.step_ms, row.sync_ms, row.comm_total_ms, row.state_bytes});
+      const auto v = max_over_ranks({row.step_ms, row.sync_ms, row.comm_total_ms, row.state_bytes,
+                                     row.peak_bytes});
       row.step_ms = v[0];
       row.sync_ms = v[1];
       row.comm_total_ms = v[2];
       row.state_bytes = v[3];
+      row.peak_bytes = v[4];
       rows.push_back(row);
     }
     const double timed_plain = static_cast<double>(p_steps.size());
     prow.forward_ms /= timed_plain;
     prow.backward_ms /= timed_plain;
     prow.optimizer_ms /= timed_plain;
-    prow.step_ms = max_over_ranks({median(p_steps)})[0];
+    const auto pv = max_over_ranks({median(p_steps), plain_peak});
+    prow.step_ms = pv[0];
+    prow.peak_bytes = pv[1];
     prow.state_bytes = static_cast<double>(cfg.num_parameters()) * 4 * 4;  // params, grads, 2 Adam
     dtrain::fs::remove_tree(dir);
 
@@ -226,17 +260,18 @@ int main(int argc, char** argv) {
       const double tokens = static_cast<double>(o.batch * o.seq * n);
       const double param_bytes = static_cast<double>(cfg.num_parameters()) * 4;
       std::printf("# train_bench: preset %s (%.1fM params), %d rank(s), batch %lld x %lld tokens per rank, "
-                  "%lld rounds x %lld steps, device %s\n",
+                  "%lld rounds x %lld steps, %s, device %s\n",
                   o.preset.c_str(), static_cast<double>(cfg.num_parameters()) / 1e6, n,
                   static_cast<long long>(o.batch), static_cast<long long>(o.seq),
                   static_cast<long long>(o.rounds), static_cast<long long>(o.steps),
-                  dtrain::train::device_name(device).c_str());
+                  o.precision.c_str(), dtrain::train::device_name(device).c_str());
       std::printf("# plain: every rank runs the LibTorch loop alone (no communication); ddp: dtrain Trainer"
                   "; zero1/zero2/full: dtrain Trainer with --fsdp\n");
       const double peak = dtrain::train::known_peak_tflops(dtrain::train::device_name(device));
-      std::printf("%-8s %6s %10s %9s %8s %8s %8s %10s %12s %7s %8s %9s %9s %8s %7s %6s\n", "strategy",
+      std::printf("%-8s %6s %10s %9s %8s %8s %8s %10s %12s %7s %8s %9s %8s %9s %8s %7s %6s\n", "strategy",
                   "nranks", "tokens/s", "step_ms", "fwd_ms", "bwd_ms", "opt_ms", "comm_total",
-                  "comm_exposed", "hidden", "vs_plain", "state_MiB", "comm_MB", "comm/ddp", "TFLOP/s", "mfu");
+                  "comm_exposed", "hidden", "vs_plain", "state_MiB", "peak_MiB", "comm_MB", "comm/ddp",
+                  "TFLOP/s", "mfu");
       std::ofstream json;
       if (!o.json.empty()) json.open(o.json, std::ios::app);
       // DDP's traffic per step in theory: one all-reduce of every gradient.
@@ -254,18 +289,22 @@ int main(int argc, char** argv) {
         const double comm_ratio = ddp_theory > 0 ? row->comm_bytes / ddp_theory : 0.0;
         char mfu[16] = "n/a";
         if (peak > 0) std::snprintf(mfu, sizeof(mfu), "%.1f%%", 100 * tflops / peak);
-        std::printf("%-8s %6d %10.0f %9.1f %8.1f %8.1f %8.1f %10.2f %12.2f %6.0f%% %8.3f %9.1f %9.1f %8.3f %7.3f %6s\n",
+        char peak_mib[16] = "n/a";
+        if (row->peak_bytes >= 0) std::snprintf(peak_mib, sizeof(peak_mib), "%.0f", row->peak_bytes / (1 << 20));
+        std::printf("%-8s %6d %10.0f %9.1f %8.1f %8.1f %8.1f %10.2f %12.2f %6.0f%% %8.3f %9.1f %8s %9.1f %8.3f %7.3f %6s\n",
                     row->strategy.c_str(), n, tps, row->step_ms, row->forward_ms, row->backward_ms,
                     row->optimizer_ms, row->comm_total_ms, row->sync_ms, 100 * hidden, ratio,
-                    row->state_bytes / (1 << 20), row->comm_bytes / 1e6, comm_ratio, tflops, mfu);
+                    row->state_bytes / (1 << 20), peak_mib, row->comm_bytes / 1e6, comm_ratio, tflops, mfu);
         nlohmann::json j = {{"strategy", row->strategy}, {"nranks", n},
                             {"preset", o.preset},         {"batch", o.batch},
-                            {"seq", o.seq},               {"tokens_per_s", tps},
+                            {"seq", o.seq},               {"precision", o.precision},
+                            {"tokens_per_s", tps},
                             {"step_ms", row->step_ms},    {"forward_ms", row->forward_ms},
                             {"backward_ms", row->backward_ms}, {"optimizer_ms", row->optimizer_ms},
                             {"comm_total_ms", row->comm_total_ms}, {"comm_exposed_ms", row->sync_ms},
                             {"hidden_fraction", hidden},  {"step_ratio_vs_plain", ratio},
                             {"state_bytes_per_rank", row->state_bytes},
+                            {"peak_bytes_per_rank", row->peak_bytes >= 0 ? nlohmann::json(row->peak_bytes) : nlohmann::json()},
                             {"comm_bytes", row->comm_bytes},
                             {"comm_bytes_vs_ddp_theory", is_plain ? nlohmann::json() : nlohmann::json(comm_ratio)},
                             {"tflops", tflops},

@@ -50,7 +50,9 @@ void define(CLI::App& app, Options& o) {
   app.add_option("--dp-shard", o.dp_shard, "ranks per replica for --fsdp hybrid (0: no hybrid)")->group(run);
   app.add_option("--steps", t.steps, "optimizer steps")->group(run);
   app.add_option("--seed", t.seed, "seed of the initialisation and of the data order")->group(run);
-  app.add_option("--precision", t.precision, "fp32, or bf16 (autocast matmuls to bfloat16)")->group(run);
+  app.add_option("--precision", t.precision, "fp32, bf16 or fp16: autocast matmuls to that dtype (fp16 with dynamic loss scaling)")->group(run);
+  app.add_option("--loss-scale-init", t.loss_scale_init, "float16: initial dynamic loss scale")->group(run);
+  app.add_option("--loss-scale-window", t.loss_scale_window, "float16: overflow-free steps before the loss scale doubles")->group(run);
 
   const char* model = "Model";
   app.add_option("--preset", o.preset, "model preset: tiny, gpt2-124m, gpt2-350m, llama-1b")->group(model);
@@ -90,9 +92,9 @@ void define(CLI::App& app, Options& o) {
   app.add_option("--fsdp-reshard-after-forward", t.fsdp_reshard_after_forward,
                  "full/hybrid: free each block between its forward and its backward (false: keep, more memory)")
       ->group(ddp);
-  app.add_option("--param-dtype", t.param_dtype, "--fsdp: parameters' compute dtype: float32, bfloat16 (float32 masters)")
+  app.add_option("--param-dtype", t.param_dtype, "--fsdp: parameters' compute dtype: float32, bfloat16, float16 (float32 masters)")
       ->group(ddp);
-  app.add_option("--reduce-dtype", t.reduce_dtype, "--fsdp: gradient reduction dtype: float32, bfloat16")->group(ddp);
+  app.add_option("--reduce-dtype", t.reduce_dtype, "--fsdp: gradient reduction dtype: float32, bfloat16, float16")->group(ddp);
   app.add_option("--bucket-mb", o.bucket_mb, "gradient bucket size in MiB")->group(ddp);
   app.add_flag("--bf16-reduce", t.ddp.bf16_reduce, "all-reduce gradients in bfloat16")->group(ddp);
   app.add_flag("--allow-unused", t.ddp.allow_unused, "reduce parameters without a gradient as zeros instead of failing")->group(ddp);

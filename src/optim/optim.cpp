@@ -3,6 +3,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "dtrain/comm/communicator.hpp"
@@ -66,8 +67,10 @@ double CosineSchedule::lr(std::int64_t step) const {
 }
 
 double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm,
-                      Communicator* shard_comm) {
+                      Communicator* shard_comm, double grad_scale) {
   DTRAIN_CHECK_ARG(max_norm > 0, "gradient clipping max_norm=", max_norm, " must be positive");
+  DTRAIN_CHECK_ARG(grad_scale > 0 && std::isfinite(grad_scale), "gradient scale ", grad_scale,
+                   " must be positive and finite");
   std::vector<at::Tensor> grads;
   for (const auto& p : params) {
     if (p.grad().defined()) grads.push_back(p.grad());
@@ -86,9 +89,10 @@ double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm,
   if (shard_comm != nullptr && shard_comm->size() > 1) {
     shard_comm->all_reduce(sq)->synchronize();
   }
-  const double norm = std::sqrt(sq.item<double>());
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1.0) {
+  const double norm = std::sqrt(sq.item<double>()) / grad_scale;
+  if (!std::isfinite(norm)) return norm;
+  const double coef = std::min(1.0, max_norm / (norm + 1e-6)) / grad_scale;
+  if (coef != 1.0) {
     for (auto& g : grads) g.mul_(coef);
   }
   return norm;

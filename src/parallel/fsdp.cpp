@@ -433,10 +433,10 @@ void ShardedDataParallel::finish_gradient_sync() {
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
 }
 
-double ShardedDataParallel::clip_grad_norm(double max_norm) {
+double ShardedDataParallel::clip_grad_norm(double max_norm, double grad_scale) {
   std::vector<at::Tensor> shards;
   for (auto& u : units_) shards.push_back(u->master);
-  return dtrain::clip_grad_norm(shards, max_norm, comm_.get());
+  return dtrain::clip_grad_norm(shards, max_norm, comm_.get(), grad_scale);
 }
 
 void ShardedDataParallel::step(double lr) {

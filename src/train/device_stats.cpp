@@ -1,6 +1,7 @@
 // Device facts for metrics: names, known peaks, memory, synchronize.
 #include "dtrain/train/device_stats.hpp"
 
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -50,6 +51,7 @@ MemoryStats memory_stats(c10::Device device) {
   MemoryStats m;
 #ifdef DTRAIN_WITH_CUDA
   if (device.is_cuda()) {
+    at::globalContext().lazyInitDevice(c10::kCUDA);  // the allocator exists only after init
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
     const auto& all = stats.allocated_bytes[0];  // StatType::AGGREGATE
     m.current_mib = static_cast<double>(all.current) / (1 << 20);
@@ -68,6 +70,18 @@ MemoryStats memory_stats(c10::Device device) {
   getrusage(RUSAGE_SELF, &usage);
   m.peak_mib = static_cast<double>(usage.ru_maxrss) / 1024.0;  // KiB on Linux
   return m;
+}
+
+bool reset_peak_memory(c10::Device device) {
+#ifdef DTRAIN_WITH_CUDA
+  if (device.is_cuda()) {
+    at::globalContext().lazyInitDevice(c10::kCUDA);
+    c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+    return true;
+  }
+#endif
+  (void)device;
+  return false;
 }
 
 void synchronize(c10::Device device) {

@@ -3,7 +3,6 @@
 // progress bar).
 #include "dtrain/train/trainer.hpp"
 
-#include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -18,6 +17,7 @@
 #include "dtrain/core/error.hpp"
 #include "dtrain/core/logging.hpp"
 #include "dtrain/data/dataset.hpp"
+#include "dtrain/train/autocast.hpp"
 #include "dtrain/train/device_stats.hpp"
 
 namespace dtrain::train {
@@ -30,26 +30,17 @@ double ms_since(Clock::time_point t) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
 }
 
-// bfloat16 autocast for the forward pass (matmuls in bfloat16, reductions in float32).
-class AutocastScope {
- public:
-  AutocastScope(bool on, c10::DeviceType device) : on_(on), device_(device) {
-    if (!on_) return;
-    at::autocast::set_autocast_dtype(device_, at::kBFloat16);
-    at::autocast::set_autocast_enabled(device_, true);
-  }
-  ~AutocastScope() {
-    if (!on_) return;
-    at::autocast::set_autocast_enabled(device_, false);
-    at::autocast::clear_cache();
-  }
-  AutocastScope(const AutocastScope&) = delete;
-  AutocastScope& operator=(const AutocastScope&) = delete;
+// float16 anywhere (autocast or FSDP parameters/reductions) needs dynamic loss scaling.
+bool uses_float16(const TrainOptions& o) {
+  return o.precision == "fp16" || o.param_dtype == "float16" || o.reduce_dtype == "float16";
+}
 
- private:
-  bool on_;
-  c10::DeviceType device_;
-};
+LossScalerOptions scaler_options(const TrainOptions& o) {
+  LossScalerOptions s;
+  s.init_scale = o.loss_scale_init;
+  s.growth_interval = o.loss_scale_window;
+  return s;
+}
 
 // "float32" | "bfloat16" | "float16" for the option `option`.
 c10::ScalarType parse_dtype(const char* option, const std::string& name) {
@@ -135,6 +126,7 @@ Trainer::Trainer(ContextPtr ctx, models::GptConfig model, TrainOptions options)
     }
     model_->set_block_hooks(sdp_->block_hooks());  // full sharding: gather around blocks
   }
+  if (uses_float16(options_)) scaler_ = std::make_unique<DynamicLossScaler>(scaler_options(options_));
   flops_per_token_ = model_config_.flops_per_token(options_.seq_len);
   device_name_ = device_name(ctx_->device());
   peak_tflops_ = options_.peak_tflops > 0 ? options_.peak_tflops : known_peak_tflops(device_name_);
@@ -181,8 +173,7 @@ void Trainer::check_options() const {
   DTRAIN_CHECK_ARG(o.min_lr >= 0 && o.min_lr <= o.adamw.lr, "--min-lr=", o.min_lr,
                    " is not allowed; allowed: 0..--lr (", o.adamw.lr, ")");
   DTRAIN_CHECK_ARG(o.grad_clip >= 0, "--grad-clip=", o.grad_clip, " must be >= 0 (0 disables)");
-  DTRAIN_CHECK_ARG(o.precision == "fp32" || o.precision == "bf16", "--precision '", o.precision,
-                   "' is not known; allowed: fp32, bf16");
+  precision_dtype(o.precision);  // raises naming --precision
   DTRAIN_CHECK_ARG(o.progress == "auto" || o.progress == "on" || o.progress == "off",
                    "--progress '", o.progress, "' is not known; allowed: auto, on, off");
   DTRAIN_CHECK_ARG(o.eval_every >= 0, "--eval-every=", o.eval_every, " must be >= 0");
@@ -198,6 +189,7 @@ void Trainer::check_options() const {
                    "--param-dtype / --reduce-dtype other than float32 need --fsdp (got --fsdp none, ",
                    "--param-dtype ", o.param_dtype, ", --reduce-dtype ", o.reduce_dtype,
                    "); use --precision bf16 for autocast with replicated data parallelism");
+  if (uses_float16(o)) DynamicLossScaler(scaler_options(o));  // raises naming the option
   const int dp_shard = ctx_->config().dp_shard;
   DTRAIN_CHECK_ARG((o.fsdp == "hybrid") == (dp_shard > 0),
                    o.fsdp == "hybrid" ? "--fsdp hybrid needs --dp-shard N (ranks per replica)"
@@ -348,6 +340,7 @@ StepMetrics Trainer::train_step() {
   StepMetrics m;
   m.step = step_ + 1;  // steps completed once this one is done
   m.lr = schedule_->lr(step_);
+  const double scale = scaler_ ? scaler_->scale() : 1.0;
   if (sdp_) {
     sdp_->zero_grad();
   } else {
@@ -367,13 +360,13 @@ StepMetrics Trainer::train_step() {
     auto t = Clock::now();
     torch::Tensor loss;
     {
-      AutocastScope autocast(options_.precision == "bf16", device.type());
+      AutocastScope autocast(precision_dtype(options_.precision), device.type());
       loss = model_->loss(inputs, targets);
     }
     timed_sync();
     m.forward_ms += ms_since(t);
     t = Clock::now();
-    (loss / static_cast<double>(accum_)).backward();
+    (loss * (scale / static_cast<double>(accum_))).backward();
     timed_sync();
     m.backward_ms += ms_since(t);
     loss_sum += loss.detach().to(torch::kFloat);
@@ -389,11 +382,20 @@ StepMetrics Trainer::train_step() {
   t = Clock::now();
   const double max_norm =
       options_.grad_clip > 0 ? options_.grad_clip : std::numeric_limits<double>::infinity();
-  if (sdp_) {
-    m.grad_norm = sdp_->clip_grad_norm(max_norm);
+  // Clipping also unscales; an overflow (norm inf/nan, the same on every rank) skips the
+  // update when loss scaling is on.
+  m.grad_norm = sdp_ ? sdp_->clip_grad_norm(max_norm, scale)
+                     : clip_grad_norm(model_->parameters(), max_norm, nullptr, scale);
+  bool apply = true;
+  if (scaler_) {
+    m.loss_scale = scale;
+    apply = scaler_->update(std::isfinite(m.grad_norm));
+    m.skipped = !apply;
+    m.skipped_steps = scaler_->skipped_steps();
+  }
+  if (apply && sdp_) {
     sdp_->step(m.lr);
-  } else {
-    m.grad_norm = clip_grad_norm(model_->parameters(), max_norm);
+  } else if (apply) {
     set_learning_rate(*optimizer_, m.lr);
     optimizer_->step();
   }
@@ -429,7 +431,7 @@ double Trainer::evaluate() {
     const auto samples = val_sampler_->indices(b);
     for (std::int64_t k = 0; k < accum_; ++k) {
       auto batch = val_->batch(rows(samples, k * micro_batch_, (k + 1) * micro_batch_));
-      AutocastScope autocast(options_.precision == "bf16", device.type());
+      AutocastScope autocast(precision_dtype(options_.precision), device.type());
       sum += model_->loss(batch.inputs.to(device), batch.targets.to(device)).to(torch::kFloat);
     }
   }
@@ -450,15 +452,22 @@ std::vector<StepMetrics> Trainer::run() {
     const bool last = step_ == o.steps;
     if (val_ && (last || (o.eval_every > 0 && step_ % o.eval_every == 0))) m.val_loss = evaluate();
     if (rep.active) {
-      if (m.step % o.log_every == 0 || m.step == 1 || last || m.val_loss >= 0) {
+      if (m.step % o.log_every == 0 || m.step == 1 || last || m.val_loss >= 0 || m.skipped) {
         char mfu[32] = "n/a";
         if (m.mfu >= 0) std::snprintf(mfu, sizeof(mfu), "%.1f%%", 100 * m.mfu);
-        char line[512];
+        char scaling[96] = "";
+        if (m.loss_scale > 0) {
+          std::snprintf(scaling, sizeof(scaling), " | loss scale %g%s | skipped %lld", m.loss_scale,
+                        m.skipped ? " (overflow, step skipped)" : "",
+                        static_cast<long long>(m.skipped_steps));
+        }
+        char line[640];
         std::snprintf(line, sizeof(line),
                       "step %5lld/%lld | loss %.4f | grad_norm %.3f | lr %.3e | %.0f tok/s | "
-                      "%.3f TFLOP/s | mfu %s | mem %.0f MiB | %.0f ms",
+                      "%.3f TFLOP/s | mfu %s | mem %.0f MiB | %.0f ms%s",
                       static_cast<long long>(m.step), static_cast<long long>(o.steps), m.loss,
-                      m.grad_norm, m.lr, m.tokens_per_s, m.tflops, mfu, m.peak_mem_mib, m.step_ms);
+                      m.grad_norm, m.lr, m.tokens_per_s, m.tflops, mfu, m.peak_mem_mib, m.step_ms,
+                      scaling);
         rep.clear_bar();
         log_info("{}", line);
         if (m.val_loss >= 0) {
@@ -484,6 +493,11 @@ std::vector<StepMetrics> Trainer::run() {
                             {"mem_mib", m.mem_mib},
                             {"peak_mem_mib", m.peak_mem_mib}};
         if (m.val_loss >= 0) j["val_loss"] = m.val_loss;
+        if (m.loss_scale > 0) {
+          j["loss_scale"] = m.loss_scale;
+          j["skipped"] = m.skipped;
+          j["skipped_steps"] = m.skipped_steps;
+        }
         rep.metrics << j.dump() << '\n';
         rep.metrics.flush();
       }

@@ -1,8 +1,13 @@
-// AdamW parameter groups, the cosine schedule and gradient clipping against LibTorch's.
+// AdamW parameter groups, the cosine schedule and gradient clipping against LibTorch's;
+// the dynamic loss scaler's schedule and clipping of loss-scaled gradients.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
+#include <limits>
+
 #include "dtrain/core/error.hpp"
+#include "dtrain/optim/loss_scaler.hpp"
 #include "dtrain/optim/optim.hpp"
 
 namespace dtrain {
@@ -46,6 +51,90 @@ TEST(ClipGradNorm, MatchesLibTorch) {
     }
   }
   EXPECT_THROW(clip_grad_norm({}, 0.0), InvalidArgument);
+}
+
+// Gradients that carry a loss scale: one call unscales and clips, the same as unscaling
+// first and then clipping; a non-finite norm (overflow) changes nothing.
+TEST(ClipGradNorm, UnscalesAndClipsInOnePass) {
+  torch::manual_seed(1);
+  const double scale = 1024;
+  for (double max_norm : {0.5, 1e6}) {
+    auto p = torch::randn({6, 5}, torch::requires_grad());
+    auto q = p.detach().clone().requires_grad_();
+    const auto g = torch::randn({6, 5});
+    p.mutable_grad() = g * scale;
+    q.mutable_grad() = g.clone();
+    const double scaled = clip_grad_norm({p}, max_norm, nullptr, scale);
+    const double plain = clip_grad_norm({q}, max_norm);
+    EXPECT_NEAR(scaled, plain, 1e-6 * plain);
+    EXPECT_TRUE(torch::allclose(p.grad(), q.grad(), 1e-5, 1e-7)) << max_norm;
+  }
+  for (double bad : {std::numeric_limits<double>::infinity(), std::nan("")}) {
+    auto p = torch::randn({4}, torch::requires_grad());
+    p.mutable_grad() = torch::ones({4}) * 8;
+    p.mutable_grad()[2] = bad;
+    auto before = p.grad().clone();
+    EXPECT_FALSE(std::isfinite(clip_grad_norm({p}, 1.0, nullptr, 8)));
+    EXPECT_TRUE(torch::equal(p.grad().slice(0, 0, 2), before.slice(0, 0, 2))) << "untouched";
+  }
+  EXPECT_THROW(clip_grad_norm({}, 1.0, nullptr, 0.0), InvalidArgument);
+}
+
+TEST(DynamicLossScaler, BacksOffOnOverflowAndGrowsAfterTheWindow) {
+  LossScalerOptions o;
+  o.init_scale = 1024;
+  o.growth_interval = 3;
+  o.min_scale = 256;
+  DynamicLossScaler s(o);
+  EXPECT_EQ(s.scale(), 1024);
+  EXPECT_FALSE(s.update(false));  // overflow: skip, halve
+  EXPECT_EQ(s.scale(), 512);
+  EXPECT_TRUE(s.update(true));
+  EXPECT_TRUE(s.update(true));
+  EXPECT_EQ(s.scale(), 512) << "two good steps are not yet the window of three";
+  EXPECT_TRUE(s.update(true));
+  EXPECT_EQ(s.scale(), 1024) << "grows after three good steps in a row";
+  EXPECT_TRUE(s.update(true));
+  EXPECT_TRUE(s.update(true));
+  EXPECT_FALSE(s.update(false));  // an overflow restarts the count
+  EXPECT_EQ(s.scale(), 512);
+  EXPECT_TRUE(s.update(true));
+  EXPECT_TRUE(s.update(true));
+  EXPECT_EQ(s.scale(), 512);
+  EXPECT_FALSE(s.update(false));
+  EXPECT_FALSE(s.update(false));
+  EXPECT_FALSE(s.update(false));
+  EXPECT_EQ(s.scale(), 256) << "never below min_scale";
+  EXPECT_EQ(s.skipped_steps(), 5);
+  EXPECT_EQ(s.state().good_steps, 0);
+
+  DynamicLossScaler t(o);
+  t.load_state(s.state());
+  EXPECT_EQ(t.scale(), 256);
+  EXPECT_EQ(t.skipped_steps(), 5);
+  EXPECT_THROW(t.load_state(LossScalerState{-1, 0, 0}), InvalidArgument);
+}
+
+TEST(DynamicLossScaler, RejectsBadOptionsNamingThem) {
+  auto message = [](LossScalerOptions o) {
+    try {
+      DynamicLossScaler s(o);
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  LossScalerOptions o;
+  o.init_scale = 0.5;
+  EXPECT_NE(message(o).find("--loss-scale-init=0.5 is not allowed; allowed: a finite number >= 1"),
+            std::string::npos) << message(o);
+  o = LossScalerOptions{};
+  o.growth_interval = 0;
+  EXPECT_NE(message(o).find("--loss-scale-window=0 is not allowed; allowed: >= 1"), std::string::npos)
+      << message(o);
+  o = LossScalerOptions{};
+  o.backoff_factor = 1.5;
+  EXPECT_NE(message(o).find("backoff_factor=1.5"), std::string::npos) << message(o);
 }
 
 TEST(AdamW, WeightDecaySkipsBiasesNormsAndEmbeddings) {

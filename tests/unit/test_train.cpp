@@ -1,6 +1,7 @@
 // The trainer in one process: the golden loss curve of the tiny config, every input
 // check before training (each naming the option, the value and what is allowed), the
-// metrics file, gradient accumulation, and bfloat16 autocast.
+// metrics file, gradient accumulation, bfloat16 and float16 autocast, and the float16 loss
+// scaler skipping an overflowed step.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -119,7 +120,12 @@ TEST(Trainer, BadInputIsRejectedBeforeTrainingWithTheOptionNamed) {
 
   o = golden_options(corpus);
   o.precision = "fp8";
-  expect(o, tiny, {"--precision 'fp8'", "allowed: fp32, bf16"});
+  expect(o, tiny, {"--precision 'fp8'", "allowed: fp32, bf16, fp16"});
+
+  o = golden_options(corpus);
+  o.precision = "fp16";
+  o.loss_scale_init = 0;
+  expect(o, tiny, {"--loss-scale-init=0", "allowed: a finite number >= 1"});
 
   o = golden_options(corpus);
   o.global_batch = 100000;
@@ -186,6 +192,91 @@ TEST(Trainer, Bf16AutocastTracksFloat32) {
   }
   // Parameters stay float32 (autocast changes compute, not storage).
   EXPECT_EQ(bf16.model()->parameters()[0].scalar_type(), torch::kFloat);
+}
+
+TEST(Trainer, Fp16AutocastWithLossScalingTracksFloat32) {
+  TestCorpus corpus("fp16");
+  auto o = golden_options(corpus);
+  o.steps = 3;
+  o.warmup_steps = 1;
+  Trainer fp32(ParallelContext::single_process(), models::GptConfig::preset("tiny"), o);
+  o.precision = "fp16";
+  Trainer fp16(ParallelContext::single_process(), models::GptConfig::preset("tiny"), o);
+  ASSERT_NE(fp16.loss_scaler(), nullptr);
+  EXPECT_EQ(fp32.loss_scaler(), nullptr);
+  const auto a = fp32.run(), b = fp16.run();
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    EXPECT_NE(a[i].loss, b[i].loss) << "autocast had no effect";
+    EXPECT_NEAR(a[i].loss, b[i].loss, 0.02 * a[i].loss) << "step " << i + 1;
+    EXPECT_FALSE(b[i].skipped) << "the default scale must not overflow the tiny model";
+    EXPECT_EQ(b[i].loss_scale, 65536);
+    EXPECT_NEAR(a[i].grad_norm, b[i].grad_norm, 0.05 * a[i].grad_norm) << "gradients unscaled";
+  }
+}
+
+// A forced overflow: the initial scale 2^40 makes the float16 activation gradients inf. The
+// step is skipped (parameters and optimizer untouched), the scale halves each time until the
+// gradients fit, and after loss_scale_window good steps it doubles again.
+TEST(Trainer, Fp16OverflowSkipsTheStepAndLowersTheScale) {
+  TestCorpus corpus("overflow");
+  auto o = golden_options(corpus);
+  o.steps = 60;
+  o.precision = "fp16";
+  o.loss_scale_init = std::ldexp(1.0, 40);
+  o.loss_scale_window = 2;
+  Trainer t(ParallelContext::single_process(), models::GptConfig::preset("tiny"), o);
+  auto snapshot = [&] {
+    std::vector<torch::Tensor> v;
+    for (const auto& p : t.model()->parameters()) v.push_back(p.detach().clone());
+    return v;
+  };
+  auto changed = [](const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      if (!torch::equal(a[i], b[i])) return true;
+    }
+    return false;
+  };
+  double expected_scale = o.loss_scale_init;
+  std::int64_t skipped = 0, good_in_a_row = 0, good = 0;
+  while (good < 5) {
+    ASSERT_LT(t.step(), o.steps) << "the scale never came down far enough";
+    const auto before = snapshot();
+    const StepMetrics m = t.train_step();
+    EXPECT_EQ(m.loss_scale, expected_scale) << "step " << m.step;
+    EXPECT_TRUE(std::isfinite(m.loss)) << "the reported loss is unscaled";
+    if (m.skipped) {
+      EXPECT_FALSE(std::isfinite(m.grad_norm));
+      EXPECT_FALSE(changed(before, snapshot())) << "skipped step " << m.step << " changed parameters";
+      ++skipped;
+      good_in_a_row = 0;
+      expected_scale /= 2;
+    } else {
+      EXPECT_TRUE(std::isfinite(m.grad_norm));
+      EXPECT_TRUE(changed(before, snapshot())) << "step " << m.step << " applied no update";
+      ++good;
+      if (++good_in_a_row == 2) {
+        expected_scale *= 2;
+        good_in_a_row = 0;
+      }
+    }
+    EXPECT_EQ(m.skipped_steps, skipped);
+    EXPECT_EQ(t.loss_scaler()->scale(), expected_scale);
+  }
+  EXPECT_GT(skipped, 10) << "2^40 must overflow float16 for many halvings";
+
+  // The metrics carry the scale and the skips.
+  o.steps = 2;
+  o.warmup_steps = 0;
+  o.metrics_path = corpus.dir() + "/metrics.jsonl";
+  Trainer r(ParallelContext::single_process(), models::GptConfig::preset("tiny"), o);
+  r.run();
+  std::ifstream in(o.metrics_path);
+  std::string line;
+  ASSERT_TRUE(std::getline(in, line));
+  const auto j = nlohmann::json::parse(line);
+  EXPECT_EQ(j["loss_scale"].get<double>(), std::ldexp(1.0, 40)) << line;
+  EXPECT_TRUE(j["skipped"].get<bool>()) << line;
+  EXPECT_EQ(j["skipped_steps"].get<int>(), 1) << line;
 }
 
 }  // namespace

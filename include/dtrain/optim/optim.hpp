@@ -59,8 +59,11 @@ class CosineSchedule {
 // Scales the gradients so that their global L2 norm is at most max_norm and returns the
 // norm before clipping. shard_comm: the ranks that hold distinct pieces of the gradients
 // (FSDP, tensor parallel); null when every rank holds all of them (data parallel after
-// the all-reduce). Parameters without a gradient are skipped.
+// the all-reduce). Parameters without a gradient are skipped. grad_scale: the gradients
+// hold grad_scale times their true values (loss scaling); the returned norm is the true
+// one and one pass both unscales and clips. A norm that is not finite (an overflow)
+// leaves the gradients untouched, and every rank of shard_comm sees the same norm.
 double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm,
-                      Communicator* shard_comm = nullptr);
+                      Communicator* shard_comm = nullptr, double grad_scale = 1.0);
 
 }  // namespace dtrain

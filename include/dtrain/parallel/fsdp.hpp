@@ -86,8 +86,9 @@ class ShardedDataParallel {
   // Every unit's gradient reduced (averaged) into this rank's shard; full gradients freed.
   void finish_gradient_sync();
   // Global L2 norm of the sharded gradients (one all-reduce); clips them to max_norm
-  // (infinity: no clipping) and returns the norm before clipping.
-  double clip_grad_norm(double max_norm);
+  // (infinity: no clipping) and returns the norm before clipping. grad_scale: the loss
+  // scale the gradients carry (dtrain::clip_grad_norm unscales them in the same pass).
+  double clip_grad_norm(double max_norm, double grad_scale = 1.0);
   // AdamW on this rank's shards at learning rate lr, then the all-gather of the
   // parameters.
   void step(double lr);

@@ -23,6 +23,10 @@ struct MemoryStats {
 };
 MemoryStats memory_stats(c10::Device device);
 
+// Starts a new peak window on a CUDA device (the next memory_stats().peak_mib counts from
+// now); returns false on the CPU, whose peak resident set cannot be reset.
+bool reset_peak_memory(c10::Device device);
+
 // Waits for the device's queued work (no-op on the CPU).
 void synchronize(c10::Device device);
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "dtrain/models/gpt.hpp"
+#include "dtrain/optim/loss_scaler.hpp"
 #include "dtrain/optim/optim.hpp"
 #include "dtrain/parallel/context.hpp"
 #include "dtrain/parallel/data_parallel.hpp"
@@ -36,7 +37,11 @@ struct TrainOptions {
   double min_lr = 0.0;              // cosine floor; 0: adamw.lr / 10
   std::int64_t warmup_steps = 10;
   double grad_clip = 1.0;           // global-norm clipping; 0 disables
-  std::string precision = "fp32";   // fp32 | bf16 (autocast matmuls to bfloat16)
+  std::string precision = "fp32";   // fp32 | bf16 | fp16 (autocast matmuls to that dtype)
+  // Dynamic loss scaling, on with fp16 (precision, or an FSDP param/reduce dtype float16):
+  // the initial scale and the overflow-free steps after which it doubles.
+  double loss_scale_init = 65536.0;
+  std::int64_t loss_scale_window = 1000;
   // Data parallelism: replicated (DataParallel) or sharded (ZeRO, ShardedDataParallel).
   std::string fsdp = "none";        // none | zero1 | zero2 | full | hybrid (ctx dp_shard)
   DataParallelOptions ddp;          // allow_unused and broadcast_parameters apply to both
@@ -64,6 +69,9 @@ struct StepMetrics {
   double mfu = -1;                      // fraction of peak; -1 when the peak is unknown
   double mem_mib = 0, peak_mem_mib = 0;
   double val_loss = -1;                 // -1 when no evaluation ran after this step
+  double loss_scale = 0;                // the scale this step's backward used; 0: no scaling
+  bool skipped = false;                 // gradients overflowed: no update was applied
+  std::int64_t skipped_steps = 0;       // overflowed steps so far
   std::int64_t tokens = 0;              // tokens trained so far (all ranks)
 };
 
@@ -93,6 +101,8 @@ class Trainer {
   // The strategy in use: data_parallel() without --fsdp, sharded() with it (else null).
   const DataParallel* data_parallel() const { return ddp_.get(); }
   const ShardedDataParallel* sharded() const { return sdp_.get(); }
+  // The float16 loss scaler; null when no float16 is in use.
+  const DynamicLossScaler* loss_scaler() const { return scaler_.get(); }
   // Makes every parameter of model() readable (full sharding frees blocks between uses;
   // the next forward frees them again). A no-op for the other strategies.
   void gather_parameters();
@@ -123,6 +133,7 @@ class Trainer {
   std::unique_ptr<CosineSchedule> schedule_;
   std::unique_ptr<DataParallel> ddp_;
   std::unique_ptr<ShardedDataParallel> sdp_;
+  std::unique_ptr<DynamicLossScaler> scaler_;
   std::unique_ptr<Reporter> reporter_;
 };
 
