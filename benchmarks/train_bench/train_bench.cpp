@@ -6,10 +6,11 @@
 // breakdown, the time of the gradient all-reduces alone (comm_total) and the part of it
 // the step waited for after backward (comm_exposed). With --fsdp a list of strategies runs
 // one after another (each alternating with the plain loop), adding the model-state bytes
-// per rank and the bytes sent per step against DDP's theoretical all-reduce volume. On a
-// GPU, peak_MiB is the caching allocator's peak over each loop's own steps minus what was
-// allocated before that loop existed (its parameters, gradients, optimizer state and
-// activations). --precision bf16 runs both loops under the same autocast.
+// per rank and the bytes sent per step against DDP's theoretical all-reduce volume.
+// peak_MiB is the allocator's peak over each loop's own steps minus what was allocated
+// before that loop existed (its parameters, gradients, optimizer state and activations):
+// the CUDA caching allocator's on a GPU, LibTorch's CPU allocator counted by
+// enable_cpu_memory_tracking() on the CPU. --precision bf16 runs both loops under the same autocast.
 //
 //   mpirun -np 2 build/benchmarks/train_bench --preset gpt2-124m --batch 4 --seq 64 --steps 6
 //   mpirun -np 4 build/benchmarks/train_bench --fsdp none,zero1,zero2,full
@@ -158,6 +159,7 @@ int main(int argc, char** argv) {
     DTRAIN_CHECK_ARG(o.seq <= cfg.context, "--seq=", o.seq, " exceeds the context ", cfg.context);
     const int n = rt.size();
     const auto device = rt.device();
+    if (device.is_cpu()) dtrain::train::enable_cpu_memory_tracking();  // peak_MiB on the CPU
 
     // Synthetic token shard for the trainer (one per rank; contents do not change timing).
     const std::string dir = "/tmp/dtrain_train_bench_" + std::to_string(::getpid());

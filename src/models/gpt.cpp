@@ -250,8 +250,10 @@ torch::Tensor GptImpl::forward(const torch::Tensor& idx) {
   const auto& c = config_;
   DTRAIN_CHECK_ARG(idx.dim() == 2 && idx.size(1) <= c.context, "model input must be [batch, time] with time <= context ",
                    c.context, "; got ", idx.sizes());
+  if (hooks_ != nullptr) hooks_->enter_embedding();
   auto x = tok_emb_->forward(idx);
   if (pos_emb_) x = x + pos_emb_->forward(torch::arange(idx.size(1), idx.options()));
+  if (hooks_ != nullptr) x = hooks_->exit_embedding(x, c.tie_embeddings);
   for (std::size_t i = 0; i < blocks_.size(); ++i) {
     auto& block = blocks_[i];
     if (hooks_ != nullptr) x = hooks_->enter(i, x);
@@ -262,6 +264,7 @@ torch::Tensor GptImpl::forward(const torch::Tensor& idx) {
     }
     if (hooks_ != nullptr) x = hooks_->exit(i, x);
   }
+  if (hooks_ != nullptr) x = hooks_->enter_head(x);
   x = apply_norm(c, x, norm_weight_, norm_bias_);
   return c.tie_embeddings ? torch::matmul(x, tok_emb_->weight.t()) : lm_head_->forward(x);
 }

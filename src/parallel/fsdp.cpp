@@ -5,6 +5,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -35,10 +36,13 @@ const char* to_string(ShardingStrategy s) {
 }
 
 std::string block_wrap_policy(const std::string& name) {
-  if (name.rfind("h.", 0) == 0) {
+  auto starts = [&](const char* prefix) { return name.rfind(prefix, 0) == 0; };
+  if (starts("h.")) {
     const auto dot = name.find('.', 2);
     if (dot != std::string::npos) return name.substr(0, dot);
   }
+  if (starts("tok_emb.") || starts("pos_emb.")) return "embed";
+  if (starts("ln_f_") || starts("lm_head.")) return "head";
   return "root";
 }
 
@@ -63,13 +67,16 @@ struct ShardedDataParallel::Unit {
   at::Tensor gather_out;            // alias of flat with its own version counter
 };
 
-// Gathers a unit in forward before its block and (through backward of the exit function)
-// before its backward; releases it after the block's forward.
+// Gathers a unit in forward before its use and (through backward of the exit function)
+// before its backward; releases it after its forward.
 class ShardedDataParallel::Hooks final : public BlockHooks {
  public:
   explicit Hooks(ShardedDataParallel* owner) : owner_(owner) {}
   at::Tensor enter(std::size_t index, const at::Tensor& x) override;
   at::Tensor exit(std::size_t index, const at::Tensor& y) override;
+  void enter_embedding() override;
+  at::Tensor exit_embedding(const at::Tensor& x, bool reused) override;
+  at::Tensor enter_head(const at::Tensor& x) override;
 
  private:
   ShardedDataParallel* owner_;
@@ -153,7 +160,8 @@ ShardedDataParallel::ShardedDataParallel(NamedParameters params, CommPtr shard_c
     u.master = full.narrow(0, rank * u.shard, u.shard);
     if (full_sharding() || dtype != given || given != at::kFloat) {
       u.master = u.master.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
-      u.param_shard = u.master.to(dtype, false, true);
+      // The all-gather input: the master itself when no cast is needed.
+      u.param_shard = dtype == at::kFloat ? u.master : u.master.to(dtype, false, true);
     } else {
       u.param_shard = u.master;
     }
@@ -162,6 +170,7 @@ ShardedDataParallel::ShardedDataParallel(NamedParameters params, CommPtr shard_c
   }
   stats_.units = static_cast<std::int64_t>(units_.size());
   stats_.gathered_units = stats_.peak_gathered_units = stats_.units;
+  for (auto& u : units_) stats_.gathered_bytes += static_cast<std::int64_t>(u->flat.nbytes());
 
   // AdamW without its own decay (applied per element in step()).
   std::vector<at::Tensor> masters;
@@ -175,18 +184,23 @@ ShardedDataParallel::ShardedDataParallel(NamedParameters params, CommPtr shard_c
       masters, torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(0.0));
 
   if (full_sharding()) {
-    // Block units in block order ("h.0", "h.1", ...), as the model calls the hooks.
-    for (std::size_t i = 0;; ++i) {
-      auto it = index.find("h." + std::to_string(i));
-      if (it == index.end()) break;
-      blocks_.push_back(units_[it->second].get());
-    }
-    DTRAIN_CHECK_ARG(!blocks_.empty(), "--fsdp ", to_string(options_.strategy),
+    // The units in the order forward uses them: embed, "h.0", "h.1", ..., head.
+    auto add = [&](const std::string& key) {
+      auto it = index.find(key);
+      if (it == index.end()) return false;
+      order_.push_back(units_[it->second].get());
+      return true;
+    };
+    add("embed");
+    first_block_ = static_cast<std::int64_t>(order_.size());
+    while (add("h." + std::to_string(n_blocks_))) ++n_blocks_;
+    if (add("head")) head_at_ = static_cast<std::int64_t>(order_.size()) - 1;
+    DTRAIN_CHECK_ARG(n_blocks_ > 0, "--fsdp ", to_string(options_.strategy),
                      " needs one unit per transformer block "
                      "(parameters named h.<i>.*, the default wrap policy)");
     DTRAIN_CHECK_ARG(options_.prefetch >= 0, "FSDP prefetch=", options_.prefetch, " must be >= 0");
-    for (auto* u : blocks_) {
-      u->reshard = true;  // the root unit (embeddings, final norm, head) stays gathered
+    for (auto* u : order_) {
+      u->reshard = true;  // a "root" unit, if any, stays gathered
       release(*u);
     }
     hooks_ = std::make_unique<Hooks>(this);
@@ -256,6 +270,23 @@ void ShardedDataParallel::launch(Unit& u) {
                                   comm_->size());
   // Every use of the unit's parameters in backward is done once all its gradients exist.
   if (u.reshard && in_backward_) release(u);
+  in_flight_.push_back(&u);
+  while (in_flight_.size() > kMaxInFlight) {
+    finish_reduce_scatter(*in_flight_.front());
+    in_flight_.erase(in_flight_.begin());
+  }
+}
+
+void ShardedDataParallel::finish_reduce_scatter(Unit& u) {
+  u.work->wait();
+  u.work.reset();
+  u.grad_flat = at::Tensor();
+  if (replicate_) {
+    // Hybrid: each shard's gradient is averaged across the replicas too.
+    u.work = replicate_->all_reduce(u.grad_shard, {ReduceOp::kAvg});
+    stats_.comm_bytes += wire_bytes(OpKind::kAllReduce, static_cast<double>(u.grad_shard.nbytes()),
+                                    replicate_->size());
+  }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -273,6 +304,7 @@ void ShardedDataParallel::issue_gather(Unit& u) {
   u.pending = comm_->all_gather(u.gather_out, u.param_shard);
   stats_.comm_bytes += wire_bytes(OpKind::kAllGather, static_cast<double>(nbytes), comm_->size());
   stats_.peak_gathered_units = std::max(stats_.peak_gathered_units, ++stats_.gathered_units);
+  stats_.gathered_bytes += static_cast<std::int64_t>(nbytes);
 }
 
 void ShardedDataParallel::ensure_gathered(Unit& u) {
@@ -291,11 +323,12 @@ void ShardedDataParallel::release(Unit& u) {
   storage->set_nbytes(0);
   u.gathered = false;
   --stats_.gathered_units;
+  stats_.gathered_bytes -= static_cast<std::int64_t>(u.flat.numel()) * u.flat.element_size();
 }
 
-ShardedDataParallel::Unit* ShardedDataParallel::block_unit(std::ptrdiff_t block) {
-  if (block < 0 || block >= static_cast<std::ptrdiff_t>(blocks_.size())) return nullptr;
-  return blocks_[static_cast<std::size_t>(block)];
+ShardedDataParallel::Unit* ShardedDataParallel::unit_at(std::ptrdiff_t position) {
+  if (position < 0 || position >= static_cast<std::ptrdiff_t>(order_.size())) return nullptr;
+  return order_[static_cast<std::size_t>(position)];
 }
 
 void ShardedDataParallel::gather_parameters() {
@@ -341,52 +374,83 @@ struct ExitBlock : public torch::autograd::Function<ExitBlock> {
 };
 }  // namespace
 
-// Gathers block i after issuing the gathers of the `prefetch` blocks that run next
-// (direction +1 in forward, -1 in backward).
-void ShardedDataParallel::gather_block(std::int64_t i, int direction) {
+// Gathers the unit at `position` of order_ after issuing the gathers of the `prefetch`
+// units that run next (direction +1 in forward, -1 in backward).
+void ShardedDataParallel::gather_at(std::int64_t position, int direction) {
   for (int k = 1; k <= options_.prefetch; ++k) {
-    if (auto* next = block_unit(i + direction * k)) issue_gather(*next);
+    if (auto* next = unit_at(position + direction * k)) issue_gather(*next);
   }
-  ensure_gathered(*block_unit(i));
+  if (auto* u = unit_at(position)) ensure_gathered(*u);
 }
 
-void ShardedDataParallel::before_forward(std::int64_t owner, std::int64_t i) {
-  reinterpret_cast<ShardedDataParallel*>(owner)->gather_block(i, +1);
+void ShardedDataParallel::before_forward(std::int64_t owner, std::int64_t position) {
+  reinterpret_cast<ShardedDataParallel*>(owner)->gather_at(position, +1);
 }
 
-// After block i's forward: free it unless it is the last block (whose backward is next).
-void ShardedDataParallel::after_forward(std::int64_t owner, std::int64_t i) {
+// After a unit's forward: free it, unless it is the last block (whose backward comes
+// right after the head's).
+void ShardedDataParallel::after_forward(std::int64_t owner, std::int64_t position) {
   auto* o = reinterpret_cast<ShardedDataParallel*>(owner);
-  auto* u = o->block_unit(i);
-  if (u->reshard && o->options_.reshard_after_forward &&
-      i + 1 < static_cast<std::int64_t>(o->blocks_.size())) {
+  auto* u = o->unit_at(position);
+  if (u != nullptr && u->reshard && o->options_.reshard_after_forward &&
+      position != o->first_block_ + o->n_blocks_ - 1) {
     o->release(*u);
   }
 }
 
-void ShardedDataParallel::before_backward(std::int64_t owner, std::int64_t i) {
-  reinterpret_cast<ShardedDataParallel*>(owner)->gather_block(i, -1);
+void ShardedDataParallel::before_backward(std::int64_t owner, std::int64_t position) {
+  reinterpret_cast<ShardedDataParallel*>(owner)->gather_at(position, -1);
 }
 
+namespace {
+void keep(std::int64_t, std::int64_t) {}
+}  // namespace
+
+// Block i sits at first_block_ + i of order_; the embed unit (if any) at 0.
 at::Tensor ShardedDataParallel::Hooks::enter(std::size_t index, const at::Tensor& x) {
   const auto owner = reinterpret_cast<std::int64_t>(owner_);
-  const auto i = static_cast<std::int64_t>(index);
+  const auto at = owner_->first_block_ + static_cast<std::int64_t>(index);
   if (!torch::GradMode::is_enabled() || !x.requires_grad()) {
-    before_forward(owner, i);
+    before_forward(owner, at);
     return x;
   }
-  return EnterBlock::apply(x, owner, i, reinterpret_cast<std::int64_t>(&before_forward));
+  return EnterBlock::apply(x, owner, at, reinterpret_cast<std::int64_t>(&before_forward));
 }
 
 at::Tensor ShardedDataParallel::Hooks::exit(std::size_t index, const at::Tensor& y) {
   const auto owner = reinterpret_cast<std::int64_t>(owner_);
-  const auto i = static_cast<std::int64_t>(index);
+  const auto at = owner_->first_block_ + static_cast<std::int64_t>(index);
   if (!torch::GradMode::is_enabled() || !y.requires_grad()) {
-    after_forward(owner, i);
+    after_forward(owner, at);
     return y;
   }
-  return ExitBlock::apply(y, owner, i, reinterpret_cast<std::int64_t>(&after_forward),
+  return ExitBlock::apply(y, owner, at, reinterpret_cast<std::int64_t>(&after_forward),
                           reinterpret_cast<std::int64_t>(&before_backward));
+}
+
+void ShardedDataParallel::Hooks::enter_embedding() {
+  if (owner_->first_block_ > 0) owner_->gather_at(0, +1);
+}
+
+// The embeddings are freed after their forward unless the head uses them again (tied),
+// and gathered again before their backward (the last of the step).
+at::Tensor ShardedDataParallel::Hooks::exit_embedding(const at::Tensor& x, bool reused) {
+  if (owner_->first_block_ == 0) return x;  // no embed unit
+  const auto owner = reinterpret_cast<std::int64_t>(owner_);
+  const auto after = reinterpret_cast<std::int64_t>(reused ? &keep : &after_forward);
+  if (!torch::GradMode::is_enabled() || !x.requires_grad()) {
+    reinterpret_cast<void (*)(std::int64_t, std::int64_t)>(after)(owner, 0);
+    return x;
+  }
+  return ExitBlock::apply(x, owner, 0, after, reinterpret_cast<std::int64_t>(&before_backward));
+}
+
+// The head is gathered before its forward (prefetched by the last blocks) and stays
+// gathered into backward, which starts with it; it is freed once its gradients are
+// reduce-scattered.
+at::Tensor ShardedDataParallel::Hooks::enter_head(const at::Tensor& x) {
+  if (owner_->head_at_ >= 0) owner_->gather_at(owner_->head_at_, +1);
+  return x;
 }
 
 void ShardedDataParallel::finish_gradient_sync() {
@@ -404,20 +468,12 @@ void ShardedDataParallel::finish_gradient_sync() {
                    missing, " (set allow_unused to reduce them as zeros)");
   launch_ready_units();
   torch::NoGradGuard no_grad;
-  if (replicate_) {
-    // Hybrid: each shard's gradient is averaged across the replicas too.
-    for (auto& up : units_) {
-      up->work->wait();
-      up->work = replicate_->all_reduce(up->grad_shard, {ReduceOp::kAvg});
-      stats_.comm_bytes += wire_bytes(OpKind::kAllReduce, static_cast<double>(up->grad_shard.nbytes()),
-                                      replicate_->size());
-    }
-  }
+  for (Unit* u : in_flight_) finish_reduce_scatter(*u);
+  in_flight_.clear();
   for (auto& up : units_) {
     auto& u = *up;
-    u.work->wait();
+    if (u.work) u.work->wait();  // hybrid: the all-reduce across replicas
     u.work.reset();
-    u.grad_flat = at::Tensor();
     // Accumulate into the shard's gradient (several syncs between zero_grad calls add up).
     if (u.master.grad().defined()) {
       u.master.mutable_grad().add_(u.grad_shard);
@@ -448,6 +504,11 @@ void ShardedDataParallel::step(double lr) {
   }
   set_learning_rate(*optimizer_, lr);
   optimizer_->step();
+  publish_parameters();
+}
+
+void ShardedDataParallel::publish_parameters() {
+  torch::NoGradGuard no_grad;
   for (auto& u : units_) {
     if (!u->param_shard.is_same(u->master)) u->param_shard.copy_(u->master);  // cast
   }
@@ -461,8 +522,8 @@ void ShardedDataParallel::step(double lr) {
     for (auto& w : works) w->wait();
     return;
   }
-  // Full sharding: units still gathered hold stale values. Blocks are freed (the next
-  // forward gathers them); the root unit is gathered again now.
+  // Full sharding: units still gathered hold stale values. Units that reshard are freed
+  // (the next forward gathers them); a "root" unit is gathered again now.
   for (auto& u : units_) {
     if (u->reshard) {
       release(*u);
@@ -475,6 +536,171 @@ void ShardedDataParallel::step(double lr) {
   for (auto& u : units_) {
     if (!u->reshard) ensure_gathered(*u);
   }
+}
+
+namespace {
+
+// [lo, hi) of a parameter's flattened elements that lie in one shard of its unit.
+struct Span {
+  std::int64_t lo = 0, hi = 0;  // parameter-local element indices
+  std::int64_t at = 0;          // index of element lo in the shard
+};
+
+Span span_in_shard(std::int64_t param_offset, std::int64_t param_numel, std::int64_t shard_begin,
+                   std::int64_t shard_numel) {
+  Span s;
+  const std::int64_t lo = std::max(param_offset, shard_begin);
+  const std::int64_t hi = std::min(param_offset + param_numel, shard_begin + shard_numel);
+  if (hi <= lo) return s;
+  s.lo = lo - param_offset;
+  s.hi = hi - param_offset;
+  s.at = lo - shard_begin;
+  return s;
+}
+
+std::string shape_text(at::IntArrayRef shape) {
+  std::string t = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) t += (i ? ", " : "") + std::to_string(shape[i]);
+  return t + "]";
+}
+
+}  // namespace
+
+bool ShardedDataParallel::primary_replica() const { return !replicate_ || replicate_->rank() == 0; }
+
+ShardedState ShardedDataParallel::sharded_state() const {
+  ShardedState st;
+  const std::int64_t rank = comm_->rank();
+  std::vector<at::Tensor> avg(units_.size()), sq(units_.size());
+  for (std::size_t i = 0; i < units_.size(); ++i) {
+    auto it = optimizer_->state().find(units_[i]->master.unsafeGetTensorImpl());
+    if (it == optimizer_->state().end()) continue;
+    const auto& ps = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+    avg[i] = ps.exp_avg();
+    sq[i] = ps.exp_avg_sq();
+    st.optimizer_step = ps.step();
+  }
+  for (std::size_t k = 0; k < params_.size(); ++k) {
+    const auto& u = *units_[unit_of_[k]];
+    const auto& [name, p] = params_[k];
+    const Span s = span_in_shard(offset_of_[k], p.numel(), rank * u.shard, u.shard);
+    if (s.hi == s.lo) continue;
+    auto piece = [&](const at::Tensor& shard) {
+      return TensorPiece{name, p.sizes().vec(), s.lo, shard.narrow(0, s.at, s.hi - s.lo)};
+    };
+    st.params.push_back(piece(u.master));
+    if (avg[unit_of_[k]].defined()) {
+      st.exp_avg.push_back(piece(avg[unit_of_[k]]));
+      st.exp_avg_sq.push_back(piece(sq[unit_of_[k]]));
+    }
+  }
+  return st;
+}
+
+ShardedState ShardedDataParallel::full_state(int root) {
+  DTRAIN_CHECK_ARG(root >= 0 && root < comm_->size(), "full_state: root ", root,
+                   " is not a rank of the ", comm_->size(), "-rank shard communicator");
+  torch::NoGradGuard no_grad;
+  const ShardedState mine = sharded_state();
+  ShardedState st;
+  st.optimizer_step = mine.optimizer_step;
+  const bool have_moments = !optimizer_->state().empty();  // the same on every rank
+  const bool is_root = comm_->rank() == root;
+  for (auto& up : units_) {
+    auto& u = *up;
+    auto gather = [&](const at::Tensor& shard) {
+      auto out = at::empty({u.shard * comm_->size()}, shard.options());
+      comm_->all_gather(out, shard.contiguous())->wait();
+      return out;
+    };
+    std::vector<at::Tensor> fulls;  // gathered: master, then exp_avg and exp_avg_sq
+    std::vector<std::vector<TensorPiece>*> outs;
+    fulls.push_back(gather(u.master));
+    outs.push_back(&st.params);
+    if (have_moments) {
+      auto it = optimizer_->state().find(u.master.unsafeGetTensorImpl());
+      DTRAIN_CHECK(it != optimizer_->state().end(), "full_state: unit ", u.key, " has no AdamW state");
+      const auto& ps = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+      fulls.push_back(gather(ps.exp_avg()));
+      outs.push_back(&st.exp_avg);
+      fulls.push_back(gather(ps.exp_avg_sq()));
+      outs.push_back(&st.exp_avg_sq);
+    }
+    if (!is_root) continue;
+    for (std::size_t k : u.params) {
+      const auto& [name, p] = params_[k];
+      for (std::size_t j = 0; j < fulls.size(); ++j) {
+        outs[j]->push_back(TensorPiece{name, p.sizes().vec(), 0,
+                                       fulls[j].narrow(0, offset_of_[k], p.numel()).clone()});
+      }
+    }
+  }
+  return st;
+}
+
+void ShardedDataParallel::load_state(const ShardedState& state) {
+  torch::NoGradGuard no_grad;
+  const std::int64_t rank = comm_->rank();
+  // Copies the pieces of `pieces` into `shards` (one per unit), checking coverage.
+  auto load = [&](const std::vector<TensorPiece>& pieces, std::vector<at::Tensor>& shards,
+                  const char* what) {
+    std::map<std::string, std::vector<const TensorPiece*>> by_name;
+    for (const auto& piece : pieces) by_name[piece.name].push_back(&piece);
+    for (std::size_t k = 0; k < params_.size(); ++k) {
+      const auto& u = *units_[unit_of_[k]];
+      const auto& [name, p] = params_[k];
+      const Span s = span_in_shard(offset_of_[k], p.numel(), rank * u.shard, u.shard);
+      if (s.hi == s.lo) continue;
+      auto it = by_name.find(name);
+      DTRAIN_CHECK_ARG(it != by_name.end(), "load_state: ", what, " of '", name,
+                       "' is missing (this rank holds its elements ", s.lo, "..", s.hi, ")");
+      std::vector<std::pair<std::int64_t, std::int64_t>> covered;
+      for (const TensorPiece* piece : it->second) {
+        DTRAIN_CHECK_ARG(piece->shape == p.sizes().vec(), "load_state: ", what, " of '", name,
+                         "' has shape ", shape_text(piece->shape), "; the model's is ",
+                         shape_text(p.sizes()));
+        const std::int64_t n = piece->values.numel();
+        DTRAIN_CHECK_ARG(piece->offset >= 0 && piece->offset + n <= p.numel(), "load_state: ",
+                         what, " of '", name, "' has a piece at ", piece->offset, "+", n,
+                         " outside its ", p.numel(), " elements");
+        const std::int64_t lo = std::max(s.lo, piece->offset), hi = std::min(s.hi, piece->offset + n);
+        if (hi <= lo) continue;
+        shards[unit_of_[k]]
+            .narrow(0, s.at + (lo - s.lo), hi - lo)
+            .copy_(piece->values.reshape({-1}).narrow(0, lo - piece->offset, hi - lo));
+        covered.emplace_back(lo, hi);
+      }
+      std::sort(covered.begin(), covered.end());
+      std::int64_t reach = s.lo;
+      for (const auto& [lo, hi] : covered) {
+        if (lo > reach) break;
+        reach = std::max(reach, hi);
+      }
+      DTRAIN_CHECK_ARG(reach >= s.hi, "load_state: ", what, " of '", name, "' does not cover element ",
+                       reach, " (this rank holds ", s.lo, "..", s.hi, ")");
+    }
+  };
+  std::vector<at::Tensor> masters;
+  for (auto& u : units_) masters.push_back(u->master);
+  load(state.params, masters, "parameter");
+  optimizer_->state().clear();
+  if (!state.exp_avg.empty() || !state.exp_avg_sq.empty()) {
+    std::vector<at::Tensor> avg, sq;
+    for (auto& u : units_) {
+      avg.push_back(at::zeros_like(u->master));
+      sq.push_back(at::zeros_like(u->master));
+    }
+    load(state.exp_avg, avg, "exp_avg");
+    load(state.exp_avg_sq, sq, "exp_avg_sq");
+    for (std::size_t i = 0; i < units_.size(); ++i) {
+      auto ps = std::make_unique<torch::optim::AdamWParamState>();
+      ps->step(state.optimizer_step);
+      ps->exp_avg(avg[i]);
+      ps->exp_avg_sq(sq[i]);
+      optimizer_->state()[units_[i]->master.unsafeGetTensorImpl()] = std::move(ps);
+    }
+  }
+  publish_parameters();
 }
 
 void ShardedDataParallel::zero_grad() {

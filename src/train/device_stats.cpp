@@ -3,10 +3,14 @@
 
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
+#include <c10/core/CPUAllocator.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <cstdint>
 #include <cstdio>
+#include <mutex>
 #include <utility>
 
 #include "dtrain/core/logging.hpp"
@@ -47,6 +51,56 @@ double known_peak_tflops(const std::string& name) {
   return 0.0;
 }
 
+namespace {
+
+// Counts the bytes of CPU tensors allocated through it (and their peak); the memory
+// itself comes from the allocator it wraps.
+class TrackingCpuAllocator final : public c10::Allocator {
+ public:
+  explicit TrackingCpuAllocator(c10::Allocator* base) : base_(base) {}
+  c10::DataPtr allocate(size_t n) override {
+    auto* ctx = new Context{base_->allocate(n), n, this};
+    void* data = ctx->inner.get();
+    const auto now = current_.fetch_add(static_cast<std::int64_t>(n)) + static_cast<std::int64_t>(n);
+    auto peak = peak_.load();
+    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
+    }
+    return {data, ctx, &release, c10::Device(c10::kCPU)};
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+  std::int64_t current() const { return current_.load(); }
+  std::int64_t peak() const { return peak_.load(); }
+  void reset_peak() { peak_.store(current_.load()); }
+
+ private:
+  struct Context {
+    c10::DataPtr inner;  // frees the memory when the context is deleted
+    std::size_t bytes;
+    TrackingCpuAllocator* owner;
+  };
+  static void release(void* p) {
+    auto* ctx = static_cast<Context*>(p);
+    ctx->owner->current_.fetch_sub(static_cast<std::int64_t>(ctx->bytes));
+    delete ctx;
+  }
+  c10::Allocator* base_;
+  std::atomic<std::int64_t> current_{0}, peak_{0};
+};
+
+TrackingCpuAllocator* cpu_tracker = nullptr;
+
+}  // namespace
+
+void enable_cpu_memory_tracking() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    cpu_tracker = new TrackingCpuAllocator(c10::GetCPUAllocator());  // lives for the process
+    c10::SetCPUAllocator(cpu_tracker, /*priority=*/100);
+  });
+}
+
 MemoryStats memory_stats(c10::Device device) {
   MemoryStats m;
 #ifdef DTRAIN_WITH_CUDA
@@ -60,6 +114,11 @@ MemoryStats memory_stats(c10::Device device) {
   }
 #endif
   (void)device;
+  if (cpu_tracker != nullptr) {
+    m.current_mib = static_cast<double>(cpu_tracker->current()) / (1 << 20);
+    m.peak_mib = static_cast<double>(cpu_tracker->peak()) / (1 << 20);
+    return m;
+  }
   long pages = 0, resident = 0;
   if (FILE* f = std::fopen("/proc/self/statm", "r")) {
     if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
@@ -80,7 +139,10 @@ bool reset_peak_memory(c10::Device device) {
     return true;
   }
 #endif
-  (void)device;
+  if (device.is_cpu() && cpu_tracker != nullptr) {
+    cpu_tracker->reset_peak();
+    return true;
+  }
   return false;
 }
 

@@ -1,7 +1,7 @@
 // The trainer in one process: the golden loss curve of the tiny config, every input
 // check before training (each naming the option, the value and what is allowed), the
 // metrics file, gradient accumulation, bfloat16 and float16 autocast, and the float16 loss
-// scaler skipping an overflowed step.
+// scaler skipping an overflowed step; CPU memory tracking.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -13,6 +13,7 @@
 #include "common/corpus.hpp"
 #include "dtrain/core/error.hpp"
 #include "dtrain/core/fs.hpp"
+#include "dtrain/train/device_stats.hpp"
 #include "dtrain/train/trainer.hpp"
 
 namespace dtrain::train {
@@ -177,40 +178,31 @@ TEST(Trainer, GradientAccumulationEqualsOneLargeBatch) {
   }
 }
 
-TEST(Trainer, Bf16AutocastTracksFloat32) {
-  TestCorpus corpus("bf16");
-  auto o = golden_options(corpus);
-  o.steps = 3;
-  o.warmup_steps = 1;
-  Trainer fp32(ParallelContext::single_process(), models::GptConfig::preset("tiny"), o);
-  o.precision = "bf16";
-  Trainer bf16(ParallelContext::single_process(), models::GptConfig::preset("tiny"), o);
-  const auto a = fp32.run(), b = bf16.run();
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    EXPECT_NE(a[i].loss, b[i].loss) << "autocast had no effect";
-    EXPECT_NEAR(a[i].loss, b[i].loss, 0.02 * a[i].loss) << "step " << i + 1;
-  }
-  // Parameters stay float32 (autocast changes compute, not storage).
-  EXPECT_EQ(bf16.model()->parameters()[0].scalar_type(), torch::kFloat);
-}
-
-TEST(Trainer, Fp16AutocastWithLossScalingTracksFloat32) {
-  TestCorpus corpus("fp16");
-  auto o = golden_options(corpus);
-  o.steps = 3;
-  o.warmup_steps = 1;
-  Trainer fp32(ParallelContext::single_process(), models::GptConfig::preset("tiny"), o);
-  o.precision = "fp16";
-  Trainer fp16(ParallelContext::single_process(), models::GptConfig::preset("tiny"), o);
-  ASSERT_NE(fp16.loss_scaler(), nullptr);
-  EXPECT_EQ(fp32.loss_scaler(), nullptr);
-  const auto a = fp32.run(), b = fp16.run();
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    EXPECT_NE(a[i].loss, b[i].loss) << "autocast had no effect";
-    EXPECT_NEAR(a[i].loss, b[i].loss, 0.02 * a[i].loss) << "step " << i + 1;
-    EXPECT_FALSE(b[i].skipped) << "the default scale must not overflow the tiny model";
-    EXPECT_EQ(b[i].loss_scale, 65536);
-    EXPECT_NEAR(a[i].grad_norm, b[i].grad_norm, 0.05 * a[i].grad_norm) << "gradients unscaled";
+// bf16 and fp16 autocast track float32 within 2% of the loss; fp16 runs with the loss
+// scaler (gradients unscaled before clipping and reporting, no overflow at the default
+// scale), bf16 without.
+TEST(Trainer, AutocastTracksFloat32) {
+  for (const char* precision : {"bf16", "fp16"}) {
+    TestCorpus corpus(precision);
+    auto o = golden_options(corpus);
+    o.steps = 3;
+    o.warmup_steps = 1;
+    Trainer fp32(ParallelContext::single_process(), models::GptConfig::preset("tiny"), o);
+    o.precision = precision;
+    Trainer low(ParallelContext::single_process(), models::GptConfig::preset("tiny"), o);
+    const bool fp16 = o.precision == "fp16";
+    EXPECT_EQ(low.loss_scaler() != nullptr, fp16) << precision;
+    EXPECT_EQ(fp32.loss_scaler(), nullptr);
+    const auto a = fp32.run(), b = low.run();
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      EXPECT_NE(a[i].loss, b[i].loss) << precision << ": autocast had no effect";
+      EXPECT_NEAR(a[i].loss, b[i].loss, 0.02 * a[i].loss) << precision << " step " << i + 1;
+      EXPECT_NEAR(a[i].grad_norm, b[i].grad_norm, 0.05 * a[i].grad_norm) << precision << ": unscaled";
+      EXPECT_FALSE(b[i].skipped) << precision;
+      EXPECT_EQ(b[i].loss_scale, fp16 ? 65536 : 0) << precision;
+    }
+    // Parameters stay float32 (autocast changes compute, not storage).
+    EXPECT_EQ(low.model()->parameters()[0].scalar_type(), torch::kFloat);
   }
 }
 
@@ -277,6 +269,28 @@ TEST(Trainer, Fp16OverflowSkipsTheStepAndLowersTheScale) {
   EXPECT_EQ(j["loss_scale"].get<double>(), std::ldexp(1.0, 40)) << line;
   EXPECT_TRUE(j["skipped"].get<bool>()) << line;
   EXPECT_EQ(j["skipped_steps"].get<int>(), 1) << line;
+}
+
+// The CPU tracking allocator counts live tensor bytes and their peak, as the CUDA caching
+// allocator's statistics do on a GPU.
+TEST(DeviceStats, CpuTrackingCountsLiveTensorsAndThePeak) {
+  enable_cpu_memory_tracking();
+  enable_cpu_memory_tracking();  // idempotent
+  const c10::Device cpu(c10::kCPU);
+  ASSERT_TRUE(reset_peak_memory(cpu));
+  const double before = memory_stats(cpu).current_mib;
+  {
+    auto a = torch::ones({4 << 20}, torch::kFloat);  // 16 MiB
+    EXPECT_NEAR(memory_stats(cpu).current_mib - before, 16.0, 0.01);
+    auto b = a * 2;  // another 16 MiB
+    EXPECT_NEAR(memory_stats(cpu).current_mib - before, 32.0, 0.01);
+    EXPECT_EQ(b[7].item<float>(), 2.0f);
+  }
+  const auto after = memory_stats(cpu);
+  EXPECT_NEAR(after.current_mib, before, 0.01) << "freed tensors are no longer counted";
+  EXPECT_GE(after.peak_mib - before, 32.0 - 0.01);
+  ASSERT_TRUE(reset_peak_memory(cpu));
+  EXPECT_NEAR(memory_stats(cpu).peak_mib, memory_stats(cpu).current_mib, 0.01);
 }
 
 }  // namespace

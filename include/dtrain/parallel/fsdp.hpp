@@ -38,7 +38,10 @@ const char* to_string(ShardingStrategy s);
 // Parameter name -> unit key; parameters with the same key form one unit. Units are
 // ordered by their first parameter.
 using WrapPolicy = std::function<std::string(const std::string& name)>;
-// "h.<i>.*" -> "h.<i>" (one unit per transformer block); anything else -> "root".
+// The Gpt model's units: "h.<i>.*" -> "h.<i>" (one per transformer block), the token and
+// position embeddings -> "embed", the final norm and output projection -> "head";
+// anything else -> "root". Under full sharding "h.<i>", "embed" and "head" are gathered
+// only around their use (the model calls BlockHooks around each); "root" stays gathered.
 std::string block_wrap_policy(const std::string& name);
 
 struct FsdpOptions {
@@ -47,9 +50,9 @@ struct FsdpOptions {
   bool allow_unused = false;         // a parameter without a gradient is an error by default
   bool broadcast_parameters = true;  // copy rank 0's parameters to every rank at start
   AdamWOptions adamw;                // weight decay as make_adamw decides it, per element
-  // full: free a block's parameters after its forward (never the last block, whose
-  // backward comes next); blocks are always freed after their backward. The "root" unit
-  // (embeddings, final norm, head) stays gathered.
+  // full: free a unit's parameters after its forward (never the last block, whose
+  // backward comes next, nor the head; nor tied embeddings, which the head uses again);
+  // units are always freed after their backward.
   bool reshard_after_forward = true;
   int prefetch = 1;                   // full: units gathered ahead, in forward and backward
   // Mixed precision: the dtype the parameters are computed in (Undefined: as given; e.g.
@@ -65,8 +68,26 @@ struct FsdpStats {
   std::int64_t shard_numel = 0;               // this rank's elements over all units (padded)
   double sync_wait_ms = 0;                    // last sync: time blocked after backward
   std::int64_t gathered_units = 0;            // full: units whose parameters exist now
+  std::int64_t gathered_bytes = 0;            // full: bytes of those units' flat buffers
   std::int64_t peak_gathered_units = 0;       // full: most at once since the last zero_grad
   double comm_bytes = 0;  // since the last zero_grad: bytes this rank sent (wire_bytes)
+};
+
+// One piece of a global (unsharded) tensor: its elements [offset, offset + numel) in
+// row-major order. A rank's pieces plus the global shapes place its shards in the global
+// tensors (what a checkpoint stores); pieces from any layout can be loaded into any other.
+struct TensorPiece {
+  std::string name;                 // the parameter's name, e.g. "h.0.attn_qkv.weight"
+  std::vector<std::int64_t> shape;  // the global tensor's shape
+  std::int64_t offset = 0;          // flattened index of values[0] in the global tensor
+  at::Tensor values;                // 1-D
+};
+
+// Model and optimizer state as pieces: float32 master parameters and AdamW's moments
+// (exp_avg, exp_avg_sq: empty before the first optimizer step).
+struct ShardedState {
+  std::int64_t optimizer_step = 0;  // AdamW steps taken (its bias correction)
+  std::vector<TensorPiece> params, exp_avg, exp_avg_sq;
 };
 
 // Usage per optimizer step: zero_grad(); for each micro-batch set_sync(is_last), backward;
@@ -108,21 +129,42 @@ class ShardedDataParallel {
   // Name and unit of every parameter, in order ("h.0" ...), for logs and checkpoints.
   std::vector<std::pair<std::string, std::string>> layout() const;
 
+  // This rank's shards as pieces (views of the live state, no copies; padding excluded; a
+  // parameter with no element on this rank has no piece). primary_replica() says whether
+  // this rank's replica should save them (hybrid: replica 0; otherwise every rank).
+  ShardedState sharded_state() const;
+  bool primary_replica() const;
+  // Whole tensors (one piece each, offset 0, float32) on `root` of the shard communicator;
+  // a collective: every rank calls it, the others get only optimizer_step.
+  ShardedState full_state(int root = 0);
+  // Copies every element of `state` that falls in this rank's shards: pieces of any layout
+  // and world size (all ranks' sharded_state() together) or a full_state(). Every element
+  // this rank holds must be covered, and names and shapes must match: otherwise
+  // InvalidArgument naming the tensor. Empty moments reset the optimizer. Parameters are
+  // then all-gathered (a collective).
+  void load_state(const ShardedState& state);
+
  private:
   struct Unit;
   class Hooks;
   void on_grad_accumulated(std::size_t index);
   void launch_ready_units();
   void launch(Unit& u);
+  // Waits for u's reduce-scatter and frees its full-size buffer; hybrid: then issues the
+  // all-reduce of the shard across replicas.
+  void finish_reduce_scatter(Unit& u);
   void issue_gather(Unit& u);
   void ensure_gathered(Unit& u);
   void release(Unit& u);
-  Unit* block_unit(std::ptrdiff_t block);  // null when out of range
-  void gather_block(std::int64_t block, int direction);
+  Unit* unit_at(std::ptrdiff_t position);  // order_[position]; null when out of range
+  void gather_at(std::int64_t position, int direction);
+  // After the masters changed (step, load): cast into the parameter-dtype shards and
+  // all-gather (zero1/zero2) or mark gathered units stale and regather (full).
+  void publish_parameters();
   // Full sharding around block forward/backward (called from autograd functions).
-  static void before_forward(std::int64_t owner, std::int64_t block);
-  static void after_forward(std::int64_t owner, std::int64_t block);
-  static void before_backward(std::int64_t owner, std::int64_t block);
+  static void before_forward(std::int64_t owner, std::int64_t position);
+  static void after_forward(std::int64_t owner, std::int64_t position);
+  static void before_backward(std::int64_t owner, std::int64_t position);
 
   bool full_sharding() const {
     return options_.strategy == ShardingStrategy::kFull ||
@@ -140,8 +182,16 @@ class ShardedDataParallel {
   std::vector<bool> seen_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::unique_ptr<Hooks> hooks_;
-  std::vector<Unit*> blocks_;  // full: the unit of block i
+  // full: the units in the order forward uses them (embed, blocks, head; each that
+  // exists), and where block 0 and the head sit in it (-1: none).
+  std::vector<Unit*> order_;
+  std::int64_t first_block_ = 0, n_blocks_ = 0, head_at_ = -1;
   std::size_t next_launch_ = 0;  // index into the reverse unit order
+  // Units whose reduce-scatter is in flight with their full-size gradient buffer, oldest
+  // first; at most kMaxInFlight stay (older ones are finished when a new one launches),
+  // so full gradients never exist for more than a few units at once.
+  std::vector<Unit*> in_flight_;
+  static constexpr std::size_t kMaxInFlight = 2;
   bool sync_ = true;
   bool in_backward_ = false;
   FsdpStats stats_;

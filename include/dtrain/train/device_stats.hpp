@@ -18,13 +18,21 @@ std::string device_name(c10::Device device);
 double known_peak_tflops(const std::string& device_name);
 
 struct MemoryStats {
-  double current_mib = 0;  // CUDA: allocated by the caching allocator; CPU: resident set
-  double peak_mib = 0;     // CUDA: peak allocated; CPU: peak resident set (ru_maxrss)
+  double current_mib = 0;  // CUDA: allocated by the caching allocator; CPU: resident set,
+                           // or the bytes of live CPU tensors once tracking is on
+  double peak_mib = 0;     // CUDA: peak allocated; CPU: peak resident set (ru_maxrss), or
+                           // the tracked peak
 };
 MemoryStats memory_stats(c10::Device device);
 
-// Starts a new peak window on a CUDA device (the next memory_stats().peak_mib counts from
-// now); returns false on the CPU, whose peak resident set cannot be reset.
+// Puts a counting wrapper around LibTorch's CPU allocator (for tensors allocated from now
+// on), so that memory_stats(cpu) reports the bytes of live CPU tensors and their peak, as
+// the CUDA caching allocator does on a GPU. For benchmarks; idempotent.
+void enable_cpu_memory_tracking();
+
+// Starts a new peak window (the next memory_stats().peak_mib counts from now) on a CUDA
+// device, or on the CPU with tracking on; returns false otherwise (the peak resident set
+// cannot be reset).
 bool reset_peak_memory(c10::Device device);
 
 // Waits for the device's queued work (no-op on the CPU).

@@ -101,6 +101,7 @@ class Trainer {
   // The strategy in use: data_parallel() without --fsdp, sharded() with it (else null).
   const DataParallel* data_parallel() const { return ddp_.get(); }
   const ShardedDataParallel* sharded() const { return sdp_.get(); }
+  ShardedDataParallel* sharded() { return sdp_.get(); }
   // The float16 loss scaler; null when no float16 is in use.
   const DynamicLossScaler* loss_scaler() const { return scaler_.get(); }
   // Makes every parameter of model() readable (full sharding frees blocks between uses;
