@@ -4,8 +4,9 @@
 # scripts/carry.sh travels with the tree). Builds without MPI for the local GPU, runs the
 # unit, GPU and CLI tests (NCCL backend at world size 1), trains the tiny model on the GPU
 # (fp32, bf16, fp16, full sharding), and runs train_bench for gpt2-124m in fp32 and bf16 over
-# every sharding strategy. Full logs and JSON lines go to OUTDIR (default build-gpu/out);
-# a phase that fails is recorded and the next one still runs; a summary table comes last.
+# every sharding strategy (batch 8 x 1024), and bf16 at batch 32. Full logs and JSON lines
+# go to OUTDIR (default build-gpu/out); a phase that fails is recorded and the next one
+# still runs; a summary table comes last.
 # Exit status: 0 when every phase passed. DTRAIN_CHECK_BENCH overrides train_bench's model
 # and shape (default "--preset gpt2-124m --batch 8 --seq 1024"), e.g. for a CPU dry run.
 set -uo pipefail
@@ -80,6 +81,11 @@ for precision in fp32 bf16; do
     ${DTRAIN_CHECK_BENCH:---preset gpt2-124m --batch 8 --seq 1024} --steps 5 --rounds 2 --warmup 2 --precision "$precision" \
     --fsdp none,zero1,zero2,full --json "$out/train_bench.jsonl"
 done
+# A batch that fills the GPU better, bf16, replicated only.
+# shellcheck disable=SC2086
+phase train_bench_bf16_b32 300 "$build/benchmarks/train_bench" \
+  ${DTRAIN_CHECK_BENCH:---preset gpt2-124m --batch 32 --seq 1024} --steps 5 --rounds 2 \
+  --warmup 2 --precision bf16 --fsdp none,full --json "$out/train_bench.jsonl"
 
 echo
 echo "== GPU check summary ($(head -1 "$out/machine.txt"), $((SECONDS - start_all)) s)"
@@ -89,9 +95,9 @@ for f in "$out"/train_tiny_*.log; do
   [ -f "$f" ] || continue
   printf '%-22s %s\n' "$(basename "$f" .log)" "$(grep -oE "done: .*" "$f" | tail -1)"
 done
-for precision in fp32 bf16; do
-  f="$out/train_bench_$precision.log"
-  [ -f "$f" ] && { echo "-- train_bench $precision"; grep -E "^(strategy|plain|ddp|zero1|zero2|full) " "$f"; }
+for run in fp32 bf16 bf16_b32; do
+  f="$out/train_bench_$run.log"
+  [ -f "$f" ] && { echo "-- train_bench $run"; grep -E "^(strategy|plain|ddp|zero1|zero2|full) " "$f"; }
 done
 cat "$summary"
 exit "$failed"
