@@ -1,0 +1,83 @@
+// Megatron-style tensor parallelism over a tensor-parallel communicator: autograd-aware
+// region functions (the communication of a TP layer, with its transpose in backward) and
+// the column- and row-parallel linear layers built from them, with optional sequence
+// parallelism (activations split along the sequence between TP layers).
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+
+#include "dtrain/comm/communicator.hpp"
+
+namespace dtrain::tp {
+
+// Identity forward; all-reduce (sum) of the gradient across tp in backward. Marks where a
+// replicated activation enters a region whose ranks each use it for a different slice.
+at::Tensor copy_to_region(const at::Tensor& x, const CommPtr& tp);
+// All-reduce (sum) across tp forward; identity backward. Sums partial results.
+at::Tensor reduce_from_region(const at::Tensor& x, const CommPtr& tp);
+// Keeps this rank's slice of the last dimension; backward all-gathers the gradient.
+at::Tensor scatter_to_region(const at::Tensor& x, const CommPtr& tp);
+// All-gathers the ranks' slices along the last dimension; backward keeps this rank's slice.
+at::Tensor gather_from_region(const at::Tensor& x, const CommPtr& tp);
+// Sequence parallelism along dimension `dim`: reduce-scatter (sum, each rank keeps its
+// sequence slice) forward and all-gather backward; and its transpose, all-gather forward
+// and reduce-scatter backward.
+at::Tensor reduce_scatter_to_sequence(const at::Tensor& x, const CommPtr& tp, std::int64_t dim);
+at::Tensor gather_from_sequence(const at::Tensor& x, const CommPtr& tp, std::int64_t dim);
+
+struct ParallelLinearOptions {
+  bool bias = true;
+  // Column: all-gather the output's last dimension (else each rank keeps out/tp features).
+  bool gather_output = false;
+  // Row: the input already holds this rank's in/tp features (else it is split here).
+  bool input_is_parallel = true;
+  // Row: return the output without the bias (the caller fuses it later; bias() has it).
+  bool skip_bias_add = false;
+  // Sequence parallelism: the column layer's input and the row layer's output are split
+  // along sequence_dim across tp (all-gather before, reduce-scatter after).
+  bool sequence_parallel = false;
+  std::int64_t sequence_dim = 1;  // [batch, time, features]
+};
+
+// Y = X A^T + b with A [out, in] split by output features: this rank holds rows
+// [r * out/tp, (r+1) * out/tp) of A and b. Input replicated (or sequence-split).
+class ColumnParallelLinearImpl : public torch::nn::Module {
+ public:
+  // InvalidArgument naming out_features and tp when tp does not divide out_features.
+  ColumnParallelLinearImpl(std::int64_t in_features, std::int64_t out_features, CommPtr tp,
+                           ParallelLinearOptions options = {});
+  // Copies this rank's slice of the full weight [out, in] and bias [out].
+  void load_full(const at::Tensor& weight, const at::Tensor& bias = {});
+  at::Tensor forward(const at::Tensor& x);
+  at::Tensor weight, bias;  // this rank's slices
+
+ private:
+  CommPtr tp_;
+  std::int64_t in_, out_;
+  ParallelLinearOptions options_;
+};
+TORCH_MODULE(ColumnParallelLinear);
+
+// Y = X A^T + b with A [out, in] split by input features: this rank holds columns
+// [r * in/tp, (r+1) * in/tp) of A; the partial products are summed across tp (or
+// reduce-scattered along the sequence); the bias is replicated and added after the sum.
+class RowParallelLinearImpl : public torch::nn::Module {
+ public:
+  // InvalidArgument naming in_features and tp when tp does not divide in_features.
+  RowParallelLinearImpl(std::int64_t in_features, std::int64_t out_features, CommPtr tp,
+                        ParallelLinearOptions options = {});
+  void load_full(const at::Tensor& weight, const at::Tensor& bias = {});
+  at::Tensor forward(const at::Tensor& x);
+  at::Tensor weight, bias;  // weight: this rank's columns; bias: whole, replicated
+
+ private:
+  CommPtr tp_;
+  std::int64_t in_, out_;
+  ParallelLinearOptions options_;
+};
+TORCH_MODULE(RowParallelLinear);
+
+}  // namespace dtrain::tp

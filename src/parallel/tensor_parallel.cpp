@@ -1,0 +1,188 @@
+// Tensor-parallel region functions (autograd Functions over the tp communicator) and the
+// column/row parallel linear layers.
+#include "dtrain/parallel/tensor_parallel.hpp"
+
+#include <torch/torch.h>
+
+#include "dtrain/core/error.hpp"
+
+namespace dtrain::tp {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The communicator travels through autograd as an integer (IValue holds no raw pointers);
+// the layers and callers keep it alive for as long as the graph exists.
+std::int64_t handle(const CommPtr& c) { return reinterpret_cast<std::int64_t>(c.get()); }
+Communicator& comm(AutogradContext* ctx) {
+  return *reinterpret_cast<Communicator*>(ctx->saved_data["comm"].toInt());
+}
+
+at::Tensor all_reduce_sum(const at::Tensor& x, Communicator& c) {
+  if (c.size() == 1) return x;
+  auto y = x.contiguous().clone();
+  c.all_reduce(y)->wait();
+  return y;
+}
+
+std::int64_t checked_dim(const at::Tensor& x, std::int64_t dim) {
+  const auto d = dim < 0 ? dim + x.dim() : dim;
+  DTRAIN_CHECK_ARG(d >= 0 && d < x.dim(), "tensor parallel: dim ", dim, " is out of range for a ",
+                   x.dim(), "-d tensor");
+  return d;
+}
+
+// The ranks' tensors concatenated along dim, in rank order.
+at::Tensor all_gather_dim(const at::Tensor& x, Communicator& c, std::int64_t dim) {
+  if (c.size() == 1) return x;
+  dim = checked_dim(x, dim);
+  const auto moved = x.movedim(dim, 0).contiguous();
+  auto sizes = moved.sizes().vec();
+  sizes[0] *= c.size();
+  auto out = at::empty(sizes, moved.options());
+  c.all_gather(out, moved)->wait();
+  return out.movedim(0, dim).contiguous();
+}
+
+// Slice r (of size/tp) along dim of the sum over ranks.
+at::Tensor reduce_scatter_dim(const at::Tensor& x, Communicator& c, std::int64_t dim) {
+  if (c.size() == 1) return x;
+  dim = checked_dim(x, dim);
+  DTRAIN_CHECK_ARG(x.size(dim) % c.size() == 0, "tensor parallel: dimension ", dim, " of size ",
+                   x.size(dim), " is not divisible by tp=", c.size());
+  const auto moved = x.movedim(dim, 0).contiguous();
+  auto sizes = moved.sizes().vec();
+  sizes[0] /= c.size();
+  auto out = at::empty(sizes, moved.options());
+  c.reduce_scatter(out, moved)->wait();
+  return out.movedim(0, dim).contiguous();
+}
+
+// This rank's slice along dim.
+at::Tensor split_dim(const at::Tensor& x, Communicator& c, std::int64_t dim) {
+  if (c.size() == 1) return x;
+  dim = checked_dim(x, dim);
+  DTRAIN_CHECK_ARG(x.size(dim) % c.size() == 0, "tensor parallel: dimension ", dim, " of size ",
+                   x.size(dim), " is not divisible by tp=", c.size());
+  return x.chunk(c.size(), dim)[static_cast<std::size_t>(c.rank())].contiguous();
+}
+
+// One autograd Function per region: Fwd and Bwd name the communication of each pass.
+enum class Op { kIdentity, kAllReduce, kSplit, kGather, kReduceScatter };
+
+at::Tensor apply_op(Op op, const at::Tensor& x, Communicator& c, std::int64_t dim) {
+  switch (op) {
+    case Op::kIdentity: return x;
+    case Op::kAllReduce: return all_reduce_sum(x, c);
+    case Op::kSplit: return split_dim(x, c, dim);
+    case Op::kGather: return all_gather_dim(x, c, dim);
+    case Op::kReduceScatter: return reduce_scatter_dim(x, c, dim);
+  }
+  return x;
+}
+
+struct Region : public torch::autograd::Function<Region> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, std::int64_t comm,
+                            std::int64_t dim, std::int64_t fwd, std::int64_t bwd) {
+    ctx->saved_data["comm"] = comm;
+    ctx->saved_data["dim"] = dim;
+    ctx->saved_data["bwd"] = bwd;
+    return apply_op(static_cast<Op>(fwd), x, *reinterpret_cast<Communicator*>(comm), dim);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto op = static_cast<Op>(ctx->saved_data["bwd"].toInt());
+    return {apply_op(op, grads[0], comm(ctx), ctx->saved_data["dim"].toInt()), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor region(const at::Tensor& x, const CommPtr& tp, std::int64_t dim, Op fwd, Op bwd) {
+  DTRAIN_CHECK_ARG(tp != nullptr, "tensor parallel: no tp communicator");
+  return Region::apply(x, handle(tp), dim, static_cast<std::int64_t>(fwd),
+                       static_cast<std::int64_t>(bwd));
+}
+
+void check_divisible(const char* what, std::int64_t n, const CommPtr& tp) {
+  DTRAIN_CHECK_ARG(tp != nullptr, "tensor parallel: no tp communicator");
+  DTRAIN_CHECK_ARG(n > 0 && n % tp->size() == 0, what, "=", n, " is not divisible by tp=",
+                   tp->size(), "; allowed: a positive multiple of tp");
+}
+
+}  // namespace
+
+at::Tensor copy_to_region(const at::Tensor& x, const CommPtr& tp) {
+  return region(x, tp, -1, Op::kIdentity, Op::kAllReduce);
+}
+at::Tensor reduce_from_region(const at::Tensor& x, const CommPtr& tp) {
+  return region(x, tp, -1, Op::kAllReduce, Op::kIdentity);
+}
+at::Tensor scatter_to_region(const at::Tensor& x, const CommPtr& tp) {
+  return region(x, tp, -1, Op::kSplit, Op::kGather);
+}
+at::Tensor gather_from_region(const at::Tensor& x, const CommPtr& tp) {
+  return region(x, tp, -1, Op::kGather, Op::kSplit);
+}
+at::Tensor reduce_scatter_to_sequence(const at::Tensor& x, const CommPtr& tp, std::int64_t dim) {
+  return region(x, tp, dim, Op::kReduceScatter, Op::kGather);
+}
+at::Tensor gather_from_sequence(const at::Tensor& x, const CommPtr& tp, std::int64_t dim) {
+  return region(x, tp, dim, Op::kGather, Op::kReduceScatter);
+}
+
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(std::int64_t in_features,
+                                                   std::int64_t out_features, CommPtr tp,
+                                                   ParallelLinearOptions options)
+    : tp_(std::move(tp)), in_(in_features), out_(out_features), options_(options) {
+  check_divisible("ColumnParallelLinear out_features", out_, tp_);
+  DTRAIN_CHECK_ARG(in_ > 0, "ColumnParallelLinear in_features=", in_, " must be positive");
+  weight = register_parameter("weight", torch::empty({out_ / tp_->size(), in_}));
+  if (options_.bias) bias = register_parameter("bias", torch::zeros({out_ / tp_->size()}));
+}
+
+void ColumnParallelLinearImpl::load_full(const at::Tensor& w, const at::Tensor& b) {
+  DTRAIN_CHECK_ARG(w.sizes() == at::IntArrayRef({out_, in_}), "ColumnParallelLinear: full weight ",
+                   w.sizes(), " is not [", out_, ", ", in_, "]");
+  torch::NoGradGuard no_grad;
+  const auto rows = out_ / tp_->size();
+  weight.copy_(w.narrow(0, rows * tp_->rank(), rows));
+  if (bias.defined() && b.defined()) bias.copy_(b.narrow(0, rows * tp_->rank(), rows));
+}
+
+at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
+  const auto in = options_.sequence_parallel ? gather_from_sequence(x, tp_, options_.sequence_dim)
+                                             : copy_to_region(x, tp_);
+  auto y = torch::nn::functional::linear(in, weight, bias.defined() ? bias : at::Tensor());
+  return options_.gather_output ? gather_from_region(y, tp_) : y;
+}
+
+RowParallelLinearImpl::RowParallelLinearImpl(std::int64_t in_features, std::int64_t out_features,
+                                             CommPtr tp, ParallelLinearOptions options)
+    : tp_(std::move(tp)), in_(in_features), out_(out_features), options_(options) {
+  check_divisible("RowParallelLinear in_features", in_, tp_);
+  DTRAIN_CHECK_ARG(out_ > 0, "RowParallelLinear out_features=", out_, " must be positive");
+  weight = register_parameter("weight", torch::empty({out_, in_ / tp_->size()}));
+  if (options_.bias) bias = register_parameter("bias", torch::zeros({out_}));
+}
+
+void RowParallelLinearImpl::load_full(const at::Tensor& w, const at::Tensor& b) {
+  DTRAIN_CHECK_ARG(w.sizes() == at::IntArrayRef({out_, in_}), "RowParallelLinear: full weight ",
+                   w.sizes(), " is not [", out_, ", ", in_, "]");
+  torch::NoGradGuard no_grad;
+  const auto cols = in_ / tp_->size();
+  weight.copy_(w.narrow(1, cols * tp_->rank(), cols));
+  if (bias.defined() && b.defined()) bias.copy_(b);
+}
+
+at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
+  const auto in = options_.input_is_parallel ? x : scatter_to_region(x, tp_);
+  const auto partial = torch::nn::functional::linear(in, weight);
+  auto y = options_.sequence_parallel
+               ? reduce_scatter_to_sequence(partial, tp_, options_.sequence_dim)
+               : reduce_from_region(partial, tp_);
+  if (bias.defined() && !options_.skip_bias_add) y = y + bias;
+  return y;
+}
+
+}  // namespace dtrain::tp

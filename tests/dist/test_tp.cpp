@@ -1,0 +1,178 @@
+// Tensor-parallel building blocks over the world as the tp group, against dense
+// computations every rank repeats locally: each region function's forward and backward,
+// the column/row parallel linear pair (a GELU MLP) with and without sequence parallelism,
+// and the size errors. Tolerance: float32, rtol 1e-5 / atol 1e-6 (sums in another order).
+#include <torch/torch.h>
+
+#include "dist_test.hpp"
+#include "dtrain/parallel/tensor_parallel.hpp"
+
+namespace dtrain::testing {
+namespace {
+
+class TpTest : public DistTest {
+ protected:
+  // The same tensor on every rank for one seed; per-rank tensors use seed + rank.
+  static at::Tensor randn(std::vector<std::int64_t> shape, std::uint64_t seed) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+    return torch::randn(shape, gen);
+  }
+  static bool close(const at::Tensor& a, const at::Tensor& b) {
+    return a.sizes() == b.sizes() && torch::allclose(a, b, 1e-5, 1e-6);
+  }
+};
+
+TEST_F(TpTest, RegionFunctionsAndTheirTransposes) {
+  const auto tp = world();
+  const int n = nranks(), r = rank();
+  auto mine = [&](std::vector<std::int64_t> shape, std::uint64_t seed) { return randn(shape, seed + r); };
+  auto sum_over_ranks = [&](std::vector<std::int64_t> shape, std::uint64_t seed) {
+    auto s = torch::zeros(shape);
+    for (int k = 0; k < n; ++k) s += randn(shape, seed + k);
+    return s;
+  };
+  auto cat_over_ranks = [&](std::vector<std::int64_t> shape, std::uint64_t seed, std::int64_t dim) {
+    std::vector<at::Tensor> parts;
+    for (int k = 0; k < n; ++k) parts.push_back(randn(shape, seed + k));
+    return torch::cat(parts, dim);
+  };
+  // Runs f on x (requires grad), backpropagates g, returns (output, x.grad).
+  auto run = [](const at::Tensor& x0, const at::Tensor& g,
+                const std::function<at::Tensor(const at::Tensor&)>& f) {
+    auto x = x0.clone().requires_grad_();
+    auto y = f(x);
+    y.backward(g);
+    return std::make_pair(y.detach(), x.grad());
+  };
+
+  {  // reduce_from_region: sum forward, identity backward.
+    auto [y, gx] = run(mine({2, 3, 12}, 100), randn({2, 3, 12}, 7),
+                       [&](const at::Tensor& x) { return tp::reduce_from_region(x, tp); });
+    EXPECT_TRUE(close(y, sum_over_ranks({2, 3, 12}, 100)));
+    EXPECT_TRUE(close(gx, randn({2, 3, 12}, 7)));
+  }
+  {  // copy_to_region: identity forward, gradients summed.
+    auto [y, gx] = run(randn({2, 3, 12}, 5), mine({2, 3, 12}, 200),
+                       [&](const at::Tensor& x) { return tp::copy_to_region(x, tp); });
+    EXPECT_TRUE(close(y, randn({2, 3, 12}, 5)));
+    EXPECT_TRUE(close(gx, sum_over_ranks({2, 3, 12}, 200)));
+  }
+  {  // scatter_to_region: this rank's slice of the last dim; gradients gathered.
+    auto [y, gx] = run(randn({2, 3, 12}, 5), mine({2, 3, 12 / n}, 300),
+                       [&](const at::Tensor& x) { return tp::scatter_to_region(x, tp); });
+    EXPECT_TRUE(close(y, randn({2, 3, 12}, 5).chunk(n, -1)[r]));
+    EXPECT_TRUE(close(gx, cat_over_ranks({2, 3, 12 / n}, 300, -1)));
+  }
+  {  // gather_from_region: slices concatenated; the (replicated) gradient split.
+    auto [y, gx] = run(mine({2, 3, 4}, 400), randn({2, 3, 4 * n}, 8),
+                       [&](const at::Tensor& x) { return tp::gather_from_region(x, tp); });
+    EXPECT_TRUE(close(y, cat_over_ranks({2, 3, 4}, 400, -1)));
+    EXPECT_TRUE(close(gx, randn({2, 3, 4 * n}, 8).chunk(n, -1)[r]));
+  }
+  {  // reduce_scatter_to_sequence: this rank's sequence slice of the sum; gradients gathered.
+    auto [y, gx] = run(mine({2, 12, 5}, 500), mine({2, 12 / n, 5}, 600),
+                       [&](const at::Tensor& x) { return tp::reduce_scatter_to_sequence(x, tp, 1); });
+    EXPECT_TRUE(close(y, sum_over_ranks({2, 12, 5}, 500).chunk(n, 1)[r]));
+    EXPECT_TRUE(close(gx, cat_over_ranks({2, 12 / n, 5}, 600, 1)));
+  }
+  {  // gather_from_sequence: sequence slices concatenated; gradients reduce-scattered.
+    auto [y, gx] = run(mine({2, 3, 5}, 700), mine({2, 3 * n, 5}, 800),
+                       [&](const at::Tensor& x) { return tp::gather_from_sequence(x, tp, 1); });
+    EXPECT_TRUE(close(y, cat_over_ranks({2, 3, 5}, 700, 1)));
+    EXPECT_TRUE(close(gx, sum_over_ranks({2, 3 * n, 5}, 800).chunk(n, 1)[r]));
+  }
+}
+
+// A GELU MLP, column-parallel then row-parallel, against the dense MLP: outputs and every
+// gradient (the layers' slices of the dense weight gradients). With sequence parallelism
+// each rank holds a sequence slice of the input and output; the replicated row bias then
+// gets a partial gradient on each rank, whose sum over tp is the dense one.
+TEST_F(TpTest, ColumnThenRowParallelMlpMatchesDense) {
+  const auto tp = world();
+  const int n = nranks(), r = rank();
+  const std::int64_t d = 24, h = 36, seq = 12;
+  const auto w1 = randn({h, d}, 1) * 0.2, b1 = randn({h}, 2) * 0.1;
+  const auto w2 = randn({d, h}, 3) * 0.2, b2 = randn({d}, 4) * 0.1;
+  const auto x0 = randn({2, seq, d}, 5), g = randn({2, seq, d}, 6);
+
+  // Dense reference.
+  auto dw1 = w1.clone().requires_grad_(), db1 = b1.clone().requires_grad_();
+  auto dw2 = w2.clone().requires_grad_(), db2 = b2.clone().requires_grad_();
+  auto dx = x0.clone().requires_grad_();
+  auto dense = torch::nn::functional::linear(torch::gelu(torch::nn::functional::linear(dx, dw1, db1)), dw2, db2);
+  dense.backward(g);
+
+  for (bool sp : {false, true}) {
+    tp::ParallelLinearOptions o;
+    o.sequence_parallel = sp;
+    tp::ColumnParallelLinear col(d, h, tp, o);
+    tp::RowParallelLinear row(h, d, tp, o);
+    col->load_full(w1, b1);
+    row->load_full(w2, b2);
+    auto x = (sp ? x0.chunk(n, 1)[r] : x0).clone().requires_grad_();
+    auto y = row(torch::gelu(col(x)));
+    y.backward(sp ? g.chunk(n, 1)[r].contiguous() : g);
+    const auto want_y = sp ? dense.detach().chunk(n, 1)[r] : dense.detach();
+    EXPECT_TRUE(close(y.detach(), want_y)) << "sp " << sp;
+    EXPECT_TRUE(close(x.grad(), sp ? dx.grad().chunk(n, 1)[r] : dx.grad())) << "sp " << sp;
+    EXPECT_TRUE(close(col->weight.grad(), dw1.grad().chunk(n, 0)[r])) << "sp " << sp;
+    EXPECT_TRUE(close(col->bias.grad(), db1.grad().chunk(n, 0)[r])) << "sp " << sp;
+    EXPECT_TRUE(close(row->weight.grad(), dw2.grad().chunk(n, 1)[r])) << "sp " << sp;
+    auto bias_grad = row->bias.grad().clone();
+    if (sp) tp->all_reduce(bias_grad)->wait();  // replicated parameter, partial gradients
+    EXPECT_TRUE(close(bias_grad, db2.grad())) << "sp " << sp;
+  }
+}
+
+// Row-parallel with a replicated input (split inside) and skip_bias_add; column-parallel
+// with gather_output: both equal the dense linear.
+TEST_F(TpTest, GatherOutputAndSplitInputMatchDense) {
+  const auto tp = world();
+  const int n = nranks(), r = rank();
+  const auto w = randn({36, 24}, 11), b = randn({36}, 12), x0 = randn({3, 24}, 13);
+  const auto dense = torch::nn::functional::linear(x0, w, b);
+  tp::ParallelLinearOptions o;
+  o.gather_output = true;
+  tp::ColumnParallelLinear col(24, 36, tp, o);
+  col->load_full(w, b);
+  EXPECT_TRUE(close(col(x0).detach(), dense));
+
+  const auto w2 = randn({24, 36}, 14), b2 = randn({24}, 15), x2 = randn({3, 36}, 16);
+  o = {};
+  o.input_is_parallel = false;
+  o.skip_bias_add = true;
+  tp::RowParallelLinear row(36, 24, tp, o);
+  row->load_full(w2, b2);
+  auto x = x2.clone().requires_grad_();
+  auto y = row(x);
+  EXPECT_TRUE(close(y.detach() + row->bias, torch::nn::functional::linear(x2, w2, b2)));
+  y.sum().backward();
+  EXPECT_TRUE(close(x.grad(), torch::ones({3, 24}).matmul(w2)));  // gathered from the slices
+  EXPECT_EQ(row->weight.size(1), 36 / n);
+  (void)r;
+}
+
+TEST_F(TpTest, SizesThatDoNotDivideAreNamed) {
+  const int n = nranks();
+  if (n == 1) GTEST_SKIP() << "every size divides tp=1";
+  auto message = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  const std::int64_t odd = 2 * n + 1;
+  auto e = message([&] { tp::ColumnParallelLinear(8, odd, world()); });
+  EXPECT_NE(e.find("ColumnParallelLinear out_features=" + std::to_string(odd) +
+                   " is not divisible by tp=" + std::to_string(n)), std::string::npos) << e;
+  e = message([&] { tp::RowParallelLinear(odd, 8, world()); });
+  EXPECT_NE(e.find("RowParallelLinear in_features=" + std::to_string(odd)), std::string::npos) << e;
+  e = message([&] { tp::reduce_scatter_to_sequence(torch::ones({2, odd, 3}), world(), 1); });
+  EXPECT_NE(e.find("of size " + std::to_string(odd) + " is not divisible by tp=" + std::to_string(n)),
+            std::string::npos) << e;
+}
+
+}  // namespace
+}  // namespace dtrain::testing
