@@ -4,6 +4,9 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <limits>
+
 #include "dtrain/core/error.hpp"
 
 namespace dtrain::tp {
@@ -183,6 +186,98 @@ at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
                : reduce_from_region(partial, tp_);
   if (bias.defined() && !options_.skip_bias_add) y = y + bias;
   return y;
+}
+
+std::int64_t padded_vocab_size(std::int64_t vocab_size, int tp) {
+  DTRAIN_CHECK_ARG(vocab_size > 0 && tp > 0, "vocab_size=", vocab_size, " and tp=", tp,
+                   " must be positive");
+  return (vocab_size + tp - 1) / tp * tp;
+}
+
+VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(std::int64_t vocab_size, std::int64_t dim,
+                                                       CommPtr tp)
+    : tp_(std::move(tp)), vocab_(vocab_size), dim_(dim) {
+  DTRAIN_CHECK_ARG(tp_ != nullptr, "tensor parallel: no tp communicator");
+  DTRAIN_CHECK_ARG(dim_ > 0, "VocabParallelEmbedding dim=", dim_, " must be positive");
+  padded_ = padded_vocab_size(vocab_, tp_->size());
+  weight = register_parameter("weight", torch::zeros({padded_ / tp_->size(), dim_}));
+}
+
+void VocabParallelEmbeddingImpl::load_full(const at::Tensor& w) {
+  DTRAIN_CHECK_ARG(w.sizes() == at::IntArrayRef({vocab_, dim_}), "VocabParallelEmbedding: full ",
+                   "table ", w.sizes(), " is not [", vocab_, ", ", dim_, "]");
+  torch::NoGradGuard no_grad;
+  const std::int64_t rows = padded_ / tp_->size(), first = first_row();
+  weight.zero_();
+  const std::int64_t n = std::max<std::int64_t>(0, std::min(rows, vocab_ - first));
+  if (n > 0) weight.narrow(0, 0, n).copy_(w.narrow(0, first, n));
+}
+
+at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& ids) {
+  const std::int64_t rows = padded_ / tp_->size(), first = first_row();
+  if (tp_->size() == 1) return torch::embedding(weight, ids);
+  const auto outside = (ids < first).logical_or(ids >= first + rows);
+  const auto local = (ids - first).masked_fill(outside, 0);
+  auto out = torch::embedding(weight, local).masked_fill(outside.unsqueeze(-1), 0.0);
+  return reduce_from_region(out, tp_);
+}
+
+namespace {
+
+// Loss per row; backward: (softmax - onehot) x grad, on this rank's columns only.
+struct VocabParallelCrossEntropy : public torch::autograd::Function<VocabParallelCrossEntropy> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets,
+                            std::int64_t vocab, std::int64_t comm_handle) {
+    auto& c = *reinterpret_cast<Communicator*>(comm_handle);
+    const std::int64_t cols = logits.size(-1), first = cols * c.rank();
+    auto x = logits.detach().to(at::kFloat);
+    if (first + cols > vocab) {  // padding columns never win and add nothing
+      x = x.clone();
+      x.narrow(-1, std::max<std::int64_t>(0, vocab - first), first + cols - std::max(vocab, first))
+          .fill_(-std::numeric_limits<float>::infinity());
+    }
+    auto row_max = std::get<0>(x.max(-1));
+    if (c.size() > 1) c.all_reduce(row_max, {ReduceOp::kMax})->wait();
+    auto shifted = x - row_max.unsqueeze(-1);
+    auto exp = shifted.exp();
+    auto sum_exp = exp.sum(-1);
+    const auto outside = (targets < first).logical_or(targets >= first + cols);
+    const auto local = (targets - first).masked_fill(outside, 0);
+    auto target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0);
+    if (c.size() > 1) {
+      c.all_reduce(sum_exp)->wait();
+      c.all_reduce(target_logit)->wait();
+    }
+    ctx->save_for_backward({exp / sum_exp.unsqueeze(-1), local, outside});
+    ctx->saved_data["dtype"] = static_cast<std::int64_t>(logits.scalar_type());
+    return sum_exp.log() - target_logit;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    auto grad = saved[0].clone();  // softmax over the full vocabulary, this rank's columns
+    const auto& local = saved[1];
+    const auto inside = saved[2].logical_not().to(grad.scalar_type());
+    grad.scatter_add_(-1, local.unsqueeze(-1), -inside.unsqueeze(-1));
+    grad.mul_(grads[0].unsqueeze(-1));
+    const auto dtype = static_cast<c10::ScalarType>(ctx->saved_data["dtype"].toInt());
+    return {grad.to(dtype), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
+                                        std::int64_t vocab_size, const CommPtr& tp) {
+  DTRAIN_CHECK_ARG(tp != nullptr, "tensor parallel: no tp communicator");
+  DTRAIN_CHECK_ARG(local_logits.dim() == 2 && targets.dim() == 1 &&
+                       targets.size(0) == local_logits.size(0),
+                   "vocab_parallel_cross_entropy: logits must be [rows, vocab/tp] and targets "
+                   "[rows]; got ", local_logits.sizes(), " and ", targets.sizes());
+  DTRAIN_CHECK_ARG(local_logits.size(1) * tp->size() == padded_vocab_size(vocab_size, tp->size()),
+                   "vocab_parallel_cross_entropy: ", local_logits.size(1), " columns per rank x tp=",
+                   tp->size(), " is not the padded vocabulary ",
+                   padded_vocab_size(vocab_size, tp->size()), " of vocab_size=", vocab_size);
+  return VocabParallelCrossEntropy::apply(local_logits, targets, vocab_size, handle(tp)).mean();
 }
 
 }  // namespace dtrain::tp

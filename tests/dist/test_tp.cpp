@@ -1,7 +1,8 @@
 // Tensor-parallel building blocks over the world as the tp group, against dense
 // computations every rank repeats locally: each region function's forward and backward,
 // the column/row parallel linear pair (a GELU MLP) with and without sequence parallelism,
-// and the size errors. Tolerance: float32, rtol 1e-5 / atol 1e-6 (sums in another order).
+// the vocabulary-parallel embedding and cross-entropy (padded vocabularies), and the size
+// errors. Tolerance: float32, rtol 1e-5 / atol 1e-6 (sums in another order).
 #include <torch/torch.h>
 
 #include "dist_test.hpp"
@@ -150,6 +151,66 @@ TEST_F(TpTest, GatherOutputAndSplitInputMatchDense) {
   EXPECT_TRUE(close(x.grad(), torch::ones({3, 24}).matmul(w2)));  // gathered from the slices
   EXPECT_EQ(row->weight.size(1), 36 / n);
   (void)r;
+}
+
+// The vocabulary-parallel embedding against the dense lookup (vocabulary 10, padded to a
+// multiple of tp), and its weight gradient against the dense one's rows.
+TEST_F(TpTest, VocabParallelEmbeddingMatchesDense) {
+  const auto tp = world();
+  const int n = nranks();
+  const std::int64_t vocab = 10, dim = 6;
+  const auto table = randn({vocab, dim}, 21);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(22);
+  const auto ids = torch::randint(0, vocab, {3, 7}, gen, torch::kLong);
+  const auto g = randn({3, 7, dim}, 23);
+  auto dense_w = table.clone().requires_grad_();
+  auto dense = torch::embedding(dense_w, ids);
+  dense.backward(g);
+
+  tp::VocabParallelEmbedding emb(vocab, dim, tp);
+  EXPECT_EQ(emb->padded_vocab(), tp::padded_vocab_size(vocab, n));
+  EXPECT_EQ(emb->padded_vocab() % n, 0);
+  emb->load_full(table);
+  auto out = emb(ids);
+  EXPECT_TRUE(close(out.detach(), dense.detach()));
+  out.backward(g);
+  // This rank's rows of the dense gradient (zeros for padding rows).
+  auto padded_grad = torch::zeros({emb->padded_vocab(), dim});
+  padded_grad.narrow(0, 0, vocab).copy_(dense_w.grad());
+  const auto rows = emb->padded_vocab() / n;
+  EXPECT_TRUE(close(emb->weight.grad(), padded_grad.narrow(0, emb->first_row(), rows)));
+}
+
+// Vocabulary-parallel cross-entropy against the dense loss and gradient: the logits of a
+// padded vocabulary split across tp, with garbage in the padding columns that must be
+// ignored; loss and this rank's columns of the gradient (zero on padding).
+TEST_F(TpTest, VocabParallelCrossEntropyMatchesDense) {
+  const auto tp = world();
+  const int n = nranks(), r = rank();
+  for (std::int64_t vocab : {12, 10, 9}) {
+    const std::int64_t padded = tp::padded_vocab_size(vocab, n), cols = padded / n;
+    auto full = randn({5, padded}, 31) * 3;
+    full.narrow(1, vocab, padded - vocab).fill_(50);  // padding: would dominate if used
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(32);
+    const auto targets = torch::randint(0, vocab, {5}, gen, torch::kLong);
+    auto dense_in = full.narrow(1, 0, vocab).clone().requires_grad_();
+    auto dense = torch::nn::functional::cross_entropy(dense_in, targets);
+    dense.backward();
+
+    auto local = full.narrow(1, cols * r, cols).clone().requires_grad_();
+    auto loss = tp::vocab_parallel_cross_entropy(local, targets, vocab, tp);
+    EXPECT_NEAR(loss.item<double>(), dense.item<double>(), 1e-5) << "vocab " << vocab;
+    loss.backward();
+    auto padded_grad = torch::zeros({5, padded});
+    padded_grad.narrow(1, 0, vocab).copy_(dense_in.grad());
+    EXPECT_TRUE(close(local.grad(), padded_grad.narrow(1, cols * r, cols))) << "vocab " << vocab;
+  }
+  try {
+    tp::vocab_parallel_cross_entropy(torch::zeros({5, 7}), torch::zeros({5}, torch::kLong), 100, tp);
+    ADD_FAILURE() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("is not the padded vocabulary"), std::string::npos) << e.what();
+  }
 }
 
 TEST_F(TpTest, SizesThatDoNotDivideAreNamed) {

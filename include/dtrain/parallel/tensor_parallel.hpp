@@ -80,4 +80,34 @@ class RowParallelLinearImpl : public torch::nn::Module {
 };
 TORCH_MODULE(RowParallelLinear);
 
+// Token embedding with the vocabulary split across tp: the table is padded to a multiple
+// of tp rows (padded_vocab), each rank holds rows [r * padded/tp, (r+1) * padded/tp); a
+// token outside this rank's rows contributes zeros and the ranks' lookups are summed.
+class VocabParallelEmbeddingImpl : public torch::nn::Module {
+ public:
+  VocabParallelEmbeddingImpl(std::int64_t vocab_size, std::int64_t dim, CommPtr tp);
+  // Copies this rank's rows of the full table [vocab, dim]; padding rows are zero.
+  void load_full(const at::Tensor& weight);
+  at::Tensor forward(const at::Tensor& ids);
+  std::int64_t padded_vocab() const { return padded_; }
+  std::int64_t first_row() const { return padded_ / tp_->size() * tp_->rank(); }
+  at::Tensor weight;  // [padded/tp, dim]
+
+ private:
+  CommPtr tp_;
+  std::int64_t vocab_, padded_, dim_;
+};
+TORCH_MODULE(VocabParallelEmbedding);
+
+// The smallest multiple of tp that holds vocab_size.
+std::int64_t padded_vocab_size(std::int64_t vocab_size, int tp);
+
+// Mean cross-entropy over the rows of logits whose last dimension is split across tp
+// (this rank's padded_vocab/tp columns, as a column-parallel head without gather_output
+// produces), never gathering the full logits: the row max, the sum of exponentials and
+// the target logit are reduced across tp. Columns at or beyond vocab_size (padding) are
+// ignored. targets: [rows] in [0, vocab_size). Gradient flows to local_logits.
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
+                                        std::int64_t vocab_size, const CommPtr& tp);
+
 }  // namespace dtrain::tp
