@@ -46,6 +46,34 @@ std::string block_wrap_policy(const std::string& name) {
   return "root";
 }
 
+namespace {
+
+// [lo, hi) of a parameter's flattened elements that lie in one shard of its unit.
+struct Span {
+  std::int64_t lo = 0, hi = 0;  // parameter-local element indices
+  std::int64_t at = 0;          // index of element lo in the shard
+};
+
+Span span_in_shard(std::int64_t param_offset, std::int64_t param_numel, std::int64_t shard_begin,
+                   std::int64_t shard_numel) {
+  Span s;
+  const std::int64_t lo = std::max(param_offset, shard_begin);
+  const std::int64_t hi = std::min(param_offset + param_numel, shard_begin + shard_numel);
+  if (hi <= lo) return s;
+  s.lo = lo - param_offset;
+  s.hi = hi - param_offset;
+  s.at = lo - shard_begin;
+  return s;
+}
+
+std::string shape_text(at::IntArrayRef shape) {
+  std::string t = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) t += (i ? ", " : "") + std::to_string(shape[i]);
+  return t + "]";
+}
+
+}  // namespace
+
 struct ShardedDataParallel::Unit {
   std::string key;
   std::vector<std::size_t> params;  // indices into params_
@@ -55,7 +83,8 @@ struct ShardedDataParallel::Unit {
   at::Tensor master;                // float32 shard the optimizer updates
   at::Tensor param_shard;           // the shard in the parameter dtype (all-gather input);
                                     // master itself when that is a view of flat
-  at::Tensor decay_mask;            // [shard]: 1 where weight decay applies
+  // Runs (start, length) of this rank's shard where weight decay applies.
+  std::vector<std::pair<std::int64_t, std::int64_t>> decay_runs;
   at::Tensor grad_flat;             // [shard * size] during a sync
   at::Tensor grad_shard;            // [shard]
   std::size_t ready = 0;
@@ -139,11 +168,17 @@ ShardedDataParallel::ShardedDataParallel(NamedParameters params, CommPtr shard_c
     u.shard = (u.numel + world - 1) / world;
     // The given values, exactly, then cast to the compute dtype.
     auto full = torch::zeros({u.shard * world}, torch::TensorOptions().dtype(given).device(device));
-    auto mask = torch::zeros({u.shard * world}, torch::TensorOptions().dtype(torch::kFloat).device(device));
     for (std::size_t k : u.params) {
       auto& [name, p] = params_[k];
       full.narrow(0, offset_of_[k], p.numel()).copy_(p.detach().reshape({-1}));
-      if (decays(name, p, options_.adamw)) mask.narrow(0, offset_of_[k], p.numel()).fill_(1.0);
+      if (!decays(name, p, options_.adamw)) continue;
+      const Span sp = span_in_shard(offset_of_[k], p.numel(), rank * u.shard, u.shard);
+      if (sp.hi == sp.lo) continue;
+      if (!u.decay_runs.empty() && u.decay_runs.back().first + u.decay_runs.back().second == sp.at) {
+        u.decay_runs.back().second += sp.hi - sp.lo;  // adjacent: one run
+      } else {
+        u.decay_runs.emplace_back(sp.at, sp.hi - sp.lo);
+      }
     }
     if (options_.broadcast_parameters) {
       comm_->broadcast(full, {0})->wait();
@@ -165,7 +200,6 @@ ShardedDataParallel::ShardedDataParallel(NamedParameters params, CommPtr shard_c
     } else {
       u.param_shard = u.master;
     }
-    u.decay_mask = mask.narrow(0, rank * u.shard, u.shard).clone();
     stats_.shard_numel += u.shard;
   }
   stats_.units = static_cast<std::int64_t>(units_.size());
@@ -500,7 +534,8 @@ void ShardedDataParallel::step(double lr) {
   const double wd = options_.adamw.weight_decay;
   for (auto& u : units_) {
     // AdamW's decoupled decay, p *= 1 - lr * wd, where the element decays.
-    if (wd > 0 && u->master.grad().defined()) u->master.mul_(1.0 - lr * wd * u->decay_mask);
+    if (wd <= 0 || !u->master.grad().defined()) continue;
+    for (const auto& [at, len] : u->decay_runs) u->master.narrow(0, at, len).mul_(1.0 - lr * wd);
   }
   set_learning_rate(*optimizer_, lr);
   optimizer_->step();
@@ -537,34 +572,6 @@ void ShardedDataParallel::publish_parameters() {
     if (!u->reshard) ensure_gathered(*u);
   }
 }
-
-namespace {
-
-// [lo, hi) of a parameter's flattened elements that lie in one shard of its unit.
-struct Span {
-  std::int64_t lo = 0, hi = 0;  // parameter-local element indices
-  std::int64_t at = 0;          // index of element lo in the shard
-};
-
-Span span_in_shard(std::int64_t param_offset, std::int64_t param_numel, std::int64_t shard_begin,
-                   std::int64_t shard_numel) {
-  Span s;
-  const std::int64_t lo = std::max(param_offset, shard_begin);
-  const std::int64_t hi = std::min(param_offset + param_numel, shard_begin + shard_numel);
-  if (hi <= lo) return s;
-  s.lo = lo - param_offset;
-  s.hi = hi - param_offset;
-  s.at = lo - shard_begin;
-  return s;
-}
-
-std::string shape_text(at::IntArrayRef shape) {
-  std::string t = "[";
-  for (std::size_t i = 0; i < shape.size(); ++i) t += (i ? ", " : "") + std::to_string(shape[i]);
-  return t + "]";
-}
-
-}  // namespace
 
 bool ShardedDataParallel::primary_replica() const { return !replicate_ || replicate_->rank() == 0; }
 
