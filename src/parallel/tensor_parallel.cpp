@@ -37,6 +37,14 @@ std::int64_t checked_dim(const at::Tensor& x, std::int64_t dim) {
   return d;
 }
 
+// checked_dim, for a dimension that is split across the ranks: its size must divide.
+std::int64_t split_dim_index(const at::Tensor& x, Communicator& c, std::int64_t dim) {
+  dim = checked_dim(x, dim);
+  DTRAIN_CHECK_ARG(x.size(dim) % c.size() == 0, "tensor parallel: dimension ", dim, " of size ",
+                   x.size(dim), " is not divisible by tp=", c.size());
+  return dim;
+}
+
 // The ranks' tensors concatenated along dim, in rank order.
 at::Tensor all_gather_dim(const at::Tensor& x, Communicator& c, std::int64_t dim) {
   if (c.size() == 1) return x;
@@ -52,9 +60,7 @@ at::Tensor all_gather_dim(const at::Tensor& x, Communicator& c, std::int64_t dim
 // Slice r (of size/tp) along dim of the sum over ranks.
 at::Tensor reduce_scatter_dim(const at::Tensor& x, Communicator& c, std::int64_t dim) {
   if (c.size() == 1) return x;
-  dim = checked_dim(x, dim);
-  DTRAIN_CHECK_ARG(x.size(dim) % c.size() == 0, "tensor parallel: dimension ", dim, " of size ",
-                   x.size(dim), " is not divisible by tp=", c.size());
+  dim = split_dim_index(x, c, dim);
   const auto moved = x.movedim(dim, 0).contiguous();
   auto sizes = moved.sizes().vec();
   sizes[0] /= c.size();
@@ -66,9 +72,7 @@ at::Tensor reduce_scatter_dim(const at::Tensor& x, Communicator& c, std::int64_t
 // This rank's slice along dim.
 at::Tensor split_dim(const at::Tensor& x, Communicator& c, std::int64_t dim) {
   if (c.size() == 1) return x;
-  dim = checked_dim(x, dim);
-  DTRAIN_CHECK_ARG(x.size(dim) % c.size() == 0, "tensor parallel: dimension ", dim, " of size ",
-                   x.size(dim), " is not divisible by tp=", c.size());
+  dim = split_dim_index(x, c, dim);
   return x.chunk(c.size(), dim)[static_cast<std::size_t>(c.rank())].contiguous();
 }
 
