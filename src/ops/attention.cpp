@@ -8,7 +8,8 @@
 
 namespace dtrain::ops {
 
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) {
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
+                     double dropout_p) {
   DTRAIN_CHECK_ARG(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
                    "attention: q, k, v must be [batch, heads, time, head_dim]; got ", q.sizes(),
                    ", ", k.sizes(), ", ", v.sizes());
@@ -20,7 +21,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     kk = k.repeat_interleave(h / hkv, 1);
     vv = v.repeat_interleave(h / hkv, 1);
   }
-  return at::scaled_dot_product_attention(q, kk, vv, /*attn_mask=*/{}, /*dropout_p=*/0.0, causal);
+  return at::scaled_dot_product_attention(q, kk, vv, /*attn_mask=*/{}, dropout_p, causal);
 }
 
 }  // namespace dtrain::ops

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <mutex>
 
 #include "dtrain/core/error.hpp"
 
@@ -23,10 +24,19 @@ Communicator& comm(AutogradContext* ctx) {
   return *reinterpret_cast<Communicator*>(ctx->saved_data["comm"].toInt());
 }
 
+CommStats g_stats;
+
+// Every collective of this file goes through here (counted).
+void all_reduce_counted(const at::Tensor& t, Communicator& c, ReduceOp op = ReduceOp::kSum) {
+  g_stats.bytes += wire_bytes(OpKind::kAllReduce, static_cast<double>(t.nbytes()), c.size());
+  ++g_stats.calls;
+  c.all_reduce(t, {op})->wait();
+}
+
 at::Tensor all_reduce_sum(const at::Tensor& x, Communicator& c) {
   if (c.size() == 1) return x;
   auto y = x.contiguous().clone();
-  c.all_reduce(y)->wait();
+  all_reduce_counted(y, c);
   return y;
 }
 
@@ -53,6 +63,8 @@ at::Tensor all_gather_dim(const at::Tensor& x, Communicator& c, std::int64_t dim
   auto sizes = moved.sizes().vec();
   sizes[0] *= c.size();
   auto out = at::empty(sizes, moved.options());
+  g_stats.bytes += wire_bytes(OpKind::kAllGather, static_cast<double>(out.nbytes()), c.size());
+  ++g_stats.calls;
   c.all_gather(out, moved)->wait();
   return out.movedim(0, dim).contiguous();
 }
@@ -65,6 +77,8 @@ at::Tensor reduce_scatter_dim(const at::Tensor& x, Communicator& c, std::int64_t
   auto sizes = moved.sizes().vec();
   sizes[0] /= c.size();
   auto out = at::empty(sizes, moved.options());
+  g_stats.bytes += wire_bytes(OpKind::kReduceScatter, static_cast<double>(moved.nbytes()), c.size());
+  ++g_stats.calls;
   c.reduce_scatter(out, moved)->wait();
   return out.movedim(0, dim).contiguous();
 }
@@ -107,6 +121,7 @@ struct Region : public torch::autograd::Function<Region> {
 
 at::Tensor region(const at::Tensor& x, const CommPtr& tp, std::int64_t dim, Op fwd, Op bwd) {
   DTRAIN_CHECK_ARG(tp != nullptr, "tensor parallel: no tp communicator");
+  if (tp->size() == 1) return x;  // every op is the identity on one rank
   return Region::apply(x, handle(tp), dim, static_cast<std::int64_t>(fwd),
                        static_cast<std::int64_t>(bwd));
 }
@@ -118,6 +133,9 @@ void check_divisible(const char* what, std::int64_t n, const CommPtr& tp) {
 }
 
 }  // namespace
+
+const CommStats& comm_stats() { return g_stats; }
+void reset_comm_stats() { g_stats = CommStats{}; }
 
 at::Tensor copy_to_region(const at::Tensor& x, const CommPtr& tp) {
   return region(x, tp, -1, Op::kIdentity, Op::kAllReduce);
@@ -157,9 +175,17 @@ void ColumnParallelLinearImpl::load_full(const at::Tensor& w, const at::Tensor& 
   if (bias.defined() && b.defined()) bias.copy_(b.narrow(0, rows * tp_->rank(), rows));
 }
 
+at::Tensor enter_column_region(const at::Tensor& x, const CommPtr& tp,
+                               const ParallelLinearOptions& options) {
+  return options.sequence_parallel ? gather_from_sequence(x, tp, options.sequence_dim)
+                                   : copy_to_region(x, tp);
+}
+
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
-  const auto in = options_.sequence_parallel ? gather_from_sequence(x, tp_, options_.sequence_dim)
-                                             : copy_to_region(x, tp_);
+  return forward_entered(enter_column_region(x, tp_, options_));
+}
+
+at::Tensor ColumnParallelLinearImpl::forward_entered(const at::Tensor& in) {
   auto y = torch::nn::functional::linear(in, weight, bias.defined() ? bias : at::Tensor());
   return options_.gather_output ? gather_from_region(y, tp_) : y;
 }
@@ -188,7 +214,10 @@ at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
   auto y = options_.sequence_parallel
                ? reduce_scatter_to_sequence(partial, tp_, options_.sequence_dim)
                : reduce_from_region(partial, tp_);
-  if (bias.defined() && !options_.skip_bias_add) y = y + bias;
+  if (bias.defined() && !options_.skip_bias_add) {
+    // On a sequence shard each rank's bias gradient is partial: summed across tp.
+    y = y + (options_.sequence_parallel ? copy_to_region(bias, tp_) : bias);
+  }
   return y;
 }
 
@@ -199,8 +228,8 @@ std::int64_t padded_vocab_size(std::int64_t vocab_size, int tp) {
 }
 
 VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(std::int64_t vocab_size, std::int64_t dim,
-                                                       CommPtr tp)
-    : tp_(std::move(tp)), vocab_(vocab_size), dim_(dim) {
+                                                       CommPtr tp, bool sequence_parallel)
+    : tp_(std::move(tp)), vocab_(vocab_size), dim_(dim), sequence_parallel_(sequence_parallel) {
   DTRAIN_CHECK_ARG(tp_ != nullptr, "tensor parallel: no tp communicator");
   DTRAIN_CHECK_ARG(dim_ > 0, "VocabParallelEmbedding dim=", dim_, " must be positive");
   padded_ = padded_vocab_size(vocab_, tp_->size());
@@ -223,7 +252,7 @@ at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& ids) {
   const auto outside = (ids < first).logical_or(ids >= first + rows);
   const auto local = (ids - first).masked_fill(outside, 0);
   auto out = torch::embedding(weight, local).masked_fill(outside.unsqueeze(-1), 0.0);
-  return reduce_from_region(out, tp_);
+  return sequence_parallel_ ? reduce_scatter_to_sequence(out, tp_, 1) : reduce_from_region(out, tp_);
 }
 
 namespace {
@@ -241,7 +270,7 @@ struct VocabParallelCrossEntropy : public torch::autograd::Function<VocabParalle
           .fill_(-std::numeric_limits<float>::infinity());
     }
     auto row_max = std::get<0>(x.max(-1));
-    if (c.size() > 1) c.all_reduce(row_max, {ReduceOp::kMax})->wait();
+    if (c.size() > 1) all_reduce_counted(row_max, c, ReduceOp::kMax);
     auto shifted = x - row_max.unsqueeze(-1);
     auto exp = shifted.exp();
     auto sum_exp = exp.sum(-1);
@@ -249,8 +278,8 @@ struct VocabParallelCrossEntropy : public torch::autograd::Function<VocabParalle
     const auto local = (targets - first).masked_fill(outside, 0);
     auto target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0);
     if (c.size() > 1) {
-      c.all_reduce(sum_exp)->wait();
-      c.all_reduce(target_logit)->wait();
+      all_reduce_counted(sum_exp, c);
+      all_reduce_counted(target_logit, c);
     }
     ctx->save_for_backward({exp / sum_exp.unsqueeze(-1), local, outside});
     ctx->saved_data["dtype"] = static_cast<std::int64_t>(logits.scalar_type());
@@ -282,6 +311,63 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at
                    tp->size(), " is not the padded vocabulary ",
                    padded_vocab_size(vocab_size, tp->size()), " of vocab_size=", vocab_size);
   return VocabParallelCrossEntropy::apply(local_logits, targets, vocab_size, handle(tp)).mean();
+}
+
+namespace {
+at::Generator default_generator(c10::Device device) {
+  return device.is_cpu() ? at::detail::getDefaultCPUGenerator()
+                         : at::globalContext().defaultGenerator(device);
+}
+}  // namespace
+
+RngTracker::RngTracker(std::uint64_t seed, int tp_rank, c10::Device device) : device_(device) {
+  // Each state: the default generator's state after seeding it (device-independent code).
+  auto gen = default_generator(device_);
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  const auto saved = gen.get_state();
+  const std::uint64_t seeds[2] = {seed + 1, seed + 2718 + static_cast<std::uint64_t>(tp_rank)};
+  for (int i = 0; i < 2; ++i) {
+    gen.set_current_seed(seeds[i]);
+    states_[i] = gen.get_state();
+  }
+  gen.set_state(saved);
+}
+
+RngTracker::Fork::Fork(RngTracker* owner, Stream stream) : owner_(owner), stream_(stream) {
+  auto gen = default_generator(owner_->device_);
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  saved_ = gen.get_state();
+  gen.set_state(owner_->states_[static_cast<int>(stream_)]);
+}
+
+RngTracker::Fork::~Fork() {
+  auto gen = default_generator(owner_->device_);
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  owner_->states_[static_cast<int>(stream_)] = gen.get_state();
+  gen.set_state(saved_);
+}
+
+std::unique_ptr<RngTracker::Fork> RngTracker::fork(Stream stream) {
+  return std::unique_ptr<Fork>(new Fork(this, stream));
+}
+
+std::vector<at::Tensor> RngTracker::states() const {
+  return {states_[0].clone(), states_[1].clone()};
+}
+
+void RngTracker::set_states(const std::vector<at::Tensor>& states) {
+  DTRAIN_CHECK_ARG(states.size() == 2, "RngTracker::set_states: expected 2 states, got ",
+                   states.size());
+  states_[0] = states[0].clone();
+  states_[1] = states[1].clone();
+}
+
+at::Tensor dropout(const at::Tensor& x, double p, bool training, RngTracker& rng,
+                   RngTracker::Stream stream) {
+  DTRAIN_CHECK_ARG(p >= 0 && p < 1, "dropout probability ", p, " is out of range; allowed: [0, 1)");
+  if (!training || p == 0) return x;
+  const auto fork = rng.fork(stream);
+  return torch::dropout(x, p, /*train=*/true);
 }
 
 }  // namespace dtrain::tp

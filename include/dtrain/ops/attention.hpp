@@ -7,6 +7,8 @@
 
 namespace dtrain::ops {
 
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal);
+// dropout_p: dropout on the attention probabilities, drawn from the default generator.
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
+                     double dropout_p = 0.0);
 
 }  // namespace dtrain::ops

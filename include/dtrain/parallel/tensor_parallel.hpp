@@ -4,10 +4,13 @@
 // parallelism (activations split along the sequence between TP layers).
 #pragma once
 
+#include <c10/core/Device.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 #include "dtrain/comm/communicator.hpp"
 
@@ -28,6 +31,16 @@ at::Tensor gather_from_region(const at::Tensor& x, const CommPtr& tp);
 at::Tensor reduce_scatter_to_sequence(const at::Tensor& x, const CommPtr& tp, std::int64_t dim);
 at::Tensor gather_from_sequence(const at::Tensor& x, const CommPtr& tp, std::int64_t dim);
 
+// Traffic of the tensor-parallel functions in this process (region functions, the
+// vocabulary-parallel embedding and cross-entropy), counted with wire_bytes: what
+// tp_bench compares with the analytical count. Not thread-safe; reset between steps.
+struct CommStats {
+  double bytes = 0;         // bytes this rank sent
+  std::int64_t calls = 0;   // collectives issued
+};
+const CommStats& comm_stats();
+void reset_comm_stats();
+
 struct ParallelLinearOptions {
   bool bias = true;
   // Column: all-gather the output's last dimension (else each rank keeps out/tp features).
@@ -42,6 +55,12 @@ struct ParallelLinearOptions {
   std::int64_t sequence_dim = 1;  // [batch, time, features]
 };
 
+// Where a replicated (or, with sequence parallelism, sequence-split along sequence_dim)
+// activation enters column-parallel layers: copy_to_region, or gather_from_sequence.
+// Several column layers that read the same input share one entry (one all-gather).
+at::Tensor enter_column_region(const at::Tensor& x, const CommPtr& tp,
+                               const ParallelLinearOptions& options);
+
 // Y = X A^T + b with A [out, in] split by output features: this rank holds rows
 // [r * out/tp, (r+1) * out/tp) of A and b. Input replicated (or sequence-split).
 class ColumnParallelLinearImpl : public torch::nn::Module {
@@ -52,6 +71,8 @@ class ColumnParallelLinearImpl : public torch::nn::Module {
   // Copies this rank's slice of the full weight [out, in] and bias [out].
   void load_full(const at::Tensor& weight, const at::Tensor& bias = {});
   at::Tensor forward(const at::Tensor& x);
+  // forward() for an input that already went through enter_column_region.
+  at::Tensor forward_entered(const at::Tensor& entered);
   at::Tensor weight, bias;  // this rank's slices
 
  private:
@@ -63,7 +84,8 @@ TORCH_MODULE(ColumnParallelLinear);
 
 // Y = X A^T + b with A [out, in] split by input features: this rank holds columns
 // [r * in/tp, (r+1) * in/tp) of A; the partial products are summed across tp (or
-// reduce-scattered along the sequence); the bias is replicated and added after the sum.
+// reduce-scattered along the sequence); the bias is replicated and added after the sum
+// (on a sequence shard with sequence parallelism: its gradient is then summed across tp).
 class RowParallelLinearImpl : public torch::nn::Module {
  public:
   // InvalidArgument naming in_features and tp when tp does not divide in_features.
@@ -82,10 +104,12 @@ TORCH_MODULE(RowParallelLinear);
 
 // Token embedding with the vocabulary split across tp: the table is padded to a multiple
 // of tp rows (padded_vocab), each rank holds rows [r * padded/tp, (r+1) * padded/tp); a
-// token outside this rank's rows contributes zeros and the ranks' lookups are summed.
+// token outside this rank's rows contributes zeros and the ranks' lookups are summed
+// (reduce-scattered along dimension 1 of [batch, time] ids with sequence parallelism).
 class VocabParallelEmbeddingImpl : public torch::nn::Module {
  public:
-  VocabParallelEmbeddingImpl(std::int64_t vocab_size, std::int64_t dim, CommPtr tp);
+  VocabParallelEmbeddingImpl(std::int64_t vocab_size, std::int64_t dim, CommPtr tp,
+                             bool sequence_parallel = false);
   // Copies this rank's rows of the full table [vocab, dim]; padding rows are zero.
   void load_full(const at::Tensor& weight);
   at::Tensor forward(const at::Tensor& ids);
@@ -96,6 +120,7 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module {
  private:
   CommPtr tp_;
   std::int64_t vocab_, padded_, dim_;
+  bool sequence_parallel_;
 };
 TORCH_MODULE(VocabParallelEmbedding);
 
@@ -109,5 +134,44 @@ std::int64_t padded_vocab_size(std::int64_t vocab_size, int tp);
 // ignored. targets: [rows] in [0, vocab_size). Gradient flows to local_logits.
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
                                         std::int64_t vocab_size, const CommPtr& tp);
+
+// Dropout randomness under tensor parallelism (as Megatron's RNG tracker): two generator
+// states, "replicated" (seeded alike on every rank of a tp group: activations that are
+// the same on every tp rank get the same mask) and "split" (seed + 2718 + tp rank:
+// activations split across tp, by heads or by sequence, get independent masks). fork()
+// swaps one state into the device's default generator for a scope; dropout drawn inside
+// uses it and advances it. Not thread-safe; one tracker per model.
+class RngTracker {
+ public:
+  enum class Stream { kReplicated, kSplit };
+  RngTracker(std::uint64_t seed, int tp_rank, c10::Device device);
+
+  class Fork {
+   public:
+    ~Fork();
+    Fork(const Fork&) = delete;
+    Fork& operator=(const Fork&) = delete;
+
+   private:
+    friend class RngTracker;
+    Fork(RngTracker* owner, Stream stream);
+    RngTracker* owner_;
+    Stream stream_;
+    at::Tensor saved_;  // the default generator's state before the fork
+  };
+  [[nodiscard]] std::unique_ptr<Fork> fork(Stream stream);
+  // Both states, to replay the same masks (activation checkpointing recomputes a block).
+  std::vector<at::Tensor> states() const;
+  void set_states(const std::vector<at::Tensor>& states);
+
+ private:
+  c10::Device device_;
+  at::Tensor states_[2];
+};
+
+// Dropout (inverted scaling) drawn from one of the tracker's streams; identity when not
+// training or p == 0.
+at::Tensor dropout(const at::Tensor& x, double p, bool training, RngTracker& rng,
+                   RngTracker::Stream stream);
 
 }  // namespace dtrain::tp
