@@ -29,7 +29,9 @@ constexpr int kExitFailure = 1;
 struct Options {
   std::string config;
   std::string backend = "auto";
-  int dp = 0, dp_shard = 0;
+  int dp = 0, dp_shard = 0, tp = 1;
+  bool sequence_parallel = false;
+  double dropout = 0.0;
   // Model: the preset, then any field overridden (-1 / empty: the preset's value).
   std::string preset = "tiny";
   std::string family, tie_embeddings, activation_checkpointing = "none";
@@ -48,6 +50,8 @@ void define(CLI::App& app, Options& o) {
   app.add_option("--backend", o.backend, "communication backend")->check(CLI::IsMember({"auto", "mpi", "nccl"}))->group(run);
   app.add_option("--dp", o.dp, "data-parallel degree (0: all ranks)")->group(run);
   app.add_option("--dp-shard", o.dp_shard, "ranks per replica for --fsdp hybrid (0: no hybrid)")->group(run);
+  app.add_option("--tp", o.tp, "tensor-parallel degree (adjacent ranks; heads, MLP width and vocabulary split)")->group(run);
+  app.add_flag("--sequence-parallel", o.sequence_parallel, "with --tp: split the activations between tensor-parallel layers along the sequence")->group(run);
   app.add_option("--steps", t.steps, "optimizer steps")->group(run);
   app.add_option("--seed", t.seed, "seed of the initialisation and of the data order")->group(run);
   app.add_option("--precision", t.precision, "fp32, bf16 or fp16: autocast matmuls to that dtype (fp16 with dynamic loss scaling)")->group(run);
@@ -65,6 +69,7 @@ void define(CLI::App& app, Options& o) {
   app.add_option("--d-model", o.d_model, "model width (default: the preset's)")->default_str("preset")->group(model);
   app.add_option("--ffn-hidden", o.ffn_hidden, "MLP width, 0: 4 x d (gpt2) or SwiGLU 8/3 x d (default: the preset's)")->default_str("preset")->group(model);
   app.add_option("--tie-embeddings", o.tie_embeddings, "true or false (default: the preset's)")->default_str("preset")->group(model);
+  app.add_option("--dropout", o.dropout, "dropout on embeddings, attention probabilities and residual branches (training only)")->group(model);
   app.add_option("--activation-checkpointing", o.activation_checkpointing, "none, or full (recompute every block in backward)")
       ->check(CLI::IsMember({"none", "full"}))->group(model);
 
@@ -170,6 +175,7 @@ dtrain::models::GptConfig model_config(const Options& o) {
     c.tie_embeddings = o.tie_embeddings == "true";
   }
   c.activation_checkpointing = o.activation_checkpointing == "full";
+  c.dropout = o.dropout;
   c.validate();
   return c;
 }
@@ -179,7 +185,7 @@ dtrain::models::GptConfig model_config(const Options& o) {
 int main(int argc, char** argv) {
   const bool leader = dtrain::detect_launch_env().rank == 0;  // prints parse errors and help
   Options o;
-  CLI::App app{"pretrain_gpt: GPT-2 / Llama pretraining with data parallelism (MPI or NCCL)"};
+  CLI::App app{"pretrain_gpt: GPT-2 / Llama pretraining with data and tensor parallelism (MPI or NCCL)"};
   define(app, o);
   try {
     std::vector<std::string> args = {argv[0]};
@@ -212,6 +218,8 @@ int main(int argc, char** argv) {
     dtrain::ParallelConfig parallel;
     parallel.dp = o.dp;
     parallel.dp_shard = o.dp_shard;
+    parallel.tp = o.tp;
+    parallel.sequence_parallel = o.sequence_parallel;
     auto ctx = std::make_shared<dtrain::ParallelContext>(runtime->world(), parallel, runtime->device());
     trainer = std::make_unique<dtrain::train::Trainer>(ctx, model, o.train);
     trainer->log_summary();

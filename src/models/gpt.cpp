@@ -4,6 +4,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 
@@ -53,6 +54,17 @@ void GptConfig::validate() const {
   DTRAIN_CHECK_ARG(ffn_hidden >= 0, "ffn_hidden=", ffn_hidden, " must not be negative");
   DTRAIN_CHECK_ARG(init_std > 0 && norm_eps > 0 && rope_theta > 0,
                    "init_std, norm_eps and rope_theta must be positive");
+  DTRAIN_CHECK_ARG(dropout >= 0 && dropout < 1, "dropout=", dropout,
+                   " is out of range; allowed: [0, 1)");
+}
+
+void GptConfig::validate_tp(int tp) const {
+  DTRAIN_CHECK_ARG(tp >= 1, "--tp=", tp, " must be at least 1");
+  DTRAIN_CHECK_ARG(n_head % tp == 0, "n_head=", n_head, " (--n-head) is not divisible by --tp=",
+                   tp, "; tensor parallelism splits the attention heads across tp ranks");
+  DTRAIN_CHECK_ARG(mlp_hidden() % tp == 0, "the MLP width ", mlp_hidden(),
+                   " (--ffn-hidden) is not divisible by --tp=", tp,
+                   "; tensor parallelism splits it across tp ranks");
 }
 
 std::int64_t GptConfig::mlp_hidden() const {
@@ -92,23 +104,40 @@ double GptConfig::flops_per_token(std::int64_t seq_len) const {
 // ---------------------------------------------------------------------------------------
 // Block
 
-BlockImpl::BlockImpl(const GptConfig& c) : config_(c) {
+namespace {
+// A parameter holder named like torch::nn::Linear's ("<name>.weight", "<name>.bias").
+std::shared_ptr<torch::nn::Module> holder() { return std::make_shared<torch::nn::Module>(); }
+
+// Where a tensor-parallel region sums gradients: a parameter whose gradient is partial on
+// each tp rank (sequence-split activations, replicated key/value heads) enters through
+// copy_to_region, so its gradient is summed across tp during backward.
+torch::Tensor shared(const torch::Tensor& p, const TpEnv& tp) {
+  return p.defined() ? tp::copy_to_region(p, tp.comm) : p;
+}
+}  // namespace
+
+BlockImpl::BlockImpl(const GptConfig& c, TpEnv tp) : config_(c), tp_(std::move(tp)) {
   const bool gpt2 = c.family == "gpt2";
   const std::int64_t hd = c.head_dim();
+  column_.bias = row_.bias = gpt2;
+  column_.sequence_parallel = row_.sequence_parallel = tp_.sequence_parallel;
   ln1_w_ = register_parameter("ln1_weight", torch::ones({c.d_model}));
   ln2_w_ = register_parameter("ln2_weight", torch::ones({c.d_model}));
   if (gpt2) {
     ln1_b_ = register_parameter("ln1_bias", torch::zeros({c.d_model}));
     ln2_b_ = register_parameter("ln2_bias", torch::zeros({c.d_model}));
   }
-  auto linear = [&](std::int64_t in, std::int64_t out) {
-    return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(gpt2));
-  };
-  qkv_ = register_module("attn_qkv", linear(c.d_model, (c.n_head + 2 * c.n_kv_head) * hd));
-  proj_ = register_module("attn_proj", linear(c.n_head * hd, c.d_model));
-  fc_ = register_module("mlp_fc", linear(c.d_model, c.mlp_hidden()));
-  if (!gpt2) gate_ = register_module("mlp_gate", linear(c.d_model, c.mlp_hidden()));
-  down_ = register_module("mlp_proj", linear(c.mlp_hidden(), c.d_model));
+  const std::int64_t kv_local = kv_split() ? c.n_kv_head / tp_.size : c.n_kv_head;
+  const std::int64_t qkv_rows = (c.n_head / tp_.size + 2 * kv_local) * hd;
+  auto qkv = register_module("attn_qkv", holder());
+  qkv_w_ = qkv->register_parameter("weight", torch::empty({qkv_rows, c.d_model}));
+  if (gpt2) qkv_b_ = qkv->register_parameter("bias", torch::zeros({qkv_rows}));
+  proj_ = register_module("attn_proj", tp::RowParallelLinear(c.n_head * hd, c.d_model, tp_.comm, row_));
+  fc_ = register_module("mlp_fc", tp::ColumnParallelLinear(c.d_model, c.mlp_hidden(), tp_.comm, column_));
+  if (!gpt2) {
+    gate_ = register_module("mlp_gate", tp::ColumnParallelLinear(c.d_model, c.mlp_hidden(), tp_.comm, column_));
+  }
+  down_ = register_module("mlp_proj", tp::RowParallelLinear(c.mlp_hidden(), c.d_model, tp_.comm, row_));
 }
 
 namespace {
@@ -119,11 +148,24 @@ torch::Tensor apply_norm(const GptConfig& c, const torch::Tensor& x, const torch
   auto xf = x.to(torch::kFloat);
   return (xf * torch::rsqrt(xf.pow(2).mean(-1, true) + c.norm_eps)).to(x.scalar_type()) * w;
 }
+
+// A norm over the residual stream: on sequence shards its weights' gradients are partial.
+torch::Tensor stream_norm(const GptConfig& c, const TpEnv& tp, const torch::Tensor& x,
+                          const torch::Tensor& w, const torch::Tensor& b) {
+  if (!tp.sequence_parallel) return apply_norm(c, x, w, b);
+  return apply_norm(c, x, shared(w, tp), shared(b, tp));
+}
+
+// The dropout stream of the residual stream: replicated across tp, or split by sequence.
+tp::RngTracker::Stream stream_of(const TpEnv& tp) {
+  return tp.sequence_parallel ? tp::RngTracker::Stream::kSplit
+                              : tp::RngTracker::Stream::kReplicated;
+}
 }  // namespace
 
 torch::Tensor BlockImpl::norm(const torch::Tensor& x, const torch::Tensor& w,
                               const torch::Tensor& b) const {
-  return apply_norm(config_, x, w, b);
+  return stream_norm(config_, tp_, x, w, b);
 }
 
 namespace {
@@ -137,39 +179,83 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
 }
 }  // namespace
 
-torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& rope_cos,
-                                 const torch::Tensor& rope_sin) {
-  const auto B = x.size(0), T = x.size(1);
-  const auto H = config_.n_head, Hkv = config_.n_kv_head, D = config_.head_dim();
-  auto qkv = qkv_->forward(norm(x, ln1_w_, ln1_b_));
-  auto q = qkv.slice(2, 0, H * D).view({B, T, H, D}).transpose(1, 2);
-  auto k = qkv.slice(2, H * D, (H + Hkv) * D).view({B, T, Hkv, D}).transpose(1, 2);
-  auto v = qkv.slice(2, (H + Hkv) * D).view({B, T, Hkv, D}).transpose(1, 2);
+// Attention of this rank's heads on the (gathered) normed input; [B, T, H/tp * D].
+torch::Tensor BlockImpl::attention(const torch::Tensor& in, const torch::Tensor& rope_cos,
+                                   const torch::Tensor& rope_sin) {
+  const auto B = in.size(0), T = in.size(1);
+  const auto D = config_.head_dim(), H = config_.n_head / tp_.size;
+  namespace F = torch::nn::functional;
+  torch::Tensor q, k, v;
+  if (kv_split()) {
+    const auto Hkv = config_.n_kv_head / tp_.size;
+    auto qkv = F::linear(in, qkv_w_, qkv_b_.defined() ? qkv_b_ : torch::Tensor());
+    q = qkv.slice(2, 0, H * D).view({B, T, H, D});
+    k = qkv.slice(2, H * D, (H + Hkv) * D).view({B, T, Hkv, D});
+    v = qkv.slice(2, (H + Hkv) * D).view({B, T, Hkv, D});
+  } else {
+    // Every key/value head on every rank; each rank's gradient for them is partial.
+    const auto Hkv = config_.n_kv_head;
+    auto part = [&](const torch::Tensor& t, std::int64_t from, std::int64_t len) {
+      return t.defined() ? t.narrow(0, from, len) : t;
+    };
+    q = F::linear(in, part(qkv_w_, 0, H * D), part(qkv_b_, 0, H * D)).view({B, T, H, D});
+    auto kv = F::linear(in, shared(part(qkv_w_, H * D, 2 * Hkv * D), tp_),
+                        shared(part(qkv_b_, H * D, 2 * Hkv * D), tp_));
+    // The key/value head of each local query head (head g uses kv head g / group).
+    const auto group = config_.n_head / Hkv;
+    std::vector<std::int64_t> heads;
+    for (std::int64_t j = 0; j < H; ++j) heads.push_back((tp_.rank * H + j) / group);
+    auto index = torch::tensor(heads, torch::TensorOptions().dtype(torch::kLong).device(in.device()));
+    k = kv.slice(2, 0, Hkv * D).view({B, T, Hkv, D}).index_select(2, index);
+    v = kv.slice(2, Hkv * D).view({B, T, Hkv, D}).index_select(2, index);
+  }
+  q = q.transpose(1, 2), k = k.transpose(1, 2), v = v.transpose(1, 2);
   if (config_.family == "llama") {
     q = rope(q, rope_cos, rope_sin);
     k = rope(k, rope_cos, rope_sin);
   }
-  auto y = ops::attention(q, k, v, /*causal=*/true).transpose(1, 2).reshape({B, T, H * D});
-  auto h = x + proj_->forward(y);
-  auto n2 = norm(h, ln2_w_, ln2_b_);
+  const double p = is_training() ? config_.dropout : 0.0;
+  torch::Tensor y;
+  if (p > 0) {  // heads differ across tp: the split stream
+    const auto fork = tp_.rng->fork(tp::RngTracker::Stream::kSplit);
+    y = ops::attention(q, k, v, /*causal=*/true, p);
+  } else {
+    y = ops::attention(q, k, v, /*causal=*/true);
+  }
+  return y.transpose(1, 2).reshape({B, T, H * D});
+}
+
+torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& rope_cos,
+                                 const torch::Tensor& rope_sin) {
+  const double p = config_.dropout;
+  auto& rng = *tp_.rng;
+  auto a = attention(tp::enter_column_region(norm(x, ln1_w_, ln1_b_), tp_.comm, column_),
+                     rope_cos, rope_sin);
+  auto h = x + tp::dropout(proj_->forward(a), p, is_training(), rng, stream_of(tp_));
+  auto n2 = tp::enter_column_region(norm(h, ln2_w_, ln2_b_), tp_.comm, column_);
   torch::Tensor m;
   if (config_.family == "gpt2") {
-    m = torch::gelu(fc_->forward(n2), "tanh");
+    m = torch::gelu(fc_->forward_entered(n2), "tanh");
   } else {
-    m = torch::silu(gate_->forward(n2)) * fc_->forward(n2);
+    m = torch::silu(gate_->forward_entered(n2)) * fc_->forward_entered(n2);
   }
-  return h + down_->forward(m);
+  return h + tp::dropout(down_->forward(m), p, is_training(), rng, stream_of(tp_));
 }
 
 namespace {
 // Activation checkpointing: forward without a graph, recompute in backward (reentrant),
-// parameter gradients accumulate during the recomputation's own backward.
+// parameter gradients accumulate during the recomputation's own backward. The dropout
+// streams are replayed from their state at the forward, so the recomputation draws the
+// same masks.
 struct CheckpointBlock : public torch::autograd::Function<CheckpointBlock> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x,
                                torch::Tensor cos, torch::Tensor sin, BlockImpl* block) {
     ctx->save_for_backward({x, cos, sin});
     // The block outlives the autograd graph (the model owns it); IValue cannot hold it.
     ctx->saved_data["block"] = reinterpret_cast<std::int64_t>(block);
+    const auto states = block->rng().states();
+    ctx->saved_data["rng_replicated"] = states[0];
+    ctx->saved_data["rng_split"] = states[1];
     torch::NoGradGuard no_grad;
     return block->forward(x, cos, sin);
   }
@@ -180,8 +266,12 @@ struct CheckpointBlock : public torch::autograd::Function<CheckpointBlock> {
     torch::Tensor x = saved[0].detach().requires_grad_(true);
     torch::Tensor out;
     {
+      const auto now = block->rng().states();
+      block->rng().set_states({ctx->saved_data["rng_replicated"].toTensor(),
+                               ctx->saved_data["rng_split"].toTensor()});
       torch::AutoGradMode enable(true);
       out = block->forward(x, saved[1], saved[2]);
+      block->rng().set_states(now);
     }
     torch::autograd::backward({out}, {grads[0]});
     return {x.grad(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
@@ -192,23 +282,96 @@ struct CheckpointBlock : public torch::autograd::Function<CheckpointBlock> {
 // ---------------------------------------------------------------------------------------
 // Model
 
+namespace {
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// The tensor-parallel layout of parameter `name` on tp rank r of n; replicated_from < 0
+// and an empty full_shape mean "fill in from the local tensor" (see GptImpl's constructor).
+TpShard shard_of(const GptConfig& c, const std::string& name, int r, int n) {
+  TpShard s;
+  s.replicated_from = -1;
+  const std::int64_t d = c.d_model, hd = c.head_dim(), H = c.n_head, Hkv = c.n_kv_head;
+  const std::int64_t F = c.mlp_hidden();
+  auto part = [&](std::int64_t total) { return std::make_pair(total / n * r, total / n); };
+  const bool weight = ends_with(name, ".weight");
+  if (ends_with(name, "tok_emb.weight") || ends_with(name, "lm_head.weight")) {
+    const std::int64_t padded = tp::padded_vocab_size(c.vocab_size, n);
+    s.full_shape = {c.vocab_size, d}, s.dim = 0, s.ranges = {{padded / n * r, padded / n}};
+  } else if (ends_with(name, "attn_qkv.weight") || ends_with(name, "attn_qkv.bias")) {
+    const std::int64_t rows = (H + 2 * Hkv) * hd, hl = H / n;
+    s.full_shape = weight ? std::vector<std::int64_t>{rows, d} : std::vector<std::int64_t>{rows};
+    s.dim = 0;
+    s.ranges = {{r * hl * hd, hl * hd}};
+    if (Hkv % n == 0) {
+      const std::int64_t kl = Hkv / n;
+      s.ranges.emplace_back(H * hd + r * kl * hd, kl * hd);
+      s.ranges.emplace_back((H + Hkv) * hd + r * kl * hd, kl * hd);
+    } else {  // every key/value head, on every rank
+      s.ranges.emplace_back(H * hd, 2 * Hkv * hd);
+      s.replicated_from = hl * hd * (weight ? d : 1);
+    }
+  } else if (ends_with(name, "attn_proj.weight")) {
+    s.full_shape = {d, H * hd}, s.dim = 1, s.ranges = {part(H * hd)};
+  } else if (ends_with(name, "mlp_fc.weight") || ends_with(name, "mlp_gate.weight")) {
+    s.full_shape = {F, d}, s.dim = 0, s.ranges = {part(F)};
+  } else if (ends_with(name, "mlp_fc.bias") || ends_with(name, "mlp_gate.bias")) {
+    s.full_shape = {F}, s.dim = 0, s.ranges = {part(F)};
+  } else if (ends_with(name, "mlp_proj.weight")) {
+    s.full_shape = {d, F}, s.dim = 1, s.ranges = {part(F)};
+  }
+  return s;  // anything else (norms, row biases, positions): replicated
+}
+
+// This rank's slice of a full tensor: its ranges along spec.dim, zeros past the end.
+torch::Tensor slice_of(const torch::Tensor& full, const TpShard& spec) {
+  if (spec.dim < 0) return full;
+  std::vector<torch::Tensor> pieces;
+  for (const auto& [start, len] : spec.ranges) {
+    const std::int64_t have = std::clamp<std::int64_t>(full.size(spec.dim) - start, 0, len);
+    if (have > 0) pieces.push_back(full.narrow(spec.dim, start, have));
+    if (have < len) {
+      auto shape = full.sizes().vec();
+      shape[static_cast<std::size_t>(spec.dim)] = len - have;
+      pieces.push_back(torch::zeros(shape, full.options()));
+    }
+  }
+  return torch::cat(pieces, spec.dim);
+}
+
+}  // namespace
+
 GptImpl::GptImpl(ContextPtr ctx, const GptConfig& config, std::uint64_t seed)
     : ctx_(std::move(ctx)), config_(config) {
   DTRAIN_CHECK_ARG(ctx_ != nullptr, "Gpt needs a ParallelContext (ParallelContext::single_process() for one process)");
   config_.validate();
+  config_.validate_tp(ctx_->tp_size());
   const auto& c = config_;
   const bool gpt2 = c.family == "gpt2";
-  tok_emb_ = register_module("tok_emb", torch::nn::Embedding(c.vocab_size, c.d_model));
+  tp_.comm = ctx_->tp_comm();
+  tp_.rank = ctx_->tp_rank();
+  tp_.size = ctx_->tp_size();
+  tp_.sequence_parallel = ctx_->sequence_parallel();
+  if (!ctx_->device().is_cpu()) at::globalContext().lazyInitDevice(ctx_->device().type());
+  tp_.rng = std::make_shared<tp::RngTracker>(seed, tp_.rank, ctx_->device());
+  tok_emb_ = register_module(
+      "tok_emb", tp::VocabParallelEmbedding(c.vocab_size, c.d_model, tp_.comm, tp_.sequence_parallel));
   if (gpt2) pos_emb_ = register_module("pos_emb", torch::nn::Embedding(c.context, c.d_model));
   auto list = register_module("h", torch::nn::ModuleList());  // parameters "h.<i>.*"
   for (std::int64_t i = 0; i < c.n_layer; ++i) {
-    blocks_.emplace_back(c);
+    blocks_.emplace_back(c, tp_);
     list->push_back(blocks_.back());
   }
   norm_weight_ = register_parameter("ln_f_weight", torch::ones({c.d_model}));
   if (gpt2) norm_bias_ = register_parameter("ln_f_bias", torch::zeros({c.d_model}));
   if (!c.tie_embeddings) {
-    lm_head_ = register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(c.d_model, c.vocab_size).bias(false)));
+    tp::ParallelLinearOptions head;
+    head.bias = false;
+    lm_head_ = register_module(
+        "lm_head", tp::ColumnParallelLinear(c.d_model, tp::padded_vocab_size(c.vocab_size, tp_.size),
+                                            tp_.comm, head));
   }
   if (gpt2) {
     rope_cos_ = rope_sin_ = torch::empty({0});  // unused; defined so autograd can carry them
@@ -219,25 +382,47 @@ GptImpl::GptImpl(ContextPtr ctx, const GptConfig& config, std::uint64_t seed)
     rope_cos_ = register_buffer("rope_cos", ang.cos().to(torch::kFloat));
     rope_sin_ = register_buffer("rope_sin", ang.sin().to(torch::kFloat));
   }
-  // Initialisation: a pure function of the seed.
+  for (const auto& item : named_parameters()) {
+    auto spec = shard_of(c, item.key(), tp_.rank, tp_.size);
+    const auto& p = item.value();
+    if (spec.dim < 0) spec.full_shape = p.sizes().vec();
+    if (spec.replicated_from < 0) spec.replicated_from = spec.dim < 0 ? 0 : p.numel();
+    auto local = spec.full_shape;
+    if (spec.dim >= 0) {
+      local[static_cast<std::size_t>(spec.dim)] = 0;
+      for (const auto& range : spec.ranges) local[static_cast<std::size_t>(spec.dim)] += range.second;
+    }
+    DTRAIN_CHECK(p.sizes().vec() == local, "internal: parameter ", item.key(), " is ", p.sizes(),
+                 " but its tensor-parallel layout says ", at::IntArrayRef(local));
+    shards_.emplace_back(item.key(), std::move(spec));
+  }
+  initialise(seed);
+  to(ctx_->device());
+  if (rope_cos_.defined() && rope_cos_.numel() == 0) rope_cos_ = rope_sin_ = rope_cos_.to(ctx_->device());
+}
+
+// Each full tensor in parameter order from one generator (so every tp size draws the same
+// numbers), of which this rank keeps its slice.
+void GptImpl::initialise(std::uint64_t seed) {
   torch::NoGradGuard no_grad;
+  const auto& c = config_;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   const double residual_std = c.init_std / std::sqrt(2.0 * c.n_layer);
-  for (auto& item : named_parameters()) {
-    auto& p = item.value();
-    const auto& name = item.key();
-    if (name.find("ln") != std::string::npos && name.find("weight") != std::string::npos && p.dim() == 1) {
-      p.fill_(1.0);
-    } else if (p.dim() == 1) {
-      p.zero_();
+  const auto params = named_parameters();
+  for (std::size_t i = 0; i < shards_.size(); ++i) {
+    const auto& [name, spec] = shards_[i];
+    auto full = torch::empty(spec.full_shape);
+    if (name.find("ln") != std::string::npos && name.find("weight") != std::string::npos && full.dim() == 1) {
+      full.fill_(1.0);
+    } else if (full.dim() == 1) {
+      full.zero_();
     } else {
       const bool residual = name.find("attn_proj") != std::string::npos ||
                             name.find("mlp_proj") != std::string::npos;
-      p.normal_(0.0, residual ? residual_std : c.init_std, gen);
+      full.normal_(0.0, residual ? residual_std : c.init_std, gen);
     }
+    params[name].copy_(slice_of(full, spec));
   }
-  to(ctx_->device());
-  if (rope_cos_.defined() && rope_cos_.numel() == 0) rope_cos_ = rope_sin_ = rope_cos_.to(ctx_->device());
 }
 
 NamedParameters GptImpl::parameter_list() const {
@@ -246,13 +431,53 @@ NamedParameters GptImpl::parameter_list() const {
   return out;
 }
 
-torch::Tensor GptImpl::forward(const torch::Tensor& idx) {
+NamedParameters GptImpl::full_parameters() const {
+  NamedParameters out;
+  const auto params = named_parameters();
+  for (const auto& [name, spec] : shards_) {
+    const auto local = params[name].detach().contiguous();
+    if (spec.dim < 0 || tp_.size == 1) {
+      out.emplace_back(name, local.clone());
+      continue;
+    }
+    auto shape = local.sizes().vec();
+    shape.insert(shape.begin(), tp_.size);
+    auto all = torch::empty(shape, local.options());
+    tp_.comm->all_gather(all, local)->wait();
+    auto full = torch::zeros(spec.full_shape, local.options());
+    for (int k = 0; k < tp_.size; ++k) {
+      std::int64_t at = 0;
+      for (const auto& [start, len] : shard_of(config_, name, k, tp_.size).ranges) {
+        const std::int64_t have = std::clamp<std::int64_t>(full.size(spec.dim) - start, 0, len);
+        if (have > 0) full.narrow(spec.dim, start, have).copy_(all[k].narrow(spec.dim, at, have));
+        at += len;
+      }
+    }
+    out.emplace_back(name, full);
+  }
+  return out;
+}
+
+torch::Tensor GptImpl::hidden(const torch::Tensor& idx) {
   const auto& c = config_;
   DTRAIN_CHECK_ARG(idx.dim() == 2 && idx.size(1) <= c.context, "model input must be [batch, time] with time <= context ",
                    c.context, "; got ", idx.sizes());
+  const std::int64_t T = idx.size(1);
+  DTRAIN_CHECK_ARG(!tp_.sequence_parallel || T % tp_.size == 0, "sequence parallelism splits the ",
+                   T, " positions of the input across tp=", tp_.size,
+                   "; allowed: a sequence length divisible by tp");
   if (hooks_ != nullptr) hooks_->enter_embedding();
-  auto x = tok_emb_->forward(idx);
-  if (pos_emb_) x = x + pos_emb_->forward(torch::arange(idx.size(1), idx.options()));
+  auto x = tok_emb_->forward(idx);  // [B, T / tp, d] with sequence parallelism
+  if (pos_emb_) {
+    if (tp_.sequence_parallel) {
+      const std::int64_t n = T / tp_.size;
+      auto pos = torch::arange(n * tp_.rank, n * (tp_.rank + 1), idx.options());
+      x = x + torch::embedding(shared(pos_emb_->weight, tp_), pos);
+    } else {
+      x = x + pos_emb_->forward(torch::arange(T, idx.options()));
+    }
+  }
+  x = tp::dropout(x, c.dropout, is_training(), *tp_.rng, stream_of(tp_));
   if (hooks_ != nullptr) x = hooks_->exit_embedding(x, c.tie_embeddings);
   for (std::size_t i = 0; i < blocks_.size(); ++i) {
     auto& block = blocks_[i];
@@ -265,14 +490,32 @@ torch::Tensor GptImpl::forward(const torch::Tensor& idx) {
     if (hooks_ != nullptr) x = hooks_->exit(i, x);
   }
   if (hooks_ != nullptr) x = hooks_->enter_head(x);
-  x = apply_norm(c, x, norm_weight_, norm_bias_);
-  return c.tie_embeddings ? torch::matmul(x, tok_emb_->weight.t()) : lm_head_->forward(x);
+  return stream_norm(c, tp_, x, norm_weight_, norm_bias_);
+}
+
+torch::Tensor GptImpl::local_logits(const torch::Tensor& h) {
+  tp::ParallelLinearOptions head;
+  head.sequence_parallel = tp_.sequence_parallel;
+  const auto in = tp::enter_column_region(h, tp_.comm, head);
+  return config_.tie_embeddings ? torch::matmul(in, tok_emb_->weight.t())
+                                : lm_head_->forward_entered(in);
+}
+
+torch::Tensor GptImpl::forward(const torch::Tensor& idx) {
+  auto logits = local_logits(hidden(idx));
+  if (tp_.size == 1) return logits;
+  return tp::gather_from_region(logits, tp_.comm).narrow(-1, 0, config_.vocab_size);
 }
 
 torch::Tensor GptImpl::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
-  auto logits = forward(idx);
-  return torch::nn::functional::cross_entropy(
-      logits.reshape({-1, logits.size(-1)}).to(torch::kFloat), targets.reshape({-1}));
+  auto logits = local_logits(hidden(idx));
+  if (tp_.size == 1) {
+    return torch::nn::functional::cross_entropy(
+        logits.reshape({-1, logits.size(-1)}).to(torch::kFloat), targets.reshape({-1}));
+  }
+  // Never the full logits: max, sum of exponentials and target logit reduced across tp.
+  return tp::vocab_parallel_cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                          targets.reshape({-1}), config_.vocab_size, tp_.comm);
 }
 
 }  // namespace dtrain::models

@@ -68,32 +68,46 @@ double CosineSchedule::lr(std::int64_t step) const {
 
 double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm,
                       Communicator* shard_comm, double grad_scale) {
+  GradGroup group;
+  for (const auto& p : params) {
+    if (p.grad().defined()) group.grads.push_back(p.grad());
+  }
+  group.over = {shard_comm};
+  return clip_grad_norm(std::vector<GradGroup>{group}, max_norm, grad_scale);
+}
+
+double clip_grad_norm(const std::vector<GradGroup>& groups, double max_norm, double grad_scale) {
   DTRAIN_CHECK_ARG(max_norm > 0, "gradient clipping max_norm=", max_norm, " must be positive");
   DTRAIN_CHECK_ARG(grad_scale > 0 && std::isfinite(grad_scale), "gradient scale ", grad_scale,
                    " must be positive and finite");
-  std::vector<at::Tensor> grads;
-  for (const auto& p : params) {
-    if (p.grad().defined()) grads.push_back(p.grad());
+  at::Device device(at::kCPU);
+  for (const auto& g : groups) {
+    if (!g.grads.empty()) device = g.grads[0].device();
   }
-  // Per-tensor norms in float32 (one multi-tensor kernel), their squares summed in float64,
-  // then summed across shards.
-  at::Tensor sq = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(
-                                     grads.empty() ? at::Device(at::kCPU) : grads[0].device()));
-  if (!grads.empty()) {
-    std::vector<at::Tensor> detached;
-    detached.reserve(grads.size());
-    for (const auto& g : grads) detached.push_back(g.detach());
-    const auto norms = at::_foreach_norm(detached, 2, at::kFloat);
-    sq += at::stack(norms).to(at::kDouble).pow(2).sum();
+  // Per group: per-tensor norms in float32 (one multi-tensor kernel), their squares summed
+  // in float64, then summed over the group's communicators.
+  double sq_total = 0;
+  for (const auto& group : groups) {
+    at::Tensor sq = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device));
+    if (!group.grads.empty()) {
+      std::vector<at::Tensor> detached;
+      detached.reserve(group.grads.size());
+      for (const auto& g : group.grads) detached.push_back(g.detach());
+      const auto norms = at::_foreach_norm(detached, 2, at::kFloat);
+      sq += at::stack(norms).to(at::kDouble).pow(2).sum();
+    }
+    for (Communicator* comm : group.over) {
+      if (comm != nullptr && comm->size() > 1) comm->all_reduce(sq)->synchronize();
+    }
+    sq_total += sq.item<double>();
   }
-  if (shard_comm != nullptr && shard_comm->size() > 1) {
-    shard_comm->all_reduce(sq)->synchronize();
-  }
-  const double norm = std::sqrt(sq.item<double>()) / grad_scale;
+  const double norm = std::sqrt(sq_total) / grad_scale;
   if (!std::isfinite(norm)) return norm;
   const double coef = std::min(1.0, max_norm / (norm + 1e-6)) / grad_scale;
   if (coef != 1.0) {
-    for (auto& g : grads) g.mul_(coef);
+    for (const auto& group : groups) {
+      for (const auto& g : group.grads) g.mul_(coef);
+    }
   }
   return norm;
 }

@@ -41,7 +41,8 @@ std::string ParallelConfig::describe(int world_size) const {
   if (d == 0 && world_size > 0) d = world_size / (tp * pp * ep * cp);
   return detail::str_cat("dp=", d == 0 ? std::string("auto") : std::to_string(d),
                          dp_shard > 0 ? " (dp_shard=" + std::to_string(dp_shard) + ")" : "",
-                         " tp=", tp, " pp=", pp, " ep=", ep, " cp=", cp);
+                         " tp=", tp, sequence_parallel ? " (sequence parallel)" : "", " pp=", pp,
+                         " ep=", ep, " cp=", cp);
 }
 
 namespace {
@@ -61,12 +62,14 @@ ParallelContext::ParallelContext(CommPtr world, ParallelConfig config, c10::Devi
       mesh_(world, config_.mesh_axes(world->size())) {
   // Each strategy lifts its own restriction as it lands (see docs/parallelism.md).
   const std::pair<const char*, int> pending[] = {
-      {"--tp", config_.tp}, {"--pp", config_.pp}, {"--ep", config_.ep}, {"--cp", config_.cp}};
+      {"--pp", config_.pp}, {"--ep", config_.ep}, {"--cp", config_.cp}};
   for (const auto& [option, degree] : pending) {
     DTRAIN_CHECK_ARG(degree == 1, option, "=", degree,
                      " is not available in this build yet; allowed: 1 (data parallelism "
-                     "over --dp is implemented)");
+                     "over --dp and tensor parallelism over --tp are implemented)");
   }
+  DTRAIN_CHECK_ARG(!config_.sequence_parallel || config_.tp > 1,
+                   "--sequence-parallel needs --tp > 1 (got --tp ", config_.tp, ")");
 }
 
 CommPtr ParallelContext::dp_comm() {

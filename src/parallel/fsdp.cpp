@@ -85,6 +85,8 @@ struct ShardedDataParallel::Unit {
                                     // master itself when that is a view of flat
   // Runs (start, length) of this rank's shard where weight decay applies.
   std::vector<std::pair<std::int64_t, std::int64_t>> decay_runs;
+  // Runs of the shard whose elements are replicated across tp (FsdpOptions::tp_replicated).
+  std::vector<std::pair<std::int64_t, std::int64_t>> tp_replicated_runs;
   at::Tensor grad_flat;             // [shard * size] during a sync
   at::Tensor grad_shard;            // [shard]
   std::size_t ready = 0;
@@ -171,13 +173,20 @@ ShardedDataParallel::ShardedDataParallel(NamedParameters params, CommPtr shard_c
     for (std::size_t k : u.params) {
       auto& [name, p] = params_[k];
       full.narrow(0, offset_of_[k], p.numel()).copy_(p.detach().reshape({-1}));
-      if (!decays(name, p, options_.adamw)) continue;
-      const Span sp = span_in_shard(offset_of_[k], p.numel(), rank * u.shard, u.shard);
-      if (sp.hi == sp.lo) continue;
-      if (!u.decay_runs.empty() && u.decay_runs.back().first + u.decay_runs.back().second == sp.at) {
-        u.decay_runs.back().second += sp.hi - sp.lo;  // adjacent: one run
-      } else {
-        u.decay_runs.emplace_back(sp.at, sp.hi - sp.lo);
+      // Elements [from, from + count) of the parameter, as a run of this rank's shard.
+      auto add_run = [&](std::vector<std::pair<std::int64_t, std::int64_t>>& runs,
+                         std::int64_t from, std::int64_t count) {
+        const Span sp = span_in_shard(offset_of_[k] + from, count, rank * u.shard, u.shard);
+        if (sp.hi == sp.lo) return;
+        if (!runs.empty() && runs.back().first + runs.back().second == sp.at) {
+          runs.back().second += sp.hi - sp.lo;  // adjacent: one run
+        } else {
+          runs.emplace_back(sp.at, sp.hi - sp.lo);
+        }
+      };
+      if (decays(name, p, options_.adamw)) add_run(u.decay_runs, 0, p.numel());
+      for (const auto& [rname, from] : options_.tp_replicated) {
+        if (rname == name && from < p.numel()) add_run(u.tp_replicated_runs, from, p.numel() - from);
       }
     }
     if (options_.broadcast_parameters) {
@@ -526,7 +535,24 @@ void ShardedDataParallel::finish_gradient_sync() {
 double ShardedDataParallel::clip_grad_norm(double max_norm, double grad_scale) {
   std::vector<at::Tensor> shards;
   for (auto& u : units_) shards.push_back(u->master);
-  return dtrain::clip_grad_norm(shards, max_norm, comm_.get(), grad_scale);
+  if (options_.tp == nullptr || options_.tp->size() == 1) {
+    return dtrain::clip_grad_norm(shards, max_norm, comm_.get(), grad_scale);
+  }
+  // Under tensor parallelism: the tp-replicated runs of each shard count once, the rest
+  // (the runs between them) is summed over tp as well.
+  GradGroup distinct{{}, {comm_.get(), options_.tp.get()}}, replicated{{}, {comm_.get()}};
+  for (auto& u : units_) {
+    const auto g = u->master.grad();
+    if (!g.defined()) continue;
+    std::int64_t at = 0;
+    for (const auto& [start, len] : u->tp_replicated_runs) {
+      if (start > at) distinct.grads.push_back(g.narrow(0, at, start - at));
+      replicated.grads.push_back(g.narrow(0, start, len));
+      at = start + len;
+    }
+    if (at < g.numel()) distinct.grads.push_back(g.narrow(0, at, g.numel() - at));
+  }
+  return dtrain::clip_grad_norm(std::vector<GradGroup>{distinct, replicated}, max_norm, grad_scale);
 }
 
 void ShardedDataParallel::step(double lr) {

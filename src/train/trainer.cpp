@@ -57,6 +57,22 @@ std::vector<std::int64_t> rows(const std::vector<std::int64_t>& all, std::int64_
   return {all.begin() + begin, all.begin() + end};
 }
 
+// Gradient clipping groups under tensor parallelism with replicated data parallelism:
+// each parameter's tp-distinct elements (summed over tp) and tp-replicated ones (once).
+std::vector<GradGroup> tp_grad_groups(const models::GptImpl& model, Communicator* tp) {
+  GradGroup distinct{{}, {tp}}, replicated{{}, {}};
+  const auto params = model.parameter_list();
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const auto& g = params[i].second.grad();
+    if (!g.defined()) continue;
+    const auto flat = g.view({-1});
+    const std::int64_t from = model.tp_shards()[i].second.replicated_from, n = flat.numel();
+    if (from > 0) distinct.grads.push_back(flat.narrow(0, 0, from));
+    if (from < n) replicated.grads.push_back(flat.narrow(0, from, n - from));
+  }
+  return {distinct, replicated};
+}
+
 std::string duration_text(double seconds) {
   const auto s = static_cast<long>(std::max(0.0, seconds));
   char buf[32];
@@ -118,6 +134,11 @@ Trainer::Trainer(ContextPtr ctx, models::GptConfig model, TrainOptions options)
     fo.param_dtype = parse_dtype("--param-dtype", options_.param_dtype);
     fo.reduce_dtype = parse_dtype("--reduce-dtype", options_.reduce_dtype);
     fo.reshard_after_forward = options_.fsdp_reshard_after_forward;
+    fo.tp = ctx_->tp_comm();
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const auto from = model_->tp_shards()[i].second.replicated_from;
+      if (from < params[i].second.numel()) fo.tp_replicated.emplace_back(params[i].first, from);
+    }
     if (fo.strategy == ShardingStrategy::kHybrid) {
       sdp_ = std::make_unique<ShardedDataParallel>(params, ctx_->shard_comm(), fo,
                                                    ctx_->replicate_comm());
@@ -154,10 +175,14 @@ void Trainer::gather_parameters() {
 void Trainer::check_options() const {
   const auto& o = options_;
   model_config_.validate();
+  model_config_.validate_tp(ctx_->tp_size());
   DTRAIN_CHECK_ARG(!o.train_data.empty(), "--train-data is required (a glob of token shards)");
   DTRAIN_CHECK_ARG(o.seq_len >= 1 && o.seq_len <= model_config_.context, "--seq-len=", o.seq_len,
                    " is not allowed: the model context is ", model_config_.context,
                    " (--context); allowed: 1..", model_config_.context);
+  DTRAIN_CHECK_ARG(!ctx_->sequence_parallel() || o.seq_len % ctx_->tp_size() == 0, "--seq-len=",
+                   o.seq_len, " is not divisible by --tp=", ctx_->tp_size(),
+                   "; --sequence-parallel splits every sequence across the tp ranks");
   DTRAIN_CHECK_ARG(o.steps >= 1, "--steps=", o.steps, " must be at least 1");
   DTRAIN_CHECK_ARG(o.global_batch >= 1, "--global-batch=", o.global_batch, " must be at least 1");
   DTRAIN_CHECK_ARG(o.micro_batch >= 0, "--micro-batch=", o.micro_batch,
@@ -315,6 +340,14 @@ void Trainer::log_summary() const {
            "{} steps, {} steps per epoch",
            o.global_batch, o.seq_len, ctx_->dp_size(), micro_batch_, accum_, o.steps,
            sampler_->steps_per_epoch());
+  if (ctx_->tp_size() > 1) {
+    log_info("tensor parallel: {} ranks{}: heads, MLP and vocabulary split ({} per rank)",
+             ctx_->tp_size(), ctx_->sequence_parallel() ? " with sequence parallelism" : "",
+             format("{} heads, {} kv heads", model_config_.n_head / ctx_->tp_size(),
+                    model_config_.n_kv_head % ctx_->tp_size() == 0
+                        ? std::to_string(model_config_.n_kv_head / ctx_->tp_size())
+                        : std::to_string(model_config_.n_kv_head) + " (replicated)"));
+  }
   log_info("device: {}; peak {} TFLOP/s per device{}", device_name_, peak_tflops_,
            peak_tflops_ > 0 ? "" : " (unknown: MFU not reported; --peak-tflops)");
   if (sdp_) {
@@ -384,8 +417,13 @@ StepMetrics Trainer::train_step() {
       options_.grad_clip > 0 ? options_.grad_clip : std::numeric_limits<double>::infinity();
   // Clipping also unscales; an overflow (norm inf/nan, the same on every rank) skips the
   // update when loss scaling is on.
-  m.grad_norm = sdp_ ? sdp_->clip_grad_norm(max_norm, scale)
-                     : clip_grad_norm(model_->parameters(), max_norm, nullptr, scale);
+  if (sdp_) {
+    m.grad_norm = sdp_->clip_grad_norm(max_norm, scale);
+  } else if (ctx_->tp_size() > 1) {
+    m.grad_norm = clip_grad_norm(tp_grad_groups(*model_, ctx_->tp_comm().get()), max_norm, scale);
+  } else {
+    m.grad_norm = clip_grad_norm(model_->parameters(), max_norm, nullptr, scale);
+  }
   bool apply = true;
   if (scaler_) {
     m.loss_scale = scale;

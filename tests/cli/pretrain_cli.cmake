@@ -93,7 +93,20 @@ if(MPIEXEC)
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --fsdp hybrid --dp-shard 3)
   expect(np2-batch-not-divisible 2 "--global-batch=3 is not divisible by data-parallel size 2"
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --global-batch 3)
+  # Tensor parallelism: the tp group reads the same samples (dp 1 here).
+  expect(np2-tp-sp 0 "batch: 4 samples x 32 tokens per step = dp 1 .*tensor parallel: 2 ranks with sequence parallelism.*val loss"
+         NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --tp 2 --sequence-parallel --dropout 0.1)
+  expect(np2-tp-fsdp 0 "tensor parallel: 2 ranks.*sharding: full over 1 rank.*val loss"
+         NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --tp 2 --fsdp full)
+  expect(np2-tp-heads 2 "n_head=3 \\(--n-head\\) is not divisible by --tp=2"
+         NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --tp 2 --n-head 3 --d-model 48)
+  expect(np2-tp-world 2 "tp x pp x ep x cp = 3"
+         NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --tp 3)
+  expect(np2-sp-seq 2 "--seq-len=31 is not divisible by --tp=2"
+         NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --tp 2 --sequence-parallel --seq-len 31)
 endif()
+expect(sp-without-tp 2 "--sequence-parallel needs --tp > 1" ARGS ${DATA} --sequence-parallel)
+expect(dropout-range 2 "dropout=1.5 is out of range" ARGS ${DATA} --dropout 1.5)
 
 if(failures GREATER 0)
   message(FATAL_ERROR "${failures} pretrain_gpt CLI check(s) failed")

@@ -100,6 +100,37 @@ TEST(Gpt, ActivationCheckpointingLeavesGradientsUnchanged) {
   }
 }
 
+// With dropout, the recomputation in backward replays the forward's masks (the RNG
+// tracker's states are saved and restored), so checkpointing still changes nothing; the
+// masks are a function of the seed and eval() turns dropout off.
+TEST(Gpt, DropoutMasksReplayUnderActivationCheckpointing) {
+  for (auto cfg : {GptConfig::preset("tiny"), tiny_llama()}) {
+    cfg.dropout = 0.2;
+    Gpt plain(single(), cfg, 5);
+    cfg.activation_checkpointing = true;
+    Gpt ckpt(single(), cfg, 5);
+    auto idx = torch::randint(0, 256, {2, 16}, torch::kLong);
+    auto tgt = torch::randint(0, 256, {2, 16}, torch::kLong);
+    auto la = plain->loss(idx, tgt), lb = ckpt->loss(idx, tgt);
+    EXPECT_EQ(la.item<float>(), lb.item<float>()) << cfg.family;
+    la.backward();
+    lb.backward();
+    auto a = plain->named_parameters(), b = ckpt->named_parameters();
+    for (const auto& item : a) {
+      EXPECT_TRUE(torch::allclose(item.value().grad(), b[item.key()].grad(), 1e-5, 1e-7))
+          << cfg.family << " " << item.key();
+    }
+    // The next draw differs (the streams advance); eval() is deterministic and mask-free.
+    EXPECT_NE(plain->loss(idx, tgt).item<float>(), la.item<float>());
+    plain->eval();
+    auto no_dropout = cfg;
+    no_dropout.dropout = 0;
+    no_dropout.activation_checkpointing = false;
+    Gpt reference(single(), no_dropout, 5);
+    EXPECT_EQ(plain->loss(idx, tgt).item<float>(), reference->loss(idx, tgt).item<float>());
+  }
+}
+
 TEST(Gpt, TinyModelLearnsARepeatingSequence) {
   Gpt m(single(), GptConfig::preset("tiny"), 11);
   const NamedParameters params = m->parameter_list();

@@ -50,7 +50,17 @@ TEST(ClipGradNorm, MatchesLibTorch) {
       EXPECT_TRUE(torch::allclose(a[i].grad(), b[i].grad(), 1e-5, 1e-7)) << i;
     }
   }
-  EXPECT_THROW(clip_grad_norm({}, 0.0), InvalidArgument);
+  EXPECT_THROW(clip_grad_norm(std::vector<at::Tensor>{}, 0.0), InvalidArgument);
+}
+
+// Groups (tensor parallelism): one global norm over every group's gradients, views
+// included (a parameter split into tp-distinct and replicated elements), clipped in place.
+TEST(ClipGradNorm, GroupsShareOneNormAndClipViewsInPlace) {
+  auto g = torch::tensor({3.0f, 0.0f, 4.0f, 12.0f});
+  GradGroup a{{g.narrow(0, 0, 2)}, {nullptr}}, b{{g.narrow(0, 2, 2)}, {}};
+  const double norm = clip_grad_norm(std::vector<GradGroup>{a, b}, 6.5);
+  EXPECT_NEAR(norm, 13.0, 1e-6);
+  EXPECT_TRUE(torch::allclose(g, torch::tensor({1.5f, 0.0f, 2.0f, 6.0f}), 1e-5, 1e-6)) << g;
 }
 
 // Gradients that carry a loss scale: one call unscales and clips, the same as unscaling

@@ -1,6 +1,8 @@
 // Decoder-only transformer in two families: GPT-2 (LayerNorm, GELU MLP, learned
 // positions, tied embeddings) and Llama (RMSNorm, RoPE, SwiGLU, grouped-query attention).
-// Presets tiny / gpt2-124m / gpt2-350m / llama-1b; every field can be overridden.
+// Presets tiny / gpt2-124m / gpt2-350m / llama-1b; every field can be overridden. Tensor
+// parallel over the context's tp group (heads, MLP and vocabulary split; optional sequence
+// parallelism), starting from exactly the single-process model of the same seed.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -10,12 +12,15 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dtrain/optim/optim.hpp"
 #include "dtrain/parallel/block_hooks.hpp"
 #include "dtrain/parallel/context.hpp"
+#include "dtrain/parallel/tensor_parallel.hpp"
 
 namespace dtrain::models {
 
@@ -33,11 +38,18 @@ struct GptConfig {
   double init_std = 0.02;
   bool tie_embeddings = true;     // output projection shares the token embedding
   bool activation_checkpointing = false;  // recompute each block in backward
+  // Dropout on the embeddings, the attention probabilities and both residual branches
+  // (training only); masks come from the model's tp::RngTracker.
+  double dropout = 0.0;
 
   // Raises InvalidArgument listing the known presets.
   static GptConfig preset(const std::string& name);
   // Raises InvalidArgument naming the field, its value and what is allowed.
   void validate() const;
+  // Raises InvalidArgument naming the size and tp when tensor parallelism over tp ranks
+  // cannot split it: n_head and the MLP width must be multiples of tp (n_kv_head need not:
+  // key/value heads are replicated when tp does not divide them; the vocabulary is padded).
+  void validate_tp(int tp) const;
   std::int64_t head_dim() const { return d_model / n_head; }
   std::int64_t mlp_hidden() const;
   // Parameter count from the shapes (what the module registers).
@@ -50,26 +62,61 @@ struct GptConfig {
   double flops_per_token(std::int64_t seq_len) const;
 };
 
-// One transformer block (pre-norm attention + MLP with residuals).
+// How one of a rank's parameters relates to the single-process parameter of the same
+// name under tensor parallelism: the rank holds the ranges of the full tensor along dim,
+// concatenated in order (a range running past the full size is padding: zeros).
+struct TpShard {
+  std::vector<std::int64_t> full_shape;
+  std::int64_t dim = -1;  // -1: the whole tensor, replicated on every tp rank
+  std::vector<std::pair<std::int64_t, std::int64_t>> ranges;  // (start, length) along dim
+  // Local elements [replicated_from, numel) are the same on every tp rank and get the same
+  // gradient: 0 for a replicated tensor, the key/value rows of attn_qkv when tp does not
+  // divide n_kv_head, numel for a tensor wholly split.
+  std::int64_t replicated_from = 0;
+};
+
+// What a block needs of its tensor-parallel group.
+struct TpEnv {
+  CommPtr comm;
+  int rank = 0, size = 1;
+  bool sequence_parallel = false;
+  std::shared_ptr<tp::RngTracker> rng;
+};
+
+// One transformer block (pre-norm attention + MLP with residuals): attention heads and the
+// MLP width split across tp (column-parallel in, row-parallel out).
 class BlockImpl : public torch::nn::Module {
  public:
-  explicit BlockImpl(const GptConfig& config);
+  BlockImpl(const GptConfig& config, TpEnv tp);
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& rope_cos,
                         const torch::Tensor& rope_sin);
+  // Whether this rank holds its own n_kv_head / tp key/value heads (else all of them).
+  bool kv_split() const { return config_.n_kv_head % tp_.size == 0; }
+  tp::RngTracker& rng() { return *tp_.rng; }
 
  private:
   torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) const;
+  torch::Tensor attention(const torch::Tensor& in, const torch::Tensor& rope_cos,
+                          const torch::Tensor& rope_sin);
   GptConfig config_;
+  TpEnv tp_;
+  tp::ParallelLinearOptions column_, row_;
   torch::Tensor ln1_w_, ln1_b_, ln2_w_, ln2_b_;
-  torch::nn::Linear qkv_{nullptr}, proj_{nullptr};  // attention in / out
-  torch::nn::Linear fc_{nullptr}, gate_{nullptr}, down_{nullptr};  // MLP (gate: llama)
+  torch::Tensor qkv_w_, qkv_b_;                             // attn_qkv: this rank's q, k, v rows
+  tp::RowParallelLinear proj_{nullptr}, down_{nullptr};     // attention out, MLP out
+  tp::ColumnParallelLinear fc_{nullptr}, gate_{nullptr};    // MLP in (gate: llama)
 };
 TORCH_MODULE(Block);
 
 // forward(idx [B, T] int64) -> logits [B, T, vocab]. Initialisation is a pure function of
 // the seed given to the constructor: normal(0, init_std) weights, zero biases, residual
-// output projections scaled by 1/sqrt(2 * n_layer) (GPT-2); drawn on the CPU, then moved
-// to the context's device, so every device and layout starts from the same model.
+// output projections scaled by 1/sqrt(2 * n_layer) (GPT-2); each full tensor is drawn on
+// the CPU in turn and this rank keeps its tensor-parallel slice, then moved to the
+// context's device, so every device and layout starts from the same model.
+//
+// Tensor parallelism (ctx tp > 1): vocabulary-parallel embedding and output projection
+// (the loss never gathers the logits), heads and MLP width split; with sequence
+// parallelism the residual stream, norms and dropout hold T / tp positions per rank.
 class GptImpl : public torch::nn::Module {
  public:
   // Raises InvalidArgument for an invalid config (see GptConfig::validate).
@@ -85,16 +132,29 @@ class GptImpl : public torch::nn::Module {
   // Installs hooks called around every block's forward (null removes them); the caller
   // keeps them alive while the model runs.
   void set_block_hooks(BlockHooks* hooks) { hooks_ = hooks; }
+  // Each parameter's tensor-parallel layout, in parameter_list() order.
+  const std::vector<std::pair<std::string, TpShard>>& tp_shards() const { return shards_; }
+  // The single-process parameters, assembled from every tp rank's slices (collective over
+  // the tp group; copies, on the model's device). With one tp rank: copies of the local ones.
+  NamedParameters full_parameters() const;
+  tp::RngTracker& rng() { return *tp_.rng; }
 
  private:
+  torch::Tensor hidden(const torch::Tensor& idx);    // final-norm output (entered the head)
+  torch::Tensor local_logits(const torch::Tensor& h);  // [B, T, padded vocab / tp]
+  void initialise(std::uint64_t seed);
+
   BlockHooks* hooks_ = nullptr;
   ContextPtr ctx_;
   GptConfig config_;
-  torch::nn::Embedding tok_emb_{nullptr}, pos_emb_{nullptr};  // pos: gpt2 only
+  TpEnv tp_;
+  tp::VocabParallelEmbedding tok_emb_{nullptr};
+  torch::nn::Embedding pos_emb_{nullptr};  // gpt2 only; replicated
   std::vector<Block> blocks_;
-  torch::Tensor norm_weight_, norm_bias_;  // final norm (bias: gpt2 only)
-  torch::nn::Linear lm_head_{nullptr};     // only without tied embeddings
-  torch::Tensor rope_cos_, rope_sin_;      // llama only: [context, head_dim / 2]
+  torch::Tensor norm_weight_, norm_bias_;   // final norm (bias: gpt2 only)
+  tp::ColumnParallelLinear lm_head_{nullptr};  // only without tied embeddings (padded vocab)
+  torch::Tensor rope_cos_, rope_sin_;       // llama only: [context, head_dim / 2]
+  std::vector<std::pair<std::string, TpShard>> shards_;
 };
 TORCH_MODULE(Gpt);
 

@@ -66,4 +66,16 @@ class CosineSchedule {
 double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm,
                       Communicator* shard_comm = nullptr, double grad_scale = 1.0);
 
+// Gradients that are distinct pieces across the ranks of each communicator in `over`
+// (null entries and single ranks ignored): their squared norms are summed over those ranks.
+// A gradient replicated on the ranks of a communicator leaves it out of `over`.
+struct GradGroup {
+  std::vector<at::Tensor> grads;
+  std::vector<Communicator*> over;
+};
+// clip_grad_norm over several groups (tensor parallelism: slices summed over tp,
+// replicated norm weights counted once); the same contract as above.
+double clip_grad_norm(const std::vector<GradGroup>& groups, double max_norm,
+                      double grad_scale = 1.0);
+
 }  // namespace dtrain

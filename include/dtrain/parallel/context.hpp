@@ -22,6 +22,9 @@ struct ParallelConfig {
   // Hybrid sharding (HSDP): the dp ranks form dp / dp_shard replicas of dp_shard ranks
   // each (mesh axes dp_replicate x dp_shard); 0: no such split (axis dp).
   int dp_shard = 0;
+  // Sequence parallelism (needs tp > 1 to change anything): activations between the
+  // tensor-parallel layers are split along the sequence across tp.
+  bool sequence_parallel = false;
 
   // The mesh axes for `world_size` ranks, in mesh order. Raises InvalidArgument naming
   // the degrees and the world size when they do not multiply to it.
@@ -38,7 +41,7 @@ using ContextPtr = std::shared_ptr<ParallelContext>;
 class ParallelContext {
  public:
   // Raises InvalidArgument for degrees that do not fit the world, and for strategies this
-  // build does not implement yet (tp, pp, ep, cp > 1), naming the option.
+  // build does not implement yet (pp, ep, cp > 1), naming the option.
   ParallelContext(CommPtr world, ParallelConfig config, c10::Device device = c10::kCPU);
   // One process, every degree 1, on `device`.
   static ContextPtr single_process(c10::Device device = c10::kCPU);
@@ -58,6 +61,11 @@ class ParallelContext {
   // same shard (one per replica). Without dp_shard: dp_comm(), and a Self communicator.
   CommPtr shard_comm();
   CommPtr replicate_comm();
+  // The tensor-parallel group (adjacent ranks; a Self communicator at tp = 1).
+  CommPtr tp_comm() { return mesh_.comm("tp"); }
+  int tp_rank() const { return mesh_.coord("tp"); }
+  int tp_size() const { return config_.tp; }
+  bool sequence_parallel() const { return config_.sequence_parallel && config_.tp > 1; }
   bool is_single_process() const { return world_size() == 1; }
 
  private:

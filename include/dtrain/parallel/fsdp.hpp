@@ -60,6 +60,13 @@ struct FsdpOptions {
   // and optimizer state are always float32 shards.
   c10::ScalarType param_dtype = c10::ScalarType::Undefined;
   c10::ScalarType reduce_dtype = c10::ScalarType::Undefined;
+  // Tensor parallelism underneath (each rank's parameters are its tp slices): the tp group
+  // and, per parameter name, the element offset from which it is the same on every tp rank
+  // (0: wholly replicated, like norm weights; a parameter not listed is wholly distinct).
+  // Only clip_grad_norm uses them: distinct elements are summed over tp, replicated ones
+  // counted once.
+  CommPtr tp;
+  std::vector<std::pair<std::string, std::int64_t>> tp_replicated;
 };
 
 struct FsdpStats {
@@ -106,7 +113,8 @@ class ShardedDataParallel {
   void set_sync(bool sync) { sync_ = sync; }
   // Every unit's gradient reduced (averaged) into this rank's shard; full gradients freed.
   void finish_gradient_sync();
-  // Global L2 norm of the sharded gradients (one all-reduce); clips them to max_norm
+  // Global L2 norm of the sharded gradients (one all-reduce; two under tensor
+  // parallelism, see FsdpOptions::tp); clips them to max_norm
   // (infinity: no clipping) and returns the norm before clipping. grad_scale: the loss
   // scale the gradients carry (dtrain::clip_grad_norm unscales them in the same pass).
   double clip_grad_norm(double max_norm, double grad_scale = 1.0);

@@ -1,0 +1,194 @@
+// The tensor-parallel GPT against the single-process model: at tp = world size (1-4,
+// odd sizes with a padded vocabulary), tp 2 x dp 2, with and without sequence
+// parallelism, GPT-2 and Llama (key/value heads split, or replicated when tp does not
+// divide them), replicated data parallelism and FSDP; 10 steps of the train harness with
+// its tolerances (losses rtol 1e-5, gradient norms 1e-4, parameters rtol 1e-5 / atol 5e-5).
+// Also: the slices of the initial model, the dropout streams of the RNG tracker, and the
+// errors for sizes that do not divide.
+#include <torch/torch.h>
+
+#include "train_harness.hpp"
+
+namespace dtrain::testing {
+namespace {
+
+class TpModelTest : public TrainTest {
+ protected:
+  // sequence_parallel is dropped at tp = 1 (where it means nothing and is refused).
+  ContextPtr context(int tp, bool sequence_parallel) {
+    ParallelConfig c;
+    c.tp = tp;
+    c.sequence_parallel = sequence_parallel && tp > 1;
+    return std::make_shared<ParallelContext>(world(), c);
+  }
+  // The tiny GPT-2 with sizes every tp in 1..4 divides (tp 3: 6 heads of 16, vocab 256
+  // padded to 258).
+  models::GptConfig gpt2(int tp) const {
+    auto c = models::GptConfig::preset("tiny");
+    if (tp == 3) c.n_head = c.n_kv_head = 6, c.d_model = 96;
+    return c;
+  }
+  // Llama with 4 heads over 2 key/value heads: split at tp 2, replicated at tp 4 (and 3:
+  // 6 heads over 2 kv heads).
+  models::GptConfig llama(int tp) const {
+    auto c = gpt2(tp);
+    c.family = "llama";
+    c.n_kv_head = 2;
+    c.ffn_hidden = 96;  // divisible by 1..4
+    return c;
+  }
+  void expect_matches(const ContextPtr& ctx, const models::GptConfig& cfg,
+                      const std::string& fsdp = "none") {
+    TestCorpus corpus("tp" + std::to_string(rank()));
+    auto o = options(corpus);
+    if (ctx->tp_size() == 3) o.seq_len = 30;  // sequence parallelism: divisible by tp
+    auto ref_o = o;
+    o.fsdp = fsdp;
+    Trainer parallel(ctx, cfg, o);
+    Trainer ref(ParallelContext::single_process(), cfg, ref_o);
+    expect_equivalent(parallel, ref);
+  }
+};
+
+TEST_F(TpModelTest, InitialModelIsTheSingleProcessModelSliced) {
+  const int n = nranks();
+  for (const auto& cfg : {gpt2(n), llama(n)}) {
+    auto untied = cfg;
+    untied.tie_embeddings = false;
+    for (const auto& c : {cfg, untied}) {
+      models::Gpt parallel(context(n, false), c, 7);
+      models::Gpt ref(ParallelContext::single_process(), c, 7);
+      const auto a = parallel->full_parameters(), b = ref->parameter_list();
+      ASSERT_EQ(a.size(), b.size());
+      for (std::size_t i = 0; i < a.size(); ++i) {
+        EXPECT_TRUE(a[i].second.sizes() == b[i].second.sizes() && torch::equal(a[i].second, b[i].second))
+            << c.family << " " << a[i].first;
+      }
+    }
+  }
+}
+
+TEST_F(TpModelTest, Gpt2MatchesSingleProcessAtTpEqualWorld) {
+  const int n = nranks();
+  for (bool sp : {false, true}) {
+    SCOPED_TRACE(sp ? "sequence parallel" : "tensor parallel");
+    expect_matches(context(n, sp), gpt2(n));
+  }
+}
+
+TEST_F(TpModelTest, LlamaMatchesSingleProcessAtTpEqualWorld) {
+  const int n = nranks();
+  auto cfg = llama(n);
+  cfg.tie_embeddings = false;  // the column-parallel head with a padded vocabulary
+  for (bool sp : {false, true}) {
+    SCOPED_TRACE(sp ? "sequence parallel" : "tensor parallel");
+    expect_matches(context(n, sp), cfg);
+  }
+}
+
+TEST_F(TpModelTest, TpTimesDpMatchesSingleProcess) {
+  if (nranks() != 4) GTEST_SKIP() << "tp 2 x dp 2 needs 4 ranks";
+  for (bool sp : {false, true}) {
+    SCOPED_TRACE(sp ? "sequence parallel" : "tensor parallel");
+    expect_matches(context(2, sp), gpt2(2));
+    expect_matches(context(2, sp), llama(2));
+  }
+}
+
+TEST_F(TpModelTest, TpWithFsdpMatchesSingleProcess) {
+  const int n = nranks();
+  const int tp = n == 4 ? 2 : n;  // 4 ranks: tp 2 x FSDP over 2
+  auto cfg = llama(tp);
+  for (const char* fsdp : {"zero2", "full"}) {
+    SCOPED_TRACE(fsdp);
+    expect_matches(context(tp, n == 4), cfg, fsdp);
+  }
+}
+
+TEST_F(TpModelTest, TpWithActivationCheckpointingMatchesSingleProcess) {
+  const int n = nranks();
+  auto cfg = gpt2(n);
+  cfg.activation_checkpointing = true;
+  expect_matches(context(n, true), cfg);
+}
+
+// Replicated activations get the same dropout mask on every tp rank, split ones different
+// masks; the forks leave the default generator where it was.
+TEST_F(TpModelTest, RngTrackerStreams) {
+  const int n = nranks();
+  tp::RngTracker rng(11, rank(), c10::kCPU);
+  const auto before = at::detail::getDefaultCPUGenerator().get_state();
+  const auto ones = torch::ones({4096});
+  auto gather = [&](const at::Tensor& t) {
+    auto all = torch::empty({n, t.numel()});
+    world()->all_gather(all, t.contiguous())->wait();
+    return all;
+  };
+  const auto replicated = gather(tp::dropout(ones, 0.5, true, rng, tp::RngTracker::Stream::kReplicated));
+  const auto split = gather(tp::dropout(ones, 0.5, true, rng, tp::RngTracker::Stream::kSplit));
+  EXPECT_TRUE(torch::equal(before, at::detail::getDefaultCPUGenerator().get_state()));
+  for (int k = 1; k < n; ++k) {
+    EXPECT_TRUE(torch::equal(replicated[k], replicated[0])) << "rank " << k;
+    EXPECT_FALSE(torch::equal(split[k], split[0])) << "rank " << k;
+  }
+  // Inverted dropout: kept elements scaled by 1 / (1 - p), about half of them kept.
+  const double kept = (replicated[0] > 0).to(torch::kDouble).mean().item<double>();
+  EXPECT_NEAR(kept, 0.5, 0.05);
+  EXPECT_TRUE(torch::allclose(replicated[0].masked_select(replicated[0] > 0), torch::full({1}, 2.0f)));
+  // The stream continues: a second draw differs from the first.
+  EXPECT_FALSE(torch::equal(tp::dropout(ones, 0.5, true, rng, tp::RngTracker::Stream::kReplicated),
+                            replicated[rank()]));
+}
+
+// With dropout and tensor parallelism the residual stream stays the same on every tp rank
+// (or, sequence parallel, consistent shards): replicated parameters get the same gradient.
+TEST_F(TpModelTest, DropoutKeepsReplicatedGradientsIdenticalAcrossTp) {
+  const int n = nranks();
+  for (bool sp : {false, true}) {
+    auto cfg = gpt2(n);
+    cfg.dropout = 0.2;
+    models::Gpt model(context(n, sp), cfg, 5);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+    const auto idx = torch::randint(0, cfg.vocab_size, {2, 12}, gen);
+    const auto targets = torch::randint(0, cfg.vocab_size, {2, 12}, gen);
+    auto loss = model->loss(idx, targets);
+    loss.backward();
+    model->eval();
+    const double no_dropout = model->loss(idx, targets).item<double>();
+    EXPECT_GT(std::abs(loss.item<double>() - no_dropout), 1e-4) << "dropout had no effect";
+    const auto params = model->parameter_list();
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      if (model->tp_shards()[i].second.dim >= 0) continue;
+      const auto g = params[i].second.grad().contiguous();
+      auto all = torch::empty({n, g.numel()});
+      world()->all_gather(all, g.reshape({-1}))->wait();
+      for (int k = 1; k < n; ++k) {
+        EXPECT_TRUE(torch::equal(all[k], all[0])) << params[i].first << " rank " << k << (sp ? " sp" : "");
+      }
+    }
+  }
+}
+
+TEST_F(TpModelTest, SizesThatDoNotDivideAreNamed) {
+  const int n = nranks();
+  if (n == 1) GTEST_SKIP() << "every size divides tp=1";
+  auto heads = gpt2(n);
+  heads.n_head = heads.n_kv_head = n + 1, heads.d_model = 8 * (n + 1);
+  auto e = error_message([&] { models::Gpt(context(n, false), heads, 1); });
+  EXPECT_NE(e.find("n_head=" + std::to_string(n + 1) + " (--n-head) is not divisible by --tp=" +
+                   std::to_string(n)), std::string::npos) << e;
+  auto ffn = llama(n);
+  ffn.ffn_hidden = 4 * n + 1;
+  e = error_message([&] { models::Gpt(context(n, false), ffn, 1); });
+  EXPECT_NE(e.find("MLP width " + std::to_string(4 * n + 1)), std::string::npos) << e;
+  // Sequence parallelism needs --seq-len divisible by tp.
+  TestCorpus corpus("tperr" + std::to_string(rank()));
+  auto o = options(corpus);
+  o.seq_len = 4 * n + 1;
+  e = error_message([&] { Trainer(context(n, true), gpt2(n), o); });
+  EXPECT_NE(e.find("--seq-len=" + std::to_string(4 * n + 1) + " is not divisible by --tp=" +
+                   std::to_string(n)), std::string::npos) << e;
+}
+
+}  // namespace
+}  // namespace dtrain::testing
