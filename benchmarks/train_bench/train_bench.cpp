@@ -24,6 +24,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "common/bench_util.hpp"
 #include "dtrain/dtrain.hpp"
 #include "dtrain/train/autocast.hpp"
 #include "dtrain/train/trainer.hpp"
@@ -35,13 +36,6 @@ using dtrain::train::StepMetrics;
 
 double ms_since(Clock::time_point t) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 struct Options {
@@ -128,7 +122,7 @@ double time_bucket_all_reduces(const dtrain::CommPtr& comm, const std::vector<st
     for (auto& w : works) w->synchronize();
     if (r > 0) times.push_back(ms_since(t));  // the first round warms up
   }
-  return median(times);
+  return dtrain::bench::median(times);
 }
 
 }  // namespace
@@ -163,18 +157,9 @@ int main(int argc, char** argv) {
 
     // Synthetic token shard for the trainer (one per rank; contents do not change timing).
     const std::string dir = "/tmp/dtrain_train_bench_" + std::to_string(::getpid());
-    dtrain::fs::make_directories(dir);
-    {
-      auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
-      const std::int64_t count = (o.batch * n * 4) * (o.seq + 1) + 1;
-      auto t = torch::randint(0, cfg.vocab_size, {count}, gen, torch::kInt);
-      std::vector<std::uint16_t> tokens(static_cast<std::size_t>(count));
-      auto acc = t.accessor<int, 1>();
-      for (std::int64_t i = 0; i < count; ++i) tokens[i] = static_cast<std::uint16_t>(acc[i]);
-      dtrain::data::write_token_shard(dir + "/bench_train_000000.bin", tokens);
-    }
+    const std::string train_glob = dtrain::bench::write_synthetic_shard(dir, (o.batch * n * 4) * (o.seq + 1) + 1, cfg.vocab_size);
     dtrain::train::TrainOptions to;
-    to.train_data = dir + "/bench_train_*.bin";
+    to.train_data = train_glob;
     to.seq_len = o.seq;
     to.global_batch = o.batch * n;
     to.steps = o.warmup + o.rounds * o.steps;
@@ -232,7 +217,7 @@ int main(int argc, char** argv) {
       row.backward_ms /= timed;
       row.sync_ms /= timed;
       row.optimizer_ms /= timed;
-      row.step_ms = median(steps);
+      row.step_ms = dtrain::bench::median(steps);
       row.state_bytes = static_cast<double>(trainer.model_state_bytes());
       row.comm_bytes = trainer.comm_bytes();
       if (const auto* ddp = trainer.data_parallel()) {
@@ -252,7 +237,7 @@ int main(int argc, char** argv) {
     prow.forward_ms /= timed_plain;
     prow.backward_ms /= timed_plain;
     prow.optimizer_ms /= timed_plain;
-    const auto pv = max_over_ranks({median(p_steps), plain_peak});
+    const auto pv = max_over_ranks({dtrain::bench::median(p_steps), plain_peak});
     prow.step_ms = pv[0];
     prow.peak_bytes = pv[1];
     prow.state_bytes = static_cast<double>(cfg.num_parameters()) * 4 * 4;  // params, grads, 2 Adam
