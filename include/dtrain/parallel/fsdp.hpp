@@ -140,6 +140,9 @@ class ShardedDataParallel {
   // This rank's shards as pieces (views of the live state, no copies; padding excluded; a
   // parameter with no element on this rank has no piece). primary_replica() says whether
   // this rank's replica should save them (hybrid: replica 0; otherwise every rank).
+  // Under tensor parallelism the "whole" tensors of these states are this tp rank's slices
+  // (models::GptImpl::tp_shards() places them in the model's tensors): states load only
+  // into the same tp layout until checkpoints map slices (issue 9).
   ShardedState sharded_state() const;
   bool primary_replica() const;
   // Whole tensors (one piece each, offset 0, float32) on `root` of the shard communicator;
