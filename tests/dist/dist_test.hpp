@@ -6,25 +6,14 @@
 
 #include <gtest/gtest.h>
 
-#include <functional>
-#include <string>
 
+#include "common/errors.hpp"
 #include "dtrain/dtrain.hpp"
 
 namespace dtrain::testing {
 
 // The runtime created by dist_main before RUN_ALL_TESTS.
 Runtime& runtime();
-
-// The message of the InvalidArgument that f raises, or "(no error)".
-inline std::string error_message(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const InvalidArgument& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
 
 class DistTest : public ::testing::Test {
  protected:
