@@ -88,6 +88,37 @@ std::int64_t GptConfig::num_parameters() const {
   return total;
 }
 
+std::vector<std::pair<std::string, std::vector<std::int64_t>>> GptConfig::parameter_shapes() const {
+  // Module::named_parameters order: a module's own parameters, then its children's.
+  const bool gpt2 = family == "gpt2";
+  const std::int64_t d = d_model, qkv = (n_head + 2 * n_kv_head) * head_dim(), F = mlp_hidden();
+  std::vector<std::pair<std::string, std::vector<std::int64_t>>> out;
+  out.push_back({"ln_f_weight", {d}});
+  if (gpt2) out.push_back({"ln_f_bias", {d}});
+  out.push_back({"tok_emb.weight", {vocab_size, d}});
+  if (gpt2) out.push_back({"pos_emb.weight", {context, d}});
+  for (std::int64_t i = 0; i < n_layer; ++i) {
+    const std::string h = "h." + std::to_string(i) + ".";
+    out.push_back({h + "ln1_weight", {d}});
+    out.push_back({h + "ln2_weight", {d}});
+    if (gpt2) {
+      out.push_back({h + "ln1_bias", {d}});
+      out.push_back({h + "ln2_bias", {d}});
+    }
+    out.push_back({h + "attn_qkv.weight", {qkv, d}});
+    if (gpt2) out.push_back({h + "attn_qkv.bias", {qkv}});
+    out.push_back({h + "attn_proj.weight", {d, n_head * head_dim()}});
+    if (gpt2) out.push_back({h + "attn_proj.bias", {d}});
+    out.push_back({h + "mlp_fc.weight", {F, d}});
+    if (gpt2) out.push_back({h + "mlp_fc.bias", {F}});
+    if (!gpt2) out.push_back({h + "mlp_gate.weight", {F, d}});
+    out.push_back({h + "mlp_proj.weight", {d, F}});
+    if (gpt2) out.push_back({h + "mlp_proj.bias", {d}});
+  }
+  if (!tie_embeddings) out.push_back({"lm_head.weight", {vocab_size, d}});
+  return out;
+}
+
 double GptConfig::flops_per_token(std::int64_t seq_len) const {
   std::int64_t matmul = num_parameters();
   const bool gpt2 = family == "gpt2";
@@ -343,11 +374,16 @@ torch::Tensor slice_of(const torch::Tensor& full, const TpShard& spec) {
 
 }  // namespace
 
-GptImpl::GptImpl(ContextPtr ctx, const GptConfig& config, std::uint64_t seed)
-    : ctx_(std::move(ctx)), config_(config) {
+GptImpl::GptImpl(ContextPtr ctx, const GptConfig& config, std::uint64_t seed, GptStage stage)
+    : ctx_(std::move(ctx)), config_(config), stage_(stage) {
   DTRAIN_CHECK_ARG(ctx_ != nullptr, "Gpt needs a ParallelContext (ParallelContext::single_process() for one process)");
   config_.validate();
   config_.validate_tp(ctx_->tp_size());
+  if (stage_.end_block < 0) stage_.end_block = config_.n_layer;
+  DTRAIN_CHECK_ARG(stage_.first_block >= 0 && stage_.first_block < stage_.end_block &&
+                       stage_.end_block <= config_.n_layer,
+                   "pipeline stage: blocks [", stage_.first_block, ", ", stage_.end_block,
+                   ") are not a non-empty range of the model's ", config_.n_layer, " blocks");
   const auto& c = config_;
   const bool gpt2 = c.family == "gpt2";
   tp_.comm = ctx_->tp_comm();
@@ -356,17 +392,23 @@ GptImpl::GptImpl(ContextPtr ctx, const GptConfig& config, std::uint64_t seed)
   tp_.sequence_parallel = ctx_->sequence_parallel();
   if (!ctx_->device().is_cpu()) at::globalContext().lazyInitDevice(ctx_->device().type());
   tp_.rng = std::make_shared<tp::RngTracker>(seed, tp_.rank, ctx_->device());
-  tok_emb_ = register_module(
-      "tok_emb", tp::VocabParallelEmbedding(c.vocab_size, c.d_model, tp_.comm, tp_.sequence_parallel));
-  if (gpt2) pos_emb_ = register_module("pos_emb", torch::nn::Embedding(c.context, c.d_model));
-  auto list = register_module("h", torch::nn::ModuleList());  // parameters "h.<i>.*"
-  for (std::int64_t i = 0; i < c.n_layer; ++i) {
-    blocks_.emplace_back(c, tp_);
-    list->push_back(blocks_.back());
+  // Registration order is parameter_shapes() order (own parameters first).
+  if (stage_.head) {
+    norm_weight_ = register_parameter("ln_f_weight", torch::ones({c.d_model}));
+    if (gpt2) norm_bias_ = register_parameter("ln_f_bias", torch::zeros({c.d_model}));
   }
-  norm_weight_ = register_parameter("ln_f_weight", torch::ones({c.d_model}));
-  if (gpt2) norm_bias_ = register_parameter("ln_f_bias", torch::zeros({c.d_model}));
-  if (!c.tie_embeddings) {
+  if (stage_.embedding || (stage_.head && c.tie_embeddings)) {
+    tok_emb_ = register_module(
+        "tok_emb", tp::VocabParallelEmbedding(c.vocab_size, c.d_model, tp_.comm, tp_.sequence_parallel));
+  }
+  if (gpt2 && stage_.embedding) pos_emb_ = register_module("pos_emb", torch::nn::Embedding(c.context, c.d_model));
+  // Blocks under "h" by their index in the whole model: parameters "h.<i>.*".
+  auto list = register_module("h", std::make_shared<torch::nn::Module>());
+  for (std::int64_t i = stage_.first_block; i < stage_.end_block; ++i) {
+    blocks_.emplace_back(c, tp_);
+    list->register_module(std::to_string(i), blocks_.back());
+  }
+  if (stage_.head && !c.tie_embeddings) {
     tp::ParallelLinearOptions head;
     head.bias = false;
     lm_head_ = register_module(
@@ -401,17 +443,20 @@ GptImpl::GptImpl(ContextPtr ctx, const GptConfig& config, std::uint64_t seed)
   if (rope_cos_.defined() && rope_cos_.numel() == 0) rope_cos_ = rope_sin_ = rope_cos_.to(ctx_->device());
 }
 
-// Each full tensor in parameter order from one generator (so every tp size draws the same
-// numbers), of which this rank keeps its slice.
+// Each full tensor of the whole model in parameter order from one generator (so every tp
+// size and pipeline stage draws the same numbers), of which this rank keeps the slices of
+// the parameters it holds.
 void GptImpl::initialise(std::uint64_t seed) {
   torch::NoGradGuard no_grad;
   const auto& c = config_;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   const double residual_std = c.init_std / std::sqrt(2.0 * c.n_layer);
   const auto params = named_parameters();
-  for (std::size_t i = 0; i < shards_.size(); ++i) {
-    const auto& [name, spec] = shards_[i];
-    auto full = torch::empty(spec.full_shape);
+  std::map<std::string, const TpShard*> held;
+  for (const auto& [name, spec] : shards_) held[name] = &spec;
+  std::size_t filled = 0;
+  for (const auto& [name, shape] : c.parameter_shapes()) {
+    auto full = torch::empty(shape);
     if (name.find("ln") != std::string::npos && name.find("weight") != std::string::npos && full.dim() == 1) {
       full.fill_(1.0);
     } else if (full.dim() == 1) {
@@ -421,8 +466,13 @@ void GptImpl::initialise(std::uint64_t seed) {
                             name.find("mlp_proj") != std::string::npos;
       full.normal_(0.0, residual ? residual_std : c.init_std, gen);
     }
-    params[name].copy_(slice_of(full, spec));
+    const auto it = held.find(name);
+    if (it == held.end()) continue;
+    params[name].copy_(slice_of(full, *it->second));
+    ++filled;
   }
+  DTRAIN_CHECK(filled == shards_.size(), "internal: ", shards_.size() - filled,
+               " parameter(s) of the model are not in GptConfig::parameter_shapes()");
 }
 
 NamedParameters GptImpl::parameter_list() const {
@@ -458,27 +508,39 @@ NamedParameters GptImpl::full_parameters() const {
   return out;
 }
 
-torch::Tensor GptImpl::hidden(const torch::Tensor& idx) {
+bool GptImpl::is_whole() const {
+  return stage_.embedding && stage_.head && stage_.first_block == 0 && stage_.end_block == config_.n_layer;
+}
+
+torch::Tensor GptImpl::forward_stage(const torch::Tensor& input) {
   const auto& c = config_;
-  DTRAIN_CHECK_ARG(idx.dim() == 2 && idx.size(1) <= c.context, "model input must be [batch, time] with time <= context ",
-                   c.context, "; got ", idx.sizes());
-  const std::int64_t T = idx.size(1);
-  DTRAIN_CHECK_ARG(!tp_.sequence_parallel || T % tp_.size == 0, "sequence parallelism splits the ",
-                   T, " positions of the input across tp=", tp_.size,
-                   "; allowed: a sequence length divisible by tp");
-  if (hooks_ != nullptr) hooks_->enter_embedding();
-  auto x = tok_emb_->forward(idx);  // [B, T / tp, d] with sequence parallelism
-  if (pos_emb_) {
-    if (tp_.sequence_parallel) {
-      const std::int64_t n = T / tp_.size;
-      auto pos = torch::arange(n * tp_.rank, n * (tp_.rank + 1), idx.options());
-      x = x + torch::embedding(shared(pos_emb_->weight, tp_), pos);
-    } else {
-      x = x + pos_emb_->forward(torch::arange(T, idx.options()));
+  torch::Tensor x;
+  if (stage_.embedding) {
+    const auto& idx = input;
+    DTRAIN_CHECK_ARG(idx.dim() == 2 && idx.size(1) <= c.context, "model input must be [batch, time] with time <= context ",
+                     c.context, "; got ", idx.sizes());
+    const std::int64_t T = idx.size(1);
+    DTRAIN_CHECK_ARG(!tp_.sequence_parallel || T % tp_.size == 0, "sequence parallelism splits the ",
+                     T, " positions of the input across tp=", tp_.size,
+                     "; allowed: a sequence length divisible by tp");
+    if (hooks_ != nullptr) hooks_->enter_embedding();
+    x = tok_emb_->forward(idx);  // [B, T / tp, d] with sequence parallelism
+    if (pos_emb_) {
+      if (tp_.sequence_parallel) {
+        const std::int64_t n = T / tp_.size;
+        auto pos = torch::arange(n * tp_.rank, n * (tp_.rank + 1), idx.options());
+        x = x + torch::embedding(shared(pos_emb_->weight, tp_), pos);
+      } else {
+        x = x + pos_emb_->forward(torch::arange(T, idx.options()));
+      }
     }
+    x = tp::dropout(x, c.dropout, is_training(), *tp_.rng, stream_of(tp_));
+    if (hooks_ != nullptr) x = hooks_->exit_embedding(x, c.tie_embeddings);
+  } else {
+    DTRAIN_CHECK_ARG(input.dim() == 3 && input.size(2) == c.d_model, "pipeline stage input must be the previous "
+                     "stage's [batch, time, ", c.d_model, "] output; got ", input.sizes());
+    x = input;
   }
-  x = tp::dropout(x, c.dropout, is_training(), *tp_.rng, stream_of(tp_));
-  if (hooks_ != nullptr) x = hooks_->exit_embedding(x, c.tie_embeddings);
   for (std::size_t i = 0; i < blocks_.size(); ++i) {
     auto& block = blocks_[i];
     if (hooks_ != nullptr) x = hooks_->enter(i, x);
@@ -489,6 +551,7 @@ torch::Tensor GptImpl::hidden(const torch::Tensor& idx) {
     }
     if (hooks_ != nullptr) x = hooks_->exit(i, x);
   }
+  if (!stage_.head) return x;
   if (hooks_ != nullptr) x = hooks_->enter_head(x);
   return stream_norm(c, tp_, x, norm_weight_, norm_bias_);
 }
@@ -502,13 +565,20 @@ torch::Tensor GptImpl::local_logits(const torch::Tensor& h) {
 }
 
 torch::Tensor GptImpl::forward(const torch::Tensor& idx) {
-  auto logits = local_logits(hidden(idx));
+  DTRAIN_CHECK_ARG(is_whole(), "Gpt::forward needs the whole model; a pipeline stage runs forward_stage");
+  auto logits = local_logits(forward_stage(idx));
   if (tp_.size == 1) return logits;
   return tp::gather_from_region(logits, tp_.comm).narrow(-1, 0, config_.vocab_size);
 }
 
 torch::Tensor GptImpl::loss(const torch::Tensor& idx, const torch::Tensor& targets) {
-  auto logits = local_logits(hidden(idx));
+  DTRAIN_CHECK_ARG(is_whole(), "Gpt::loss needs the whole model; a pipeline stage runs forward_stage and loss_from_hidden");
+  return loss_from_hidden(forward_stage(idx), targets);
+}
+
+torch::Tensor GptImpl::loss_from_hidden(const torch::Tensor& hidden, const torch::Tensor& targets) {
+  DTRAIN_CHECK_ARG(stage_.head, "loss_from_hidden needs the stage that holds the head (the last)");
+  auto logits = local_logits(hidden);
   if (tp_.size == 1) {
     return torch::nn::functional::cross_entropy(
         logits.reshape({-1, logits.size(-1)}).to(torch::kFloat), targets.reshape({-1}));

@@ -1,6 +1,6 @@
 // The GPT model: presets and parameter counts, validation, seeded initialisation, loss at
-// initialisation, causality, activation checkpointing leaves gradients unchanged, and a
-// tiny model learns a repeating sequence.
+// initialisation, causality, activation checkpointing leaves gradients unchanged, a tiny
+// model learns a repeating sequence, and pipeline stages chained equal the whole model.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -129,6 +129,80 @@ TEST(Gpt, DropoutMasksReplayUnderActivationCheckpointing) {
     Gpt reference(single(), no_dropout, 5);
     EXPECT_EQ(plain->loss(idx, tgt).item<float>(), reference->loss(idx, tgt).item<float>());
   }
+}
+
+TEST(GptConfig, ParameterShapesListTheModelsParametersInOrder) {
+  auto tied = tiny_llama();
+  tied.tie_embeddings = true;
+  for (const auto& cfg : {GptConfig::preset("tiny"), tiny_llama(), tied}) {
+    Gpt m(single(), cfg, 1);
+    const auto params = m->parameter_list();
+    const auto shapes = cfg.parameter_shapes();
+    ASSERT_EQ(params.size(), shapes.size()) << cfg.family;
+    for (std::size_t i = 0; i < shapes.size(); ++i) {
+      EXPECT_EQ(params[i].first, shapes[i].first);
+      EXPECT_EQ(params[i].second.sizes().vec(), shapes[i].second) << shapes[i].first;
+    }
+  }
+}
+
+// Three stages of a 5-block model run one after another, each on the previous stage's
+// output detached (as a pipeline receives it), with the input gradient passed back:
+// the same loss and the same gradients as the whole model; a stage's parameters are the
+// whole model's of the same names; with tied embeddings the first and last stages' copies
+// of the token embedding together get the whole model's gradient.
+TEST(Gpt, PipelineStagesChainedEqualTheWholeModel) {
+  auto gpt2 = GptConfig::preset("tiny");
+  auto llama = tiny_llama();
+  for (auto cfg : {gpt2, llama}) {
+    cfg.n_layer = 5;
+    Gpt whole(single(), cfg, 9);
+    std::vector<Gpt> stages;
+    stages.emplace_back(single(), cfg, 9, GptStage{0, 2, true, false});
+    stages.emplace_back(single(), cfg, 9, GptStage{2, 3, false, false});
+    stages.emplace_back(single(), cfg, 9, GptStage{3, 5, false, true});
+    const auto reference = whole->named_parameters();
+    std::int64_t held = 0;
+    for (auto& st : stages) {
+      for (const auto& item : st->named_parameters()) {
+        EXPECT_TRUE(torch::equal(item.value(), reference[item.key()])) << item.key();
+        ++held;
+      }
+    }
+    EXPECT_EQ(held, static_cast<std::int64_t>(reference.size()) + (cfg.tie_embeddings ? 1 : 0));
+
+    auto idx = torch::randint(0, 256, {2, 16}, torch::kLong);
+    auto tgt = torch::randint(0, 256, {2, 16}, torch::kLong);
+    auto ref_loss = whole->loss(idx, tgt);
+    ref_loss.backward();
+    // Forward, each stage on a detached copy of the previous output.
+    std::vector<torch::Tensor> inputs, outputs;
+    torch::Tensor x = idx;
+    for (std::size_t s = 0; s < stages.size(); ++s) {
+      if (s > 0) x = x.detach().requires_grad_(true);
+      inputs.push_back(x);
+      outputs.push_back(stages[s]->forward_stage(x));
+      x = outputs.back();
+    }
+    auto loss = stages.back()->loss_from_hidden(outputs.back(), tgt);
+    EXPECT_NEAR(loss.item<double>(), ref_loss.item<double>(), 1e-6) << cfg.family;
+    loss.backward();
+    for (std::size_t s = stages.size() - 1; s-- > 0;) outputs[s].backward(inputs[s + 1].grad());
+    for (const auto& item : reference) {
+      auto grad = torch::zeros_like(item.value());
+      for (auto& st : stages) {
+        const auto mine = st->named_parameters();
+        if (mine.contains(item.key())) grad += mine[item.key()].grad();
+      }
+      EXPECT_TRUE(torch::allclose(grad, item.value().grad(), 1e-5, 1e-7)) << cfg.family << " " << item.key();
+    }
+  }
+  // A stage is not the whole model, and its ranges must be blocks of the model.
+  auto cfg = GptConfig::preset("tiny");
+  Gpt middle(single(), cfg, 1, GptStage{1, 2, false, false});
+  EXPECT_THROW(middle->loss(torch::zeros({1, 4}, torch::kLong), torch::zeros({1, 4}, torch::kLong)), InvalidArgument);
+  EXPECT_THROW(Gpt(single(), cfg, 1, GptStage{1, 3, false, false}), InvalidArgument);
+  EXPECT_THROW(Gpt(single(), cfg, 1, GptStage{1, 1, false, false}), InvalidArgument);
 }
 
 TEST(Gpt, TinyModelLearnsARepeatingSequence) {

@@ -6,7 +6,6 @@
 #pragma once
 
 #include <torch/nn/module.h>
-#include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
@@ -54,6 +53,9 @@ struct GptConfig {
   std::int64_t mlp_hidden() const;
   // Parameter count from the shapes (what the module registers).
   std::int64_t num_parameters() const;
+  // The single-process model's parameters (name, shape) in registration order: the order
+  // the initialisation draws them in.
+  std::vector<std::pair<std::string, std::vector<std::int64_t>>> parameter_shapes() const;
   // Training FLOPs (forward + backward) per token at sequence length seq_len: 6 per
   // weight used in a matmul (every parameter except norms, biases and learned positions;
   // the tied embedding counts once, as the output projection) plus attention's
@@ -108,6 +110,17 @@ class BlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
+// The part of the model one pipeline stage holds (the whole model by default): blocks
+// [first_block, end_block), the embeddings on the first stage, the final norm and the
+// output projection on the last; with tied embeddings the last stage holds its own copy of
+// the token embedding for the head (the pipeline sums the two copies' gradients).
+struct GptStage {
+  std::int64_t first_block = 0;
+  std::int64_t end_block = -1;  // -1: n_layer
+  bool embedding = true;
+  bool head = true;
+};
+
 // forward(idx [B, T] int64) -> logits [B, T, vocab]. Initialisation is a pure function of
 // the seed given to the constructor: normal(0, init_std) weights, zero biases, residual
 // output projections scaled by 1/sqrt(2 * n_layer) (GPT-2); each full tensor is drawn on
@@ -119,11 +132,20 @@ TORCH_MODULE(Block);
 // parallelism the residual stream, norms and dropout hold T / tp positions per rank.
 class GptImpl : public torch::nn::Module {
  public:
-  // Raises InvalidArgument for an invalid config (see GptConfig::validate).
-  GptImpl(ContextPtr ctx, const GptConfig& config, std::uint64_t seed);
+  // Raises InvalidArgument for an invalid config (see GptConfig::validate) or stage.
+  // A stage's parameters equal the whole model's parameters of the same names.
+  GptImpl(ContextPtr ctx, const GptConfig& config, std::uint64_t seed, GptStage stage = {});
+  // The whole model only (forward_stage for a pipeline stage).
   torch::Tensor forward(const torch::Tensor& idx);
-  // Mean cross-entropy of the next-token predictions.
+  // Mean cross-entropy of the next-token predictions (the whole model only).
   torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets);
+  // This stage on `input` (token ids [B, T] when it holds the embeddings, else the previous
+  // stage's output): the output the next stage receives, or, on the last stage, the final
+  // norm's output, which loss_from_hidden() finishes.
+  torch::Tensor forward_stage(const torch::Tensor& input);
+  torch::Tensor loss_from_hidden(const torch::Tensor& hidden, const torch::Tensor& targets);
+  const GptStage& stage() const { return stage_; }
+  bool is_whole() const;
   const GptConfig& config() const { return config_; }
   const ContextPtr& context() const { return ctx_; }
   // Trainable parameters with their names ("tok_emb.weight", "h.0.attn_qkv.weight", ...)
@@ -140,17 +162,17 @@ class GptImpl : public torch::nn::Module {
   tp::RngTracker& rng() { return *tp_.rng; }
 
  private:
-  torch::Tensor hidden(const torch::Tensor& idx);    // final-norm output (entered the head)
   torch::Tensor local_logits(const torch::Tensor& h);  // [B, T, padded vocab / tp]
   void initialise(std::uint64_t seed);
 
   BlockHooks* hooks_ = nullptr;
   ContextPtr ctx_;
   GptConfig config_;
+  GptStage stage_;
   TpEnv tp_;
-  tp::VocabParallelEmbedding tok_emb_{nullptr};
+  tp::VocabParallelEmbedding tok_emb_{nullptr};  // first stage; last stage too when tied
   torch::nn::Embedding pos_emb_{nullptr};  // gpt2 only; replicated
-  std::vector<Block> blocks_;
+  std::vector<Block> blocks_;               // this stage's, from stage_.first_block
   torch::Tensor norm_weight_, norm_bias_;   // final norm (bias: gpt2 only)
   tp::ColumnParallelLinear lm_head_{nullptr};  // only without tied embeddings (padded vocab)
   torch::Tensor rope_cos_, rope_sin_;       // llama only: [context, head_dim / 2]
