@@ -1,0 +1,53 @@
+// Pipeline runtime: executes one stage's list of a pipeline schedule (pipeline_schedule.hpp)
+// over the pp communicator. Forwards receive activations from the previous virtual stage
+// and send theirs on; backwards receive output gradients and send input gradients back;
+// the last virtual stage computes the loss. Shapes are known up front (no shape exchange).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <vector>
+
+#include "dtrain/comm/communicator.hpp"
+#include "dtrain/parallel/pipeline_schedule.hpp"
+
+namespace dtrain::pp {
+
+// One model chunk of this rank (virtual stage chunk * p + rank).
+struct StageChunk {
+  // token ids [micro, seq] on virtual stage 0, else the previous stage's output -> output
+  std::function<at::Tensor(const at::Tensor&)> forward;
+  // last virtual stage: output, targets [micro, seq] -> mean loss of the micro-batch
+  std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> loss;
+  std::vector<at::Tensor> parameters;  // what W (the weight-gradient part) differentiates
+};
+
+struct PipelineOptions {
+  ScheduleKind schedule = ScheduleKind::k1F1B;
+  ScheduleShape shape;                          // stages = pp size
+  std::vector<std::int64_t> activation_shape;   // what stages pass: [micro, seq, d]
+  c10::ScalarType activation_dtype = c10::ScalarType::Float;
+};
+
+class PipelineRuntime {
+ public:
+  // chunks: this rank's v chunks. Raises InvalidArgument when the shape does not fit the
+  // schedule or the communicator (stages != pp size) or the chunk count is not v.
+  PipelineRuntime(std::vector<StageChunk> chunks, CommPtr pp, PipelineOptions options);
+
+  // Forward and backward of the m micro-batches of one step: inputs and targets are
+  // [m * micro, seq] (read on the stages that use them). Gradients accumulate into the
+  // chunks' parameters as d(mean loss over the batch); returns that mean loss on the last
+  // stage's rank, NaN elsewhere.
+  double run(const at::Tensor& inputs, const at::Tensor& targets);
+  const std::vector<StageActions>& schedule() const { return schedule_; }
+
+ private:
+  std::vector<StageChunk> chunks_;
+  CommPtr pp_;
+  PipelineOptions options_;
+  std::vector<StageActions> schedule_;
+};
+
+}  // namespace dtrain::pp

@@ -1,0 +1,106 @@
+// Pipeline runtime: the schedule's actions with point-to-point activation and gradient
+// transfers (asynchronous sends, receives waited when needed; tag = chunk x direction).
+#include "dtrain/parallel/pipeline.hpp"
+
+#include <torch/torch.h>
+
+#include <deque>
+#include <limits>
+#include <map>
+
+#include "dtrain/core/error.hpp"
+
+namespace dtrain::pp {
+
+PipelineRuntime::PipelineRuntime(std::vector<StageChunk> chunks, CommPtr pp, PipelineOptions options)
+    : chunks_(std::move(chunks)), pp_(std::move(pp)), options_(std::move(options)) {
+  DTRAIN_CHECK_ARG(pp_ != nullptr, "pipeline: no pp communicator");
+  DTRAIN_CHECK_ARG(options_.shape.stages == pp_->size(), "pipeline: the schedule has ",
+                   options_.shape.stages, " stages but the pp group has ", pp_->size(), " ranks");
+  DTRAIN_CHECK_ARG(static_cast<int>(chunks_.size()) == options_.shape.virtual_stages, "pipeline: ",
+                   chunks_.size(), " model chunks on this rank for --virtual-stages=",
+                   options_.shape.virtual_stages);
+  DTRAIN_CHECK_ARG(options_.activation_shape.size() == 3, "pipeline: activation shape must be "
+                   "[micro, seq, d]");
+  schedule_ = make_schedule(options_.schedule, options_.shape);
+}
+
+double PipelineRuntime::run(const at::Tensor& inputs, const at::Tensor& targets) {
+  const int p = options_.shape.stages, v = options_.shape.virtual_stages, m = options_.shape.microbatches;
+  const int rank = pp_->rank(), last = p * v - 1;
+  const std::int64_t micro = options_.activation_shape[0];
+  const auto opts = at::TensorOptions().dtype(options_.activation_dtype).device(
+      inputs.defined() ? inputs.device() : at::Device(at::kCPU));
+  struct Live {
+    at::Tensor input, output, loss, output_grad;
+  };
+  std::map<std::pair<int, int>, Live> live;  // (micro-batch, chunk)
+  // A message is tagged with its sender's chunk and direction; both ends know the sender
+  // (forward: virtual stage g - 1, backward: g + 1). Messages to this rank itself (one
+  // stage holding consecutive virtual stages) go through a local queue.
+  auto tag = [&](int sender_stage, bool backward) { return 2 * (sender_stage / p) + (backward ? 1 : 0); };
+  std::vector<WorkPtr> sends;
+  std::map<int, std::deque<at::Tensor>> local;
+  auto send = [&](const at::Tensor& t, int to_stage, int t_tag) {
+    auto c = t.detach().contiguous();
+    if (to_stage % p == rank) {
+      local[t_tag].push_back(c);
+    } else {
+      sends.push_back(pp_->send(c, to_stage % p, {t_tag}));
+    }
+  };
+  auto recv = [&](int from_stage, int t_tag) {
+    if (from_stage % p == rank) {
+      auto& q = local[t_tag];
+      DTRAIN_CHECK(!q.empty(), "pipeline: stage ", rank, " expects a message from itself that was not sent");
+      auto t = q.front();
+      q.pop_front();
+      return t;
+    }
+    auto t = at::empty(options_.activation_shape, opts);
+    pp_->recv(t, from_stage % p, {t_tag})->wait();
+    return t;
+  };
+  double loss_sum = 0;
+  for (const auto& a : schedule_[static_cast<std::size_t>(rank)]) {
+    const int g = virtual_stage(rank, a.chunk, p);
+    auto& chunk = chunks_[static_cast<std::size_t>(a.chunk)];
+    auto& st = live[{a.microbatch, a.chunk}];
+    if (a.op == Op::kForward) {
+      st.input = g == 0 ? inputs.narrow(0, micro * a.microbatch, micro)
+                        : recv(g - 1, tag(g - 1, false)).requires_grad_(true);
+      st.output = chunk.forward(st.input);
+      if (g == last) {
+        // The batch mean: each of the m equal micro-batches weighs 1/m.
+        st.loss = chunk.loss(st.output, targets.narrow(0, micro * a.microbatch, micro)) / m;
+        loss_sum += st.loss.item<double>();
+      } else {
+        send(st.output, g + 1, tag(g, false));
+      }
+      continue;
+    }
+    if (a.op != Op::kBackwardWeight && g != last) st.output_grad = recv(g + 1, tag(g + 1, true));
+    const at::Tensor target = g == last ? st.loss : st.output;
+    const std::vector<at::Tensor> seed =
+        g == last ? std::vector<at::Tensor>{} : std::vector<at::Tensor>{st.output_grad};
+    if (a.op == Op::kBackward) {
+      torch::autograd::backward({target}, seed);
+      if (g > 0) send(st.input.grad(), g - 1, tag(g, true));
+      live.erase({a.microbatch, a.chunk});
+    } else if (a.op == Op::kBackwardInput) {
+      // The input gradient now (the previous stage waits for it); the graph stays for W.
+      if (g > 0) {
+        auto grads = torch::autograd::grad({target}, {st.input}, seed, /*retain_graph=*/true);
+        send(grads[0], g - 1, tag(g, true));
+      }
+    } else {  // W: the parameters' gradients, from the graph Bi kept
+      torch::autograd::backward({target}, seed, /*retain_graph=*/false, /*create_graph=*/false,
+                                chunk.parameters);
+      live.erase({a.microbatch, a.chunk});
+    }
+  }
+  for (auto& w : sends) w->wait();
+  return rank == last % p ? loss_sum : std::numeric_limits<double>::quiet_NaN();
+}
+
+}  // namespace dtrain::pp
