@@ -29,7 +29,7 @@ constexpr int kExitFailure = 1;
 struct Options {
   std::string config;
   std::string backend = "auto";
-  int dp = 0, dp_shard = 0, tp = 1;
+  int dp = 0, dp_shard = 0, tp = 1, pp = 1;
   bool sequence_parallel = false;
   double dropout = 0.0;
   // Model: the preset, then any field overridden (-1 / empty: the preset's value).
@@ -52,6 +52,11 @@ void define(CLI::App& app, Options& o) {
   app.add_option("--dp-shard", o.dp_shard, "ranks per replica for --fsdp hybrid (0: no hybrid)")->group(run);
   app.add_option("--tp", o.tp, "tensor-parallel degree (adjacent ranks; heads, MLP width and vocabulary split)")->group(run);
   app.add_flag("--sequence-parallel", o.sequence_parallel, "with --tp: split the activations between tensor-parallel layers along the sequence")->group(run);
+  app.add_option("--pp", o.pp, "pipeline stages (outermost axis; blocks cut into consecutive stages)")->group(run);
+  app.add_option("--pp-schedule", t.pp_schedule, "with --pp: gpipe, 1f1b, interleaved or zb (zero bubble, ZB-H1)")->group(run);
+  app.add_option("--microbatches", t.microbatches, "micro-batches per step (global batch / (dp x M) samples each; 0: from --micro-batch)")->group(run);
+  app.add_option("--virtual-stages", t.virtual_stages, "with --pp-schedule interleaved: model chunks per rank")->group(run);
+  app.add_option("--pp-layers", t.pp_layers, "with --pp: blocks per virtual stage, e.g. 3,3,2,2 (default: balanced by parameter count)")->group(run);
   app.add_option("--steps", t.steps, "optimizer steps")->group(run);
   app.add_option("--seed", t.seed, "seed of the initialisation and of the data order")->group(run);
   app.add_option("--precision", t.precision, "fp32, bf16 or fp16: autocast matmuls to that dtype (fp16 with dynamic loss scaling)")->group(run);
@@ -185,7 +190,7 @@ dtrain::models::GptConfig model_config(const Options& o) {
 int main(int argc, char** argv) {
   const bool leader = dtrain::detect_launch_env().rank == 0;  // prints parse errors and help
   Options o;
-  CLI::App app{"pretrain_gpt: GPT-2 / Llama pretraining with data and tensor parallelism (MPI or NCCL)"};
+  CLI::App app{"pretrain_gpt: GPT-2 / Llama pretraining with data, tensor and pipeline parallelism (MPI or NCCL)"};
   define(app, o);
   try {
     std::vector<std::string> args = {argv[0]};
@@ -219,6 +224,7 @@ int main(int argc, char** argv) {
     parallel.dp = o.dp;
     parallel.dp_shard = o.dp_shard;
     parallel.tp = o.tp;
+    parallel.pp = o.pp;
     parallel.sequence_parallel = o.sequence_parallel;
     auto ctx = std::make_shared<dtrain::ParallelContext>(runtime->world(), parallel, runtime->device());
     trainer = std::make_unique<dtrain::train::Trainer>(ctx, model, o.train);

@@ -88,6 +88,7 @@ double clip_grad_norm(const std::vector<GradGroup>& groups, double max_norm, dou
   // in float64, then summed over the group's communicators.
   double sq_total = 0;
   for (const auto& group : groups) {
+    if (!group.counted) continue;
     at::Tensor sq = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device));
     if (!group.grads.empty()) {
       std::vector<at::Tensor> detached;

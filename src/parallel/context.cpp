@@ -62,11 +62,11 @@ ParallelContext::ParallelContext(CommPtr world, ParallelConfig config, c10::Devi
       mesh_(world, config_.mesh_axes(world->size())) {
   // Each strategy lifts its own restriction as it lands (see docs/parallelism.md).
   const std::pair<const char*, int> pending[] = {
-      {"--pp", config_.pp}, {"--ep", config_.ep}, {"--cp", config_.cp}};
+      {"--ep", config_.ep}, {"--cp", config_.cp}};
   for (const auto& [option, degree] : pending) {
     DTRAIN_CHECK_ARG(degree == 1, option, "=", degree,
                      " is not available in this build yet; allowed: 1 (data parallelism "
-                     "over --dp and tensor parallelism over --tp are implemented)");
+                     "over --dp, tensor parallelism over --tp and pipeline parallelism over --pp are implemented)");
   }
   DTRAIN_CHECK_ARG(!config_.sequence_parallel || config_.tp > 1,
                    "--sequence-parallel needs --tp > 1 (got --tp ", config_.tp, ")");

@@ -25,42 +25,91 @@ PipelineRuntime::PipelineRuntime(std::vector<StageChunk> chunks, CommPtr pp, Pip
   schedule_ = make_schedule(options_.schedule, options_.shape);
 }
 
-double PipelineRuntime::run(const at::Tensor& inputs, const at::Tensor& targets) {
-  const int p = options_.shape.stages, v = options_.shape.virtual_stages, m = options_.shape.microbatches;
-  const int rank = pp_->rank(), last = p * v - 1;
-  const std::int64_t micro = options_.activation_shape[0];
-  const auto opts = at::TensorOptions().dtype(options_.activation_dtype).device(
-      inputs.defined() ? inputs.device() : at::Device(at::kCPU));
-  struct Live {
-    at::Tensor input, output, loss, output_grad;
-  };
-  std::map<std::pair<int, int>, Live> live;  // (micro-batch, chunk)
-  // A message is tagged with its sender's chunk and direction; both ends know the sender
-  // (forward: virtual stage g - 1, backward: g + 1). Messages to this rank itself (one
-  // stage holding consecutive virtual stages) go through a local queue.
-  auto tag = [&](int sender_stage, bool backward) { return 2 * (sender_stage / p) + (backward ? 1 : 0); };
-  std::vector<WorkPtr> sends;
-  std::map<int, std::deque<at::Tensor>> local;
-  auto send = [&](const at::Tensor& t, int to_stage, int t_tag) {
+// Point-to-point messages between virtual stages. A message is tagged with its sender's
+// chunk and direction; both ends know the sender (forward: virtual stage g - 1, backward:
+// g + 1). Messages to this rank itself (one rank holding consecutive virtual stages, p = 1)
+// go through a local queue. Sends are asynchronous and waited by finish().
+struct PipelineRuntime::Transport {
+  Transport(PipelineRuntime& rt, const at::TensorOptions& opts) : rt(rt), opts(opts) {}
+  int tag(int sender_stage, bool backward) const {
+    return 2 * (sender_stage / rt.options_.shape.stages) + (backward ? 1 : 0);
+  }
+  void send(const at::Tensor& t, int to_stage, int t_tag) {
+    const int p = rt.options_.shape.stages;
     auto c = t.detach().contiguous();
-    if (to_stage % p == rank) {
+    if (to_stage % p == rt.pp_->rank()) {
       local[t_tag].push_back(c);
     } else {
-      sends.push_back(pp_->send(c, to_stage % p, {t_tag}));
+      sends.push_back(rt.pp_->send(c, to_stage % p, {t_tag}));
     }
-  };
-  auto recv = [&](int from_stage, int t_tag) {
-    if (from_stage % p == rank) {
+  }
+  at::Tensor recv(int from_stage, int t_tag) {
+    const int p = rt.options_.shape.stages;
+    if (from_stage % p == rt.pp_->rank()) {
       auto& q = local[t_tag];
-      DTRAIN_CHECK(!q.empty(), "pipeline: stage ", rank, " expects a message from itself that was not sent");
+      DTRAIN_CHECK(!q.empty(), "pipeline: stage ", rt.pp_->rank(),
+                   " expects a message from itself that was not sent");
       auto t = q.front();
       q.pop_front();
       return t;
     }
-    auto t = at::empty(options_.activation_shape, opts);
-    pp_->recv(t, from_stage % p, {t_tag})->wait();
+    auto t = at::empty(rt.options_.activation_shape, opts);
+    rt.pp_->recv(t, from_stage % p, {t_tag})->wait();
     return t;
+  }
+  void finish() {
+    for (auto& w : sends) w->wait();
+    sends.clear();
+  }
+  PipelineRuntime& rt;
+  at::TensorOptions opts;
+  std::vector<WorkPtr> sends;
+  std::map<int, std::deque<at::Tensor>> local;
+};
+
+namespace {
+at::TensorOptions activation_options(const PipelineOptions& o, const at::Tensor& inputs) {
+  return at::TensorOptions().dtype(o.activation_dtype).device(
+      inputs.defined() ? inputs.device() : at::Device(at::kCPU));
+}
+}  // namespace
+
+double PipelineRuntime::forward_only(const at::Tensor& inputs, const at::Tensor& targets) {
+  torch::NoGradGuard no_grad;
+  const int p = options_.shape.stages, v = options_.shape.virtual_stages, m = options_.shape.microbatches;
+  const int rank = pp_->rank(), last = p * v - 1;
+  const std::int64_t micro = options_.activation_shape[0];
+  Transport io(*this, activation_options(options_, inputs));
+  double loss_sum = 0;
+  for (int i = 0; i < m; ++i) {
+    for (int c = 0; c < v; ++c) {
+      const int g = virtual_stage(rank, c, p);
+      auto& chunk = chunks_[static_cast<std::size_t>(c)];
+      const auto x = g == 0 ? inputs.narrow(0, micro * i, micro) : io.recv(g - 1, io.tag(g - 1, false));
+      const auto y = chunk.forward(x);
+      if (g == last) {
+        loss_sum += chunk.loss(y, targets.narrow(0, micro * i, micro)).item<double>() / m;
+      } else {
+        io.send(y, g + 1, io.tag(g, false));
+      }
+    }
+  }
+  io.finish();
+  return rank == loss_rank() ? loss_sum : std::numeric_limits<double>::quiet_NaN();
+}
+
+double PipelineRuntime::run(const at::Tensor& inputs, const at::Tensor& targets) {
+  const int p = options_.shape.stages, v = options_.shape.virtual_stages, m = options_.shape.microbatches;
+  const int rank = pp_->rank(), last = p * v - 1;
+  const std::int64_t micro = options_.activation_shape[0];
+  struct Live {
+    at::Tensor input, output, loss, output_grad;
   };
+  std::map<std::pair<int, int>, Live> live;  // (micro-batch, chunk)
+  Transport io(*this, activation_options(options_, inputs));
+  auto tag = [&](int sender_stage, bool backward) { return io.tag(sender_stage, backward); };
+  auto send = [&](const at::Tensor& t, int to_stage, int t_tag) { io.send(t, to_stage, t_tag); };
+  auto recv = [&](int from_stage, int t_tag) { return io.recv(from_stage, t_tag); };
   double loss_sum = 0;
   for (const auto& a : schedule_[static_cast<std::size_t>(rank)]) {
     const int g = virtual_stage(rank, a.chunk, p);
@@ -99,8 +148,8 @@ double PipelineRuntime::run(const at::Tensor& inputs, const at::Tensor& targets)
       live.erase({a.microbatch, a.chunk});
     }
   }
-  for (auto& w : sends) w->wait();
-  return rank == last % p ? loss_sum : std::numeric_limits<double>::quiet_NaN();
+  io.finish();
+  return rank == loss_rank() ? loss_sum : std::numeric_limits<double>::quiet_NaN();
 }
 
 }  // namespace dtrain::pp

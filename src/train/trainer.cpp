@@ -11,12 +11,15 @@
 #include <cstdio>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <set>
 #include <nlohmann/json.hpp>
 
 #include "dtrain/core/error.hpp"
 #include "dtrain/core/logging.hpp"
 #include "dtrain/data/dataset.hpp"
+#include "dtrain/parallel/pipeline.hpp"
+#include "dtrain/parallel/pipeline_partition.hpp"
 #include "dtrain/train/autocast.hpp"
 #include "dtrain/train/device_stats.hpp"
 
@@ -49,6 +52,31 @@ c10::ScalarType parse_dtype(const char* option, const std::string& name) {
   if (name == "float16") return at::kHalf;
   throw InvalidArgument(detail::str_cat(option, " '", name,
                                         "' is not known; allowed: float32, bfloat16, float16"));
+}
+
+// Samples per rank per forward: from --microbatches (global / (dp x M)), --micro-batch, or
+// global / dp; 0 when --microbatches does not divide (check_options says so).
+std::int64_t micro_batch_of(const TrainOptions& o, std::int64_t dp) {
+  if (o.microbatches > 0) {
+    return o.global_batch % (dp * o.microbatches) == 0 ? o.global_batch / (dp * o.microbatches) : 0;
+  }
+  return o.micro_batch > 0 ? o.micro_batch : o.global_batch / dp;
+}
+
+// Blocks per virtual stage: --pp-layers, or balanced by parameter count (the embeddings on
+// the first stage; the head's matmul, vocabulary x d, on the last).
+std::vector<int> stage_blocks(const models::GptConfig& c, const TrainOptions& o, int stages) {
+  if (!o.pp_layers.empty()) return pp::parse_partition(o.pp_layers, static_cast<int>(c.n_layer), stages);
+  double block = 0, first = 0, last = static_cast<double>(c.vocab_size * c.d_model);
+  for (const auto& [name, shape] : c.parameter_shapes()) {
+    std::int64_t n = 1;
+    for (auto d : shape) n *= d;
+    if (name.rfind("h.0.", 0) == 0) block += static_cast<double>(n);
+    if (name.rfind("tok_emb.", 0) == 0 || name.rfind("pos_emb.", 0) == 0) first += static_cast<double>(n);
+    if (name.rfind("ln_f_", 0) == 0) last += static_cast<double>(n);
+  }
+  return pp::balanced_partition(std::vector<double>(static_cast<std::size_t>(c.n_layer), block), first,
+                                last, stages);
 }
 
 // Rows [begin, end) of a rank's sample list.
@@ -112,18 +140,40 @@ struct Trainer::Reporter {
   }
 };
 
+// Pipeline parallelism: this rank's model chunks (virtual stages chunk x p + pp rank), the
+// runtime executing the schedule, and the group of the first and last stage (tied
+// embeddings: the two copies' gradients are summed).
+struct Trainer::Pipeline {
+  std::vector<models::Gpt> chunks;
+  std::vector<int> blocks;  // per virtual stage
+  std::unique_ptr<pp::PipelineRuntime> runtime;
+  CommPtr tied;
+  double scale = 1;     // the loss scale of the running step
+  double dp_bytes = 0;  // last step: bytes of the data-parallel gradient average
+};
+
 Trainer::Trainer(ContextPtr ctx, models::GptConfig model, TrainOptions options)
     : ctx_(std::move(ctx)), model_config_(std::move(model)), options_(std::move(options)) {
   DTRAIN_CHECK_ARG(ctx_ != nullptr, "Trainer needs a ParallelContext");
   validate_and_agree();
-  model_ = models::Gpt(ctx_, model_config_, options_.seed);
-  const auto params = model_->parameter_list();
+  if (ctx_->pp_size() > 1) {
+    build_pipeline();
+    model_ = pipeline_->chunks.front();
+    for (auto& chunk : pipeline_->chunks) {
+      for (auto& item : chunk->parameter_list()) params_.push_back(std::move(item));
+    }
+  } else {
+    model_ = models::Gpt(ctx_, model_config_, options_.seed);
+    params_ = model_->parameter_list();
+  }
+  const auto& params = params_;
   const double min_lr = options_.min_lr > 0 ? options_.min_lr : options_.adamw.lr / 10;
   schedule_ = std::make_unique<CosineSchedule>(options_.adamw.lr, min_lr, options_.warmup_steps,
                                                options_.steps);
   if (options_.fsdp == "none") {
     optimizer_ = make_adamw(params, options_.adamw);
-    ddp_ = std::make_unique<DataParallel>(params, ctx_->dp_comm(), options_.ddp);
+    // The pipeline runs several backwards per step: it averages over dp after run().
+    if (!pipeline_) ddp_ = std::make_unique<DataParallel>(params, ctx_->dp_comm(), options_.ddp);
   } else {
     FsdpOptions fo;
     fo.strategy = parse_sharding(options_.fsdp);
@@ -168,8 +218,119 @@ Trainer::~Trainer() {
   if (model_) model_->set_block_hooks(nullptr);
 }
 
+void Trainer::build_pipeline() {
+  const auto& o = options_;
+  const int p = ctx_->pp_size(), v = o.virtual_stages, r = ctx_->pp_rank();
+  pipeline_ = std::make_unique<Pipeline>();
+  auto& pl = *pipeline_;
+  pl.blocks = stage_blocks(model_config_, o, p * v);
+  std::vector<pp::StageChunk> chunks;
+  for (int c = 0; c < v; ++c) {
+    const int g = pp::virtual_stage(r, c, p);
+    std::int64_t first = 0;
+    for (int k = 0; k < g; ++k) first += pl.blocks[static_cast<std::size_t>(k)];
+    const models::GptStage stage{first, first + pl.blocks[static_cast<std::size_t>(g)], g == 0, g == p * v - 1};
+    pl.chunks.emplace_back(ctx_, model_config_, o.seed, stage);
+    auto model = pl.chunks.back();
+    Pipeline* owner = &pl;
+    chunks.push_back({[model](const at::Tensor& x) mutable { return model->forward_stage(x); },
+                      [model, owner](const at::Tensor& h, const at::Tensor& t) mutable {
+                        return model->loss_from_hidden(h, t) * owner->scale;
+                      },
+                      model->parameters()});
+  }
+  pp::PipelineOptions po;
+  po.schedule = pp::parse_schedule(o.pp_schedule);
+  po.shape = {p, static_cast<int>(accum_), v};
+  po.activation_shape = {micro_batch_, o.seq_len, model_config_.d_model};
+  pl.runtime = std::make_unique<pp::PipelineRuntime>(std::move(chunks), ctx_->pp_comm(), po);
+  if (model_config_.tie_embeddings) {
+    pl.tied = ctx_->pp_comm()->split(r == 0 || r == p - 1 ? 0 : -1, r, "pp_tied");
+  }
+}
+
+double Trainer::pipeline_loss(double local) {
+  auto t = torch::full({1}, std::isnan(local) ? 0.0 : local,
+                       torch::TensorOptions().dtype(torch::kDouble).device(ctx_->device()));
+  ctx_->pp_comm()->broadcast(t, {pipeline_->runtime->loss_rank()})->wait();
+  ctx_->dp_comm()->all_reduce(t, {ReduceOp::kAvg})->wait();
+  return t.cpu().item<double>();
+}
+
+// One step's forward and backward through the pipeline, the data-parallel average of the
+// gradients and the tied embedding's sum; returns the step's mean loss (every rank).
+double Trainer::pipeline_step(StepMetrics& m, double scale) {
+  auto& pl = *pipeline_;
+  const auto device = ctx_->device();
+  for (auto& chunk : pl.chunks) chunk->train();
+  const auto batch = train_->batch(rows(sampler_->indices(step_), 0, accum_ * micro_batch_));
+  pl.scale = scale;
+  auto t = Clock::now();
+  double local = 0;
+  {
+    AutocastScope autocast(precision_dtype(options_.precision), device.type());
+    local = pl.runtime->run(batch.inputs.to(device), batch.targets.to(device)) / scale;
+  }
+  if (options_.sync_timing) synchronize(device);
+  m.forward_ms = ms_since(t);  // forward and backward interleave: the whole pipeline
+  t = Clock::now();
+  std::vector<at::Tensor> grads;
+  for (const auto& [name, p] : params_) {
+    if (p.grad().defined()) grads.push_back(p.grad());
+  }
+  const auto& dp = ctx_->dp_comm();
+  pl.dp_bytes = 0;
+  if (dp->size() > 1 && !grads.empty()) {
+    auto flat = torch::cat([&] {
+      std::vector<at::Tensor> v;
+      for (const auto& g : grads) v.push_back(g.reshape({-1}));
+      return v;
+    }());
+    dp->all_reduce(flat, {ReduceOp::kAvg})->wait();
+    pl.dp_bytes = wire_bytes(OpKind::kAllReduce, static_cast<double>(flat.nbytes()), dp->size());
+    std::int64_t at = 0;
+    for (auto& g : grads) {
+      g.copy_(flat.narrow(0, at, g.numel()).view_as(g));
+      at += g.numel();
+    }
+  }
+  if (pl.tied) {  // the first stage's embedding and the last stage's head copy
+    for (auto& chunk : pl.chunks) {
+      const auto params = chunk->named_parameters();
+      if (params.contains("tok_emb.weight") && params["tok_emb.weight"].grad().defined()) {
+        pl.tied->all_reduce(params["tok_emb.weight"].mutable_grad())->wait();
+      }
+    }
+  }
+  if (options_.sync_timing) synchronize(device);
+  m.sync_ms = ms_since(t);
+  return pipeline_loss(local);
+}
+
 void Trainer::gather_parameters() {
   if (sdp_) sdp_->gather_parameters();
+}
+
+NamedParameters Trainer::full_parameters() {
+  gather_parameters();
+  if (!pipeline_) return model_->full_parameters();
+  // Each tensor from the stage that owns it (a tied head copy is skipped), summed over pp.
+  std::map<std::string, at::Tensor> mine;
+  for (auto& chunk : pipeline_->chunks) {
+    for (auto& [name, t] : chunk->full_parameters()) {
+      if (name == "tok_emb.weight" && !chunk->stage().embedding) continue;
+      mine[name] = t;
+    }
+  }
+  NamedParameters out;
+  for (const auto& [name, shape] : model_config_.parameter_shapes()) {
+    const auto it = mine.find(name);
+    auto t = it != mine.end() ? it->second.clone()
+                              : torch::zeros(shape, torch::TensorOptions().device(ctx_->device()));
+    ctx_->pp_comm()->all_reduce(t)->wait();
+    out.emplace_back(name, t);
+  }
+  return out;
 }
 
 void Trainer::check_options() const {
@@ -188,7 +349,14 @@ void Trainer::check_options() const {
   DTRAIN_CHECK_ARG(o.micro_batch >= 0, "--micro-batch=", o.micro_batch,
                    " must be at least 1 (or 0: global batch / data-parallel size)");
   const std::int64_t dp = ctx_->dp_size();
-  const std::int64_t micro = o.micro_batch > 0 ? o.micro_batch : o.global_batch / dp;
+  DTRAIN_CHECK_ARG(o.microbatches >= 0, "--microbatches=", o.microbatches,
+                   " must be at least 1 (or 0: from --micro-batch)");
+  DTRAIN_CHECK_ARG(o.microbatches == 0 || o.micro_batch == 0, "--microbatches and --micro-batch ",
+                   "both set (", o.microbatches, ", ", o.micro_batch, "); give one of them");
+  DTRAIN_CHECK_ARG(o.microbatches == 0 || o.global_batch % (dp * o.microbatches) == 0,
+                   "--global-batch=", o.global_batch, " is not divisible by data-parallel size ", dp,
+                   " x --microbatches ", o.microbatches);
+  const std::int64_t micro = micro_batch_of(o, dp);
   DTRAIN_CHECK_ARG(micro >= 1 && o.global_batch % (dp * micro) == 0, "--global-batch=",
                    o.global_batch, " is not divisible by data-parallel size ", dp,
                    " x --micro-batch ", micro, " = ", dp * micro,
@@ -215,6 +383,20 @@ void Trainer::check_options() const {
                    "--param-dtype ", o.param_dtype, ", --reduce-dtype ", o.reduce_dtype,
                    "); use --precision bf16 for autocast with replicated data parallelism");
   if (uses_float16(o)) DynamicLossScaler(scaler_options(o));  // raises naming the option
+  const int pp = ctx_->pp_size();
+  const auto schedule = pp::parse_schedule(o.pp_schedule);  // raises naming --pp-schedule
+  if (pp > 1) {
+    DTRAIN_CHECK_ARG(o.fsdp == "none", "--pp ", pp, " with --fsdp ", o.fsdp,
+                     " is not available yet; allowed with --pp > 1: --fsdp none");
+    DTRAIN_CHECK_ARG(ctx_->tp_size() == 1, "--pp ", pp, " with --tp ", ctx_->tp_size(),
+                     " is not available yet; allowed with --pp > 1: --tp 1");
+    pp::check_shape(schedule, {pp, static_cast<int>(o.global_batch / (dp * micro)), o.virtual_stages});
+    stage_blocks(model_config_, o, pp * o.virtual_stages);  // raises naming the sizes
+  } else {
+    DTRAIN_CHECK_ARG(o.virtual_stages == 1 && o.pp_layers.empty(), "--virtual-stages / --pp-layers ",
+                     "need --pp > 1 (got --pp 1, --virtual-stages ", o.virtual_stages,
+                     ", --pp-layers '", o.pp_layers, "')");
+  }
   const int dp_shard = ctx_->config().dp_shard;
   DTRAIN_CHECK_ARG((o.fsdp == "hybrid") == (dp_shard > 0),
                    o.fsdp == "hybrid" ? "--fsdp hybrid needs --dp-shard N (ranks per replica)"
@@ -225,7 +407,7 @@ void Trainer::check_options() const {
 void Trainer::load_data() {
   const auto& o = options_;
   const std::int64_t dp = ctx_->dp_size();
-  micro_batch_ = o.micro_batch > 0 ? o.micro_batch : o.global_batch / dp;
+  micro_batch_ = micro_batch_of(o, dp);
   accum_ = o.global_batch / (dp * micro_batch_);
   auto open = [&](const char* option, const std::string& pattern) {
     std::unique_ptr<data::TokenDataset> ds;
@@ -301,7 +483,7 @@ std::int64_t Trainer::model_state_bytes() const {
     if (seen.insert(storage).second) bytes += static_cast<std::int64_t>(storage->nbytes());
   };
   const torch::optim::Optimizer& opt = sdp_ ? sdp_->optimizer() : *optimizer_;
-  for (const auto& p : model_->parameters()) {
+  for (const auto& [name, p] : params_) {
     add(p);
     add(p.grad());
   }
@@ -321,6 +503,7 @@ std::int64_t Trainer::model_state_bytes() const {
 }
 
 double Trainer::comm_bytes() const {
+  if (pipeline_) return pipeline_->dp_bytes;
   return sdp_ ? sdp_->stats().comm_bytes : ddp_->stats().comm_bytes;
 }
 
@@ -350,7 +533,14 @@ void Trainer::log_summary() const {
   }
   log_info("device: {}; peak {} TFLOP/s per device{}", device_name_, peak_tflops_,
            peak_tflops_ > 0 ? "" : " (unknown: MFU not reported; --peak-tflops)");
-  if (sdp_) {
+  if (pipeline_) {
+    std::string blocks;
+    for (int b : pipeline_->blocks) blocks += (blocks.empty() ? "" : ",") + std::to_string(b);
+    log_info("pipeline: {} stages x {} chunk(s), schedule {}, {} micro-batches of {}; blocks per "
+             "virtual stage {}; data parallel over {} rank(s) after each step",
+             ctx_->pp_size(), options_.virtual_stages, options_.pp_schedule, accum_, micro_batch_,
+             blocks, ctx_->dp_size());
+  } else if (sdp_) {
     log_info("sharding: {} over {} rank(s){}, {} unit(s), {} parameter elements per rank",
              to_string(sdp_->strategy()), ctx_->dp_size(),
              ctx_->config().dp_shard > 0
@@ -379,9 +569,13 @@ StepMetrics Trainer::train_step() {
   } else {
     optimizer_->zero_grad();
   }
+  double pipeline_mean = 0;
+  auto loss_sum = torch::zeros({}, torch::TensorOptions().device(device));
+  if (pipeline_) {
+    pipeline_mean = pipeline_step(m, scale);
+  } else {
   model_->train();
   const auto samples = sampler_->indices(step_);
-  auto loss_sum = torch::zeros({}, torch::TensorOptions().device(device));
   for (std::int64_t k = 0; k < accum_; ++k) {
     auto batch = train_->batch(rows(samples, k * micro_batch_, (k + 1) * micro_batch_));
     auto inputs = batch.inputs.to(device), targets = batch.targets.to(device);
@@ -412,13 +606,26 @@ StepMetrics Trainer::train_step() {
   }
   timed_sync();
   m.sync_ms = ms_since(t);
-  t = Clock::now();
+  }
+  auto t = Clock::now();
   const double max_norm =
       options_.grad_clip > 0 ? options_.grad_clip : std::numeric_limits<double>::infinity();
   // Clipping also unscales; an overflow (norm inf/nan, the same on every rank) skips the
   // update when loss scaling is on.
   if (sdp_) {
     m.grad_norm = sdp_->clip_grad_norm(max_norm, scale);
+  } else if (pipeline_) {
+    // Stages hold distinct parameters; the last stage's copy of a tied embedding is the
+    // first stage's (summed above) and counts once.
+    GradGroup stages{{}, {ctx_->pp_comm().get()}}, copies{{}, {}, /*counted=*/false};
+    for (auto& chunk : pipeline_->chunks) {
+      for (const auto& [name, p] : chunk->parameter_list()) {
+        if (!p.grad().defined()) continue;
+        const bool copy = name == "tok_emb.weight" && !chunk->stage().embedding;
+        (copy ? copies : stages).grads.push_back(p.grad());
+      }
+    }
+    m.grad_norm = clip_grad_norm(std::vector<GradGroup>{stages, copies}, max_norm, scale);
   } else if (ctx_->tp_size() > 1) {
     m.grad_norm = clip_grad_norm(tp_grad_groups(*model_, ctx_->tp_comm().get()), max_norm, scale);
   } else {
@@ -440,9 +647,13 @@ StepMetrics Trainer::train_step() {
   timed_sync();
   m.optimizer_ms = ms_since(t);
   // The global mean loss: one scalar all-reduce over the data-parallel ranks.
-  auto mean = loss_sum / static_cast<double>(accum_);
-  ctx_->dp_comm()->all_reduce(mean, {ReduceOp::kAvg})->wait();
-  m.loss = mean.item<double>();
+  if (pipeline_) {
+    m.loss = pipeline_mean;
+  } else {
+    auto mean = loss_sum / static_cast<double>(accum_);
+    ctx_->dp_comm()->all_reduce(mean, {ReduceOp::kAvg})->wait();
+    m.loss = mean.item<double>();
+  }
   m.step_ms = ms_since(t_step);
 
   ++step_;
@@ -461,9 +672,21 @@ StepMetrics Trainer::train_step() {
 double Trainer::evaluate() {
   DTRAIN_CHECK_ARG(val_ != nullptr, "evaluate() needs --val-data");
   torch::NoGradGuard no_grad;
-  model_->eval();
   const auto device = ctx_->device();
   const std::int64_t batches = std::min(options_.eval_batches, val_sampler_->steps_per_epoch());
+  if (pipeline_) {
+    for (auto& chunk : pipeline_->chunks) chunk->eval();
+    pipeline_->scale = 1;
+    double sum = 0;
+    for (std::int64_t b = 0; b < batches; ++b) {
+      const auto batch = val_->batch(rows(val_sampler_->indices(b), 0, accum_ * micro_batch_));
+      AutocastScope autocast(precision_dtype(options_.precision), device.type());
+      sum += pipeline_->runtime->forward_only(batch.inputs.to(device), batch.targets.to(device));
+    }
+    for (auto& chunk : pipeline_->chunks) chunk->train();
+    return pipeline_loss(sum / static_cast<double>(batches));
+  }
+  model_->eval();
   auto sum = torch::zeros({}, torch::TensorOptions().device(device));
   for (std::int64_t b = 0; b < batches; ++b) {
     const auto samples = val_sampler_->indices(b);

@@ -104,7 +104,15 @@ if(MPIEXEC)
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --tp 3)
   expect(np2-sp-seq 2 "--seq-len=31 is not divisible by --tp=2"
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --tp 2 --sequence-parallel --seq-len 31)
+  # Pipeline parallelism: 2 stages of the tiny model's 2 blocks, 2 micro-batches.
+  expect(np2-pp 0 "pipeline: 2 stages x 1 chunk\\(s\\), schedule zb, 2 micro-batches of 2.*val loss"
+         NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --pp 2 --pp-schedule zb --microbatches 2)
+  expect(np2-pp-fsdp 2 "--pp 2 with --fsdp full is not available yet"
+         NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --pp 2 --fsdp full)
 endif()
+expect(pp-schedule-unknown 2 "--pp-schedule 'pipedream' is not known; allowed: gpipe, 1f1b, interleaved, zb"
+       ARGS ${DATA} --pp-schedule pipedream)
+expect(virtual-stages-without-pp 2 "--virtual-stages / --pp-layers need --pp > 1" ARGS ${DATA} --virtual-stages 2)
 expect(sp-without-tp 2 "--sequence-parallel needs --tp > 1" ARGS ${DATA} --sequence-parallel)
 expect(dropout-range 2 "dropout=1.5 is out of range" ARGS ${DATA} --dropout 1.5)
 

@@ -4,11 +4,14 @@
 // (assembled over the stages; tied embedding copies summed) equal the single-process
 // model's on the whole batch. Tolerance: float32, loss rtol 1e-6, gradients rtol 1e-5 /
 // atol 1e-7 (micro-batch means summed in another order).
+// The Trainer with --pp: every schedule at pp = world (2-4) and pp 2 x dp 2, 10 steps
+// against the single-process run with the train harness's tolerances (tied embeddings
+// summed between the first and last stage, clipping over the stages); errors.
 #include <torch/torch.h>
 
 #include <cmath>
 
-#include "dist_test.hpp"
+#include "train_harness.hpp"
 #include "dtrain/models/gpt.hpp"
 #include "dtrain/parallel/pipeline.hpp"
 #include "dtrain/parallel/pipeline_partition.hpp"
@@ -88,6 +91,72 @@ TEST_F(PpTest, RuntimeChecksItsShape) {
   o.shape = {nranks(), 4, 1};
   EXPECT_NE(error_message([&] { pp::PipelineRuntime({}, world(), o); }).find("0 model chunks on this rank"),
             std::string::npos);
+}
+
+class PpTrainTest : public TrainTest {
+ protected:
+  ContextPtr context(int pp) {
+    ParallelConfig c;
+    c.pp = pp;
+    return std::make_shared<ParallelContext>(world(), c);
+  }
+};
+
+// 8 blocks; 12 micro-batches of one sample at dp 1 (6 at dp 2): every schedule's m fits.
+TEST_F(PpTrainTest, EveryScheduleMatchesSingleProcessForTenSteps) {
+  const int n = nranks();
+  if (n == 1) GTEST_SKIP() << "pipeline parallelism needs 2 or more ranks";
+  auto gpt2 = models::GptConfig::preset("tiny");
+  gpt2.n_layer = 8;
+  auto llama = gpt2;
+  llama.family = "llama", llama.n_kv_head = 2, llama.tie_embeddings = false;
+  std::vector<int> layouts = {n};
+  if (n == 4) layouts.push_back(2);  // pp 2 x dp 2: two schedules, GPT-2
+  for (int pp : layouts) {
+    for (const char* schedule : {"gpipe", "1f1b", "interleaved", "zb"}) {
+      for (const auto& cfg : {gpt2, llama}) {
+        if (pp != n && (cfg.family == "llama" || schedule[0] == 'g' || schedule[0] == 'z')) continue;
+        SCOPED_TRACE(std::string(schedule) + " pp=" + std::to_string(pp) + " " + cfg.family);
+        TestCorpus corpus("pp" + std::to_string(rank()));
+        auto o = options(corpus);
+        o.micro_batch = 1;
+        o.pp_schedule = schedule;
+        o.virtual_stages = std::string(schedule) == "interleaved" ? 2 : 1;
+        Trainer pipelined(context(pp), cfg, o);
+        Trainer ref(ParallelContext::single_process(), cfg, options(corpus));
+        expect_equivalent(pipelined, ref);
+      }
+    }
+  }
+}
+
+TEST_F(PpTrainTest, BadConfigurationsAreNamed) {
+  const int n = nranks();
+  if (n == 1) GTEST_SKIP() << "pipeline parallelism needs 2 or more ranks";
+  TestCorpus corpus("pperr" + std::to_string(rank()));
+  auto cfg = models::GptConfig::preset("tiny");  // 2 blocks
+  auto o = options(corpus);
+  auto e = error_message([&] { Trainer(context(n), cfg, o); });
+  if (n > 2) {
+    EXPECT_NE(e.find(std::to_string(n) + " virtual stages (--pp x --virtual-stages) but the model has 2 blocks"),
+              std::string::npos) << e;
+  }
+  o.pp_schedule = "interleaved";
+  o.virtual_stages = 2;
+  const int m = n == 2 ? 3 : 2;  // micro-batches: not a multiple of pp
+  o.micro_batch = 12 / m;
+  cfg.n_layer = 8;
+  e = error_message([&] { Trainer(context(n), cfg, o); });
+  EXPECT_NE(e.find("--microbatches=" + std::to_string(m) + " is not a multiple of --pp=" + std::to_string(n)),
+            std::string::npos) << e;
+  o = options(corpus);
+  o.fsdp = "zero2";
+  e = error_message([&] { Trainer(context(n), cfg, o); });
+  EXPECT_NE(e.find("with --fsdp zero2 is not available yet"), std::string::npos) << e;
+  o = options(corpus);
+  o.pp_schedule = "pipedream";
+  e = error_message([&] { Trainer(context(n), cfg, o); });
+  EXPECT_NE(e.find("--pp-schedule 'pipedream' is not known"), std::string::npos) << e;
 }
 
 }  // namespace

@@ -61,6 +61,12 @@ TEST(ClipGradNorm, GroupsShareOneNormAndClipViewsInPlace) {
   const double norm = clip_grad_norm(std::vector<GradGroup>{a, b}, 6.5);
   EXPECT_NEAR(norm, 13.0, 1e-6);
   EXPECT_TRUE(torch::allclose(g, torch::tensor({1.5f, 0.0f, 2.0f, 6.0f}), 1e-5, 1e-6)) << g;
+  // An uncounted group is clipped by the others' norm.
+  auto copy = torch::tensor({12.0f});
+  GradGroup c{{copy}, {}, /*counted=*/false};
+  auto h = torch::tensor({3.0f, 4.0f});
+  EXPECT_NEAR(clip_grad_norm(std::vector<GradGroup>{GradGroup{{h}, {}}, c}, 1.0), 5.0, 1e-6);
+  EXPECT_NEAR(copy.item<float>(), 12.0f / 5.0f, 1e-5);
 }
 
 // Gradients that carry a loss scale: one call unscales and clips, the same as unscaling

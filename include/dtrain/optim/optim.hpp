@@ -69,9 +69,12 @@ double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm,
 // Gradients that are distinct pieces across the ranks of each communicator in `over`
 // (null entries and single ranks ignored): their squared norms are summed over those ranks.
 // A gradient replicated on the ranks of a communicator leaves it out of `over`.
+// counted = false: the gradients are clipped with the others but left out of the norm
+// (another rank's identical copy counts them: a pipeline's tied embedding).
 struct GradGroup {
   std::vector<at::Tensor> grads;
   std::vector<Communicator*> over;
+  bool counted = true;
 };
 // clip_grad_norm over several groups (tensor parallelism: slices summed over tp,
 // replicated norm weights counted once); the same contract as above.

@@ -41,7 +41,7 @@ using ContextPtr = std::shared_ptr<ParallelContext>;
 class ParallelContext {
  public:
   // Raises InvalidArgument for degrees that do not fit the world, and for strategies this
-  // build does not implement yet (pp, ep, cp > 1), naming the option.
+  // build does not implement yet (ep, cp > 1), naming the option.
   ParallelContext(CommPtr world, ParallelConfig config, c10::Device device = c10::kCPU);
   // One process, every degree 1, on `device`.
   static ContextPtr single_process(c10::Device device = c10::kCPU);
@@ -66,6 +66,10 @@ class ParallelContext {
   int tp_rank() const { return mesh_.coord("tp"); }
   int tp_size() const { return config_.tp; }
   bool sequence_parallel() const { return config_.sequence_parallel && config_.tp > 1; }
+  // The pipeline group: the ranks holding the stages of one model replica (outermost axis).
+  CommPtr pp_comm() { return mesh_.comm("pp"); }
+  int pp_rank() const { return mesh_.coord("pp"); }
+  int pp_size() const { return config_.pp; }
   bool is_single_process() const { return world_size() == 1; }
 
  private:

@@ -41,6 +41,11 @@ class PipelineRuntime {
   // chunks' parameters as d(mean loss over the batch); returns that mean loss on the last
   // stage's rank, NaN elsewhere.
   double run(const at::Tensor& inputs, const at::Tensor& targets);
+  // Forward only (no graph): the mean loss over the m micro-batches on the last stage's
+  // rank, NaN elsewhere. Micro-batches in order, each through this rank's chunks in order.
+  double forward_only(const at::Tensor& inputs, const at::Tensor& targets);
+  // The pp rank that holds the last virtual stage (the loss).
+  int loss_rank() const { return pp_->size() - 1; }
   const std::vector<StageActions>& schedule() const { return schedule_; }
 
  private:
@@ -48,6 +53,8 @@ class PipelineRuntime {
   CommPtr pp_;
   PipelineOptions options_;
   std::vector<StageActions> schedule_;
+  // run() and forward_only() share the message plumbing.
+  struct Transport;
 };
 
 }  // namespace dtrain::pp

@@ -49,6 +49,14 @@ struct TrainOptions {
   std::string param_dtype = "float32";   // --fsdp only: compute dtype of the parameters
   std::string reduce_dtype = "float32";  // --fsdp only: dtype of the gradient reduction
   bool fsdp_reshard_after_forward = true;  // full/hybrid: free blocks between forward and backward
+  // Pipeline parallelism (context pp > 1): the schedule (gpipe | 1f1b | interleaved | zb),
+  // the micro-batches per step (0: global batch / (dp x micro_batch); they are the
+  // gradient accumulation), model chunks per rank (interleaved), and the blocks per
+  // virtual stage ("": balanced by parameter count, e.g. "3,3,2,2").
+  std::string pp_schedule = "1f1b";
+  std::int64_t microbatches = 0;
+  int virtual_stages = 1;
+  std::string pp_layers;
   // Evaluation and reporting.
   std::int64_t eval_every = 0;      // 0: evaluate only after the last step
   std::int64_t eval_batches = 4;    // val batches of global_batch samples each
@@ -97,7 +105,11 @@ class Trainer {
   std::int64_t step() const { return step_; }  // optimizer steps done
   std::int64_t grad_accumulation() const { return accum_; }
   const TrainOptions& options() const { return options_; }
+  // The model (with pipeline parallelism: this rank's first chunk).
   models::Gpt& model() { return model_; }
+  // The single-process model's parameters, assembled from every rank's pieces (tensor-
+  // parallel slices, pipeline stages); a collective over the tp and pp groups.
+  NamedParameters full_parameters();
   // The strategy in use: data_parallel() without --fsdp, sharded() with it (else null).
   const DataParallel* data_parallel() const { return ddp_.get(); }
   const ShardedDataParallel* sharded() const { return sdp_.get(); }
@@ -117,7 +129,11 @@ class Trainer {
 
  private:
   struct Reporter;
+  struct Pipeline;  // pipeline parallelism: this rank's chunks and the runtime
   void validate_and_agree();
+  void build_pipeline();
+  double pipeline_step(StepMetrics& m, double scale);
+  double pipeline_loss(double local);  // the last stage's loss, on every rank
   void check_options() const;
   void load_data();
 
@@ -136,6 +152,8 @@ class Trainer {
   std::unique_ptr<ShardedDataParallel> sdp_;
   std::unique_ptr<DynamicLossScaler> scaler_;
   std::unique_ptr<Reporter> reporter_;
+  std::unique_ptr<Pipeline> pipeline_;
+  NamedParameters params_;  // this rank's trainable parameters (every chunk)
 };
 
 }  // namespace dtrain::train
