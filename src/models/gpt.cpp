@@ -540,6 +540,8 @@ torch::Tensor GptImpl::forward_stage(const torch::Tensor& input) {
     DTRAIN_CHECK_ARG(input.dim() == 3 && input.size(2) == c.d_model, "pipeline stage input must be the previous "
                      "stage's [batch, time, ", c.d_model, "] output; got ", input.sizes());
     x = input;
+    // A last stage's copy of tied embeddings: gathered for the head (kept into backward).
+    if (hooks_ != nullptr && tok_emb_) hooks_->enter_embedding();
   }
   for (std::size_t i = 0; i < blocks_.size(); ++i) {
     auto& block = blocks_[i];

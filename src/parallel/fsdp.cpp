@@ -85,8 +85,13 @@ struct ShardedDataParallel::Unit {
                                     // master itself when that is a view of flat
   // Runs (start, length) of this rank's shard where weight decay applies.
   std::vector<std::pair<std::int64_t, std::int64_t>> decay_runs;
-  // Runs of the shard whose elements are replicated across tp (FsdpOptions::tp_replicated).
-  std::vector<std::pair<std::int64_t, std::int64_t>> tp_replicated_runs;
+  // Runs (start, length, replicated across tp) of the shard that the gradient norm counts
+  // (FsdpOptions::tp_replicated, ::uncounted); padding and uncounted parameters are not in.
+  struct NormRun {
+    std::int64_t at, len;
+    bool replicated;
+  };
+  std::vector<NormRun> norm_runs;
   at::Tensor grad_flat;             // [shard * size] during a sync
   at::Tensor grad_shard;            // [shard]
   std::size_t ready = 0;
@@ -185,8 +190,24 @@ ShardedDataParallel::ShardedDataParallel(NamedParameters params, CommPtr shard_c
         }
       };
       if (decays(name, p, options_.adamw)) add_run(u.decay_runs, 0, p.numel());
-      for (const auto& [rname, from] : options_.tp_replicated) {
-        if (rname == name && from < p.numel()) add_run(u.tp_replicated_runs, from, p.numel() - from);
+      if (std::find(options_.uncounted.begin(), options_.uncounted.end(), name) ==
+          options_.uncounted.end()) {
+        std::int64_t from = p.numel();  // tp-replicated from this element on
+        for (const auto& [rname, f] : options_.tp_replicated) {
+          if (rname == name) from = std::min(from, f);
+        }
+        for (const bool replicated : {false, true}) {
+          const std::int64_t lo = replicated ? from : 0, hi = replicated ? p.numel() : from;
+          const Span sp = span_in_shard(offset_of_[k] + lo, hi - lo, rank * u.shard, u.shard);
+          if (sp.hi == sp.lo) continue;
+          auto& runs = u.norm_runs;
+          if (!runs.empty() && runs.back().replicated == replicated &&
+              runs.back().at + runs.back().len == sp.at) {
+            runs.back().len += sp.hi - sp.lo;  // adjacent: one run
+          } else {
+            runs.push_back({sp.at, sp.hi - sp.lo, replicated});
+          }
+        }
       }
     }
     if (options_.broadcast_parameters) {
@@ -236,11 +257,23 @@ ShardedDataParallel::ShardedDataParallel(NamedParameters params, CommPtr shard_c
     };
     add("embed");
     first_block_ = static_cast<std::int64_t>(order_.size());
-    while (add("h." + std::to_string(n_blocks_))) ++n_blocks_;
+    // The blocks h.<b>, h.<b + 1>, ... from the lowest index (a pipeline stage's first).
+    std::int64_t lowest = -1, blocks = 0;
+    for (const auto& [key, at] : index) {
+      if (key.rfind("h.", 0) != 0) continue;
+      ++blocks;
+      const std::int64_t b = std::stoll(key.substr(2));
+      lowest = lowest < 0 ? b : std::min(lowest, b);
+    }
+    while (lowest >= 0 && add("h." + std::to_string(lowest + n_blocks_))) ++n_blocks_;
     if (add("head")) head_at_ = static_cast<std::int64_t>(order_.size()) - 1;
     DTRAIN_CHECK_ARG(n_blocks_ > 0, "--fsdp ", to_string(options_.strategy),
                      " needs one unit per transformer block "
                      "(parameters named h.<i>.*, the default wrap policy)");
+    DTRAIN_CHECK_ARG(n_blocks_ == blocks, "--fsdp ", to_string(options_.strategy), " needs the ",
+                     "blocks of consecutive indices (h.", lowest, " ...); these parameters hold ",
+                     blocks, " blocks of which ", n_blocks_, " are consecutive (several pipeline ",
+                     "chunks per rank, --virtual-stages > 1, are not supported)");
     DTRAIN_CHECK_ARG(options_.prefetch >= 0, "FSDP prefetch=", options_.prefetch, " must be >= 0");
     for (auto* u : order_) {
       u->reshard = true;  // a "root" unit, if any, stays gathered
@@ -312,7 +345,7 @@ void ShardedDataParallel::launch(Unit& u) {
   stats_.comm_bytes += wire_bytes(OpKind::kReduceScatter, static_cast<double>(u.grad_flat.nbytes()),
                                   comm_->size());
   // Every use of the unit's parameters in backward is done once all its gradients exist.
-  if (u.reshard && in_backward_) release(u);
+  if (u.reshard) release(u);
   in_flight_.push_back(&u);
   while (in_flight_.size() > kMaxInFlight) {
     finish_reduce_scatter(*in_flight_.front());
@@ -533,26 +566,35 @@ void ShardedDataParallel::finish_gradient_sync() {
 }
 
 double ShardedDataParallel::clip_grad_norm(double max_norm, double grad_scale) {
+  const bool tp = options_.tp != nullptr && options_.tp->size() > 1;
+  const bool pp = options_.pp != nullptr && options_.pp->size() > 1;
   std::vector<at::Tensor> shards;
   for (auto& u : units_) shards.push_back(u->master);
-  if (options_.tp == nullptr || options_.tp->size() == 1) {
+  if (!tp && !pp && options_.uncounted.empty()) {
     return dtrain::clip_grad_norm(shards, max_norm, comm_.get(), grad_scale);
   }
-  // Under tensor parallelism: the tp-replicated runs of each shard count once, the rest
-  // (the runs between them) is summed over tp as well.
-  GradGroup distinct{{}, {comm_.get(), options_.tp.get()}}, replicated{{}, {comm_.get()}};
+  // Elements distinct across tp are summed over tp as well, tp-replicated ones count once;
+  // stages hold distinct parameters (summed over pp); uncounted ones are left out of the
+  // norm but clipped with the rest.
+  GradGroup distinct{{}, {comm_.get()}}, replicated{{}, {comm_.get()}}, rest{{}, {}, false};
+  if (tp) distinct.over.push_back(options_.tp.get());
+  if (pp) {
+    distinct.over.push_back(options_.pp.get());
+    replicated.over.push_back(options_.pp.get());
+  }
   for (auto& u : units_) {
     const auto g = u->master.grad();
     if (!g.defined()) continue;
     std::int64_t at = 0;
-    for (const auto& [start, len] : u->tp_replicated_runs) {
-      if (start > at) distinct.grads.push_back(g.narrow(0, at, start - at));
-      replicated.grads.push_back(g.narrow(0, start, len));
-      at = start + len;
+    for (const auto& r : u->norm_runs) {
+      if (r.at > at) rest.grads.push_back(g.narrow(0, at, r.at - at));
+      (r.replicated ? replicated : distinct).grads.push_back(g.narrow(0, r.at, r.len));
+      at = r.at + r.len;
     }
-    if (at < g.numel()) distinct.grads.push_back(g.narrow(0, at, g.numel() - at));
+    if (at < g.numel()) rest.grads.push_back(g.narrow(0, at, g.numel() - at));
   }
-  return dtrain::clip_grad_norm(std::vector<GradGroup>{distinct, replicated}, max_norm, grad_scale);
+  return dtrain::clip_grad_norm(std::vector<GradGroup>{distinct, replicated, rest}, max_norm,
+                                grad_scale);
 }
 
 void ShardedDataParallel::step(double lr) {

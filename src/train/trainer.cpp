@@ -85,20 +85,52 @@ std::vector<std::int64_t> rows(const std::vector<std::int64_t>& all, std::int64_
   return {all.begin() + begin, all.begin() + end};
 }
 
-// Gradient clipping groups under tensor parallelism with replicated data parallelism:
-// each parameter's tp-distinct elements (summed over tp) and tp-replicated ones (once).
-std::vector<GradGroup> tp_grad_groups(const models::GptImpl& model, Communicator* tp) {
-  GradGroup distinct{{}, {tp}}, replicated{{}, {}};
-  const auto params = model.parameter_list();
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    const auto& g = params[i].second.grad();
+// A parameter of this rank's model (or pipeline chunks, in order) and how the gradient
+// norm counts it: elements from `replicated_from` on are the same on every tp rank (counted
+// once), the others are distinct across tp; a last stage's copy of tied embeddings is not
+// counted (the first stage's is).
+struct ParamRole {
+  std::string name;
+  at::Tensor param;
+  std::int64_t replicated_from;
+  bool copy;
+};
+
+std::vector<ParamRole> param_roles(const std::vector<models::Gpt>& models) {
+  std::vector<ParamRole> out;
+  for (const auto& model : models) {
+    const auto params = model->parameter_list();
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      out.push_back({params[i].first, params[i].second, model->tp_shards()[i].second.replicated_from,
+                     params[i].first == "tok_emb.weight" && !model->stage().embedding});
+    }
+  }
+  return out;
+}
+
+// Gradient clipping groups over tensor and pipeline parallelism with replicated data
+// parallelism: tp-distinct elements summed over tp and pp, tp-replicated ones over pp,
+// tied copies not counted.
+std::vector<GradGroup> grad_groups(const std::vector<ParamRole>& roles, Communicator* tp,
+                                   Communicator* pp) {
+  GradGroup distinct, replicated, copies{{}, {}, /*counted=*/false};
+  for (auto* c : {tp, pp}) {
+    if (c != nullptr && c->size() > 1) distinct.over.push_back(c);
+  }
+  if (pp != nullptr && pp->size() > 1) replicated.over.push_back(pp);
+  for (const auto& r : roles) {
+    const auto& g = r.param.grad();
     if (!g.defined()) continue;
     const auto flat = g.view({-1});
-    const std::int64_t from = model.tp_shards()[i].second.replicated_from, n = flat.numel();
+    const std::int64_t n = flat.numel(), from = std::min(r.replicated_from, n);
+    if (r.copy) {
+      copies.grads.push_back(flat);
+      continue;
+    }
     if (from > 0) distinct.grads.push_back(flat.narrow(0, 0, from));
     if (from < n) replicated.grads.push_back(flat.narrow(0, from, n - from));
   }
-  return {distinct, replicated};
+  return {distinct, replicated, copies};
 }
 
 std::string duration_text(double seconds) {
@@ -185,9 +217,10 @@ Trainer::Trainer(ContextPtr ctx, models::GptConfig model, TrainOptions options)
     fo.reduce_dtype = parse_dtype("--reduce-dtype", options_.reduce_dtype);
     fo.reshard_after_forward = options_.fsdp_reshard_after_forward;
     fo.tp = ctx_->tp_comm();
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      const auto from = model_->tp_shards()[i].second.replicated_from;
-      if (from < params[i].second.numel()) fo.tp_replicated.emplace_back(params[i].first, from);
+    fo.pp = ctx_->pp_comm();
+    for (const auto& r : param_roles(models())) {
+      if (r.replicated_from < r.param.numel()) fo.tp_replicated.emplace_back(r.name, r.replicated_from);
+      if (r.copy) fo.uncounted.push_back(r.name);
     }
     if (fo.strategy == ShardingStrategy::kHybrid) {
       sdp_ = std::make_unique<ShardedDataParallel>(params, ctx_->shard_comm(), fo,
@@ -195,7 +228,8 @@ Trainer::Trainer(ContextPtr ctx, models::GptConfig model, TrainOptions options)
     } else {
       sdp_ = std::make_unique<ShardedDataParallel>(params, ctx_->dp_comm(), fo);
     }
-    model_->set_block_hooks(sdp_->block_hooks());  // full sharding: gather around blocks
+    // Full sharding: gather around blocks.
+    for (auto& m : models()) m->set_block_hooks(sdp_->block_hooks());
   }
   if (uses_float16(options_)) scaler_ = std::make_unique<DynamicLossScaler>(scaler_options(options_));
   flops_per_token_ = model_config_.flops_per_token(options_.seq_len);
@@ -215,7 +249,13 @@ Trainer::Trainer(ContextPtr ctx, models::GptConfig model, TrainOptions options)
 }
 
 Trainer::~Trainer() {
-  if (model_) model_->set_block_hooks(nullptr);
+  for (auto& m : models()) m->set_block_hooks(nullptr);
+}
+
+std::vector<models::Gpt> Trainer::models() const {
+  if (pipeline_) return pipeline_->chunks;
+  if (model_) return {model_};
+  return {};
 }
 
 void Trainer::build_pipeline() {
@@ -242,7 +282,9 @@ void Trainer::build_pipeline() {
   pp::PipelineOptions po;
   po.schedule = pp::parse_schedule(o.pp_schedule);
   po.shape = {p, static_cast<int>(accum_), v};
-  po.activation_shape = {micro_batch_, o.seq_len, model_config_.d_model};
+  // Sequence parallelism: each tp rank passes its part of the sequence.
+  po.activation_shape = {micro_batch_, ctx_->sequence_parallel() ? o.seq_len / ctx_->tp_size() : o.seq_len,
+                         model_config_.d_model};
   pl.runtime = std::make_unique<pp::PipelineRuntime>(std::move(chunks), ctx_->pp_comm(), po);
   if (model_config_.tie_embeddings) {
     pl.tied = ctx_->pp_comm()->split(r == 0 || r == p - 1 ? 0 : -1, r, "pp_tied");
@@ -265,6 +307,8 @@ double Trainer::pipeline_step(StepMetrics& m, double scale) {
   for (auto& chunk : pl.chunks) chunk->train();
   const auto batch = train_->batch(rows(sampler_->indices(step_), 0, accum_ * micro_batch_));
   pl.scale = scale;
+  // Gradients accumulate over the micro-batches; the data-parallel reduction follows run().
+  if (sdp_) sdp_->set_sync(false);
   auto t = Clock::now();
   double local = 0;
   {
@@ -274,13 +318,24 @@ double Trainer::pipeline_step(StepMetrics& m, double scale) {
   if (options_.sync_timing) synchronize(device);
   m.forward_ms = ms_since(t);  // forward and backward interleave: the whole pipeline
   t = Clock::now();
-  std::vector<at::Tensor> grads;
-  for (const auto& [name, p] : params_) {
-    if (p.grad().defined()) grads.push_back(p.grad());
+  // The tied copies first (full gradients): sums commute with the data-parallel average.
+  if (pl.tied) {  // the first stage's embedding and the last stage's head copy
+    for (auto& chunk : pl.chunks) {
+      const auto params = chunk->named_parameters();
+      if (params.contains("tok_emb.weight") && params["tok_emb.weight"].grad().defined()) {
+        pl.tied->all_reduce(params["tok_emb.weight"].mutable_grad())->wait();
+      }
+    }
   }
-  const auto& dp = ctx_->dp_comm();
   pl.dp_bytes = 0;
-  if (dp->size() > 1 && !grads.empty()) {
+  if (sdp_) {
+    sdp_->finish_gradient_sync();  // reduce-scatter every unit
+  } else if (ctx_->dp_comm()->size() > 1) {
+    std::vector<at::Tensor> grads;
+    for (const auto& [name, p] : params_) {
+      if (p.grad().defined()) grads.push_back(p.grad());
+    }
+    const auto& dp = ctx_->dp_comm();
     auto flat = torch::cat([&] {
       std::vector<at::Tensor> v;
       for (const auto& g : grads) v.push_back(g.reshape({-1}));
@@ -292,14 +347,6 @@ double Trainer::pipeline_step(StepMetrics& m, double scale) {
     for (auto& g : grads) {
       g.copy_(flat.narrow(0, at, g.numel()).view_as(g));
       at += g.numel();
-    }
-  }
-  if (pl.tied) {  // the first stage's embedding and the last stage's head copy
-    for (auto& chunk : pl.chunks) {
-      const auto params = chunk->named_parameters();
-      if (params.contains("tok_emb.weight") && params["tok_emb.weight"].grad().defined()) {
-        pl.tied->all_reduce(params["tok_emb.weight"].mutable_grad())->wait();
-      }
     }
   }
   if (options_.sync_timing) synchronize(device);
@@ -386,10 +433,10 @@ void Trainer::check_options() const {
   const int pp = ctx_->pp_size();
   const auto schedule = pp::parse_schedule(o.pp_schedule);  // raises naming --pp-schedule
   if (pp > 1) {
-    DTRAIN_CHECK_ARG(o.fsdp == "none", "--pp ", pp, " with --fsdp ", o.fsdp,
-                     " is not available yet; allowed with --pp > 1: --fsdp none");
-    DTRAIN_CHECK_ARG(ctx_->tp_size() == 1, "--pp ", pp, " with --tp ", ctx_->tp_size(),
-                     " is not available yet; allowed with --pp > 1: --tp 1");
+    DTRAIN_CHECK_ARG(o.virtual_stages == 1 || (o.fsdp != "full" && o.fsdp != "hybrid"), "--fsdp ",
+                     o.fsdp, " with --virtual-stages ", o.virtual_stages, " is not available: full ",
+                     "sharding gathers one rank's consecutive blocks; allowed: --virtual-stages 1, ",
+                     "or --fsdp none, zero1, zero2");
     pp::check_shape(schedule, {pp, static_cast<int>(o.global_batch / (dp * micro)), o.virtual_stages});
     stage_blocks(model_config_, o, pp * o.virtual_stages);  // raises naming the sizes
   } else {
@@ -503,8 +550,8 @@ std::int64_t Trainer::model_state_bytes() const {
 }
 
 double Trainer::comm_bytes() const {
-  if (pipeline_) return pipeline_->dp_bytes;
-  return sdp_ ? sdp_->stats().comm_bytes : ddp_->stats().comm_bytes;
+  if (sdp_) return sdp_->stats().comm_bytes;
+  return pipeline_ ? pipeline_->dp_bytes : ddp_->stats().comm_bytes;
 }
 
 void Trainer::log_summary() const {
@@ -537,10 +584,11 @@ void Trainer::log_summary() const {
     std::string blocks;
     for (int b : pipeline_->blocks) blocks += (blocks.empty() ? "" : ",") + std::to_string(b);
     log_info("pipeline: {} stages x {} chunk(s), schedule {}, {} micro-batches of {}; blocks per "
-             "virtual stage {}; data parallel over {} rank(s) after each step",
+             "virtual stage {}; gradients reduced over {} data-parallel rank(s) after each step",
              ctx_->pp_size(), options_.virtual_stages, options_.pp_schedule, accum_, micro_batch_,
              blocks, ctx_->dp_size());
-  } else if (sdp_) {
+  }
+  if (sdp_) {
     log_info("sharding: {} over {} rank(s){}, {} unit(s), {} parameter elements per rank",
              to_string(sdp_->strategy()), ctx_->dp_size(),
              ctx_->config().dp_shard > 0
@@ -548,7 +596,7 @@ void Trainer::log_summary() const {
                           ctx_->config().dp_shard)
                  : std::string(),
              sdp_->stats().units, sdp_->stats().shard_numel);
-  } else {
+  } else if (ddp_) {
     log_info("data parallel: replicated over {} rank(s), {} gradient bucket(s)", ctx_->dp_size(),
              ddp_->stats().buckets);
   }
@@ -614,20 +662,9 @@ StepMetrics Trainer::train_step() {
   // update when loss scaling is on.
   if (sdp_) {
     m.grad_norm = sdp_->clip_grad_norm(max_norm, scale);
-  } else if (pipeline_) {
-    // Stages hold distinct parameters; the last stage's copy of a tied embedding is the
-    // first stage's (summed above) and counts once.
-    GradGroup stages{{}, {ctx_->pp_comm().get()}}, copies{{}, {}, /*counted=*/false};
-    for (auto& chunk : pipeline_->chunks) {
-      for (const auto& [name, p] : chunk->parameter_list()) {
-        if (!p.grad().defined()) continue;
-        const bool copy = name == "tok_emb.weight" && !chunk->stage().embedding;
-        (copy ? copies : stages).grads.push_back(p.grad());
-      }
-    }
-    m.grad_norm = clip_grad_norm(std::vector<GradGroup>{stages, copies}, max_norm, scale);
-  } else if (ctx_->tp_size() > 1) {
-    m.grad_norm = clip_grad_norm(tp_grad_groups(*model_, ctx_->tp_comm().get()), max_norm, scale);
+  } else if (pipeline_ || ctx_->tp_size() > 1) {
+    m.grad_norm = clip_grad_norm(
+        grad_groups(param_roles(models()), ctx_->tp_comm().get(), ctx_->pp_comm().get()), max_norm, scale);
   } else {
     m.grad_norm = clip_grad_norm(model_->parameters(), max_norm, nullptr, scale);
   }

@@ -107,8 +107,11 @@ if(MPIEXEC)
   # Pipeline parallelism: 2 stages of the tiny model's 2 blocks, 2 micro-batches.
   expect(np2-pp 0 "pipeline: 2 stages x 1 chunk\\(s\\), schedule zb, 2 micro-batches of 2.*val loss"
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --pp 2 --pp-schedule zb --microbatches 2)
-  expect(np2-pp-fsdp 2 "--pp 2 with --fsdp full is not available yet"
-         NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --pp 2 --fsdp full)
+  expect(np2-pp-fsdp 0 "pipeline: 2 stages x 1 chunk.*sharding: full over 1 rank.*val loss"
+         NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --pp 2 --fsdp full --microbatches 2)
+  expect(np2-pp-fsdp-chunks 2 "--fsdp full with --virtual-stages 2 is not available"
+         NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --pp 2 --fsdp full --pp-schedule interleaved
+         --virtual-stages 2 --n-layer 4 --microbatches 2)
 endif()
 expect(pp-schedule-unknown 2 "--pp-schedule 'pipedream' is not known; allowed: gpipe, 1f1b, interleaved, zb"
        ARGS ${DATA} --pp-schedule pipedream)

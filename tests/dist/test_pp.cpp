@@ -6,7 +6,8 @@
 // atol 1e-7 (micro-batch means summed in another order).
 // The Trainer with --pp: every schedule at pp = world (2-4) and pp 2 x dp 2, 10 steps
 // against the single-process run with the train harness's tolerances (tied embeddings
-// summed between the first and last stage, clipping over the stages); errors.
+// summed between the first and last stage, clipping over the stages); the pipeline with
+// FSDP and with tp (pp 2 x tp 2, sequence parallelism); errors.
 #include <torch/torch.h>
 
 #include <cmath>
@@ -95,9 +96,11 @@ TEST_F(PpTest, RuntimeChecksItsShape) {
 
 class PpTrainTest : public TrainTest {
  protected:
-  ContextPtr context(int pp) {
+  ContextPtr context(int pp, int tp = 1, bool sequence_parallel = false) {
     ParallelConfig c;
     c.pp = pp;
+    c.tp = tp;
+    c.sequence_parallel = sequence_parallel;
     return std::make_shared<ParallelContext>(world(), c);
   }
 };
@@ -130,6 +133,47 @@ TEST_F(PpTrainTest, EveryScheduleMatchesSingleProcessForTenSteps) {
   }
 }
 
+// The pipeline inside the mesh: stages sharded over dp (zero1/zero2/full, the tied copy
+// included) and split over tp (with and without sequence parallelism), 10 steps against
+// the single-process run with the harness's tolerances.
+TEST_F(PpTrainTest, ComposesWithShardingAndTensorParallelism) {
+  const int n = nranks();
+  if (n == 1) GTEST_SKIP() << "pipeline parallelism needs 2 or more ranks";
+  auto gpt2 = models::GptConfig::preset("tiny");
+  gpt2.n_layer = 8;
+  auto llama = gpt2;
+  llama.family = "llama", llama.n_kv_head = 2, llama.tie_embeddings = false;
+  struct Case {
+    int pp, tp;
+    bool sp;
+    const char* fsdp;
+    const char* schedule;
+    models::GptConfig cfg;
+  };
+  std::vector<Case> cases;
+  if (n == 2) cases = {{2, 1, false, "full", "1f1b", gpt2}, {2, 1, false, "zero2", "zb", llama}};
+  if (n == 3) cases = {{3, 1, false, "zero1", "gpipe", gpt2}};
+  if (n == 4) {
+    cases = {{2, 2, false, "none", "1f1b", gpt2},        {2, 2, true, "none", "zb", llama},
+             {2, 2, true, "none", "interleaved", gpt2},  {2, 1, false, "zero2", "interleaved", llama},
+             {2, 1, false, "full", "1f1b", gpt2},        {2, 1, false, "full", "zb", gpt2},
+             {2, 2, true, "zero1", "1f1b", gpt2}};
+  }
+  for (const auto& c : cases) {
+    SCOPED_TRACE(format("{} pp={} tp={}{} fsdp={} {}", c.schedule, c.pp, c.tp, c.sp ? " sp" : "",
+                        c.fsdp, c.cfg.family));
+    TestCorpus corpus("ppmix" + std::to_string(rank()));
+    auto o = options(corpus);
+    o.micro_batch = 1;
+    o.pp_schedule = c.schedule;
+    o.virtual_stages = std::string(c.schedule) == "interleaved" ? 2 : 1;
+    o.fsdp = c.fsdp;
+    Trainer pipelined(context(c.pp, c.tp, c.sp), c.cfg, o);
+    Trainer ref(ParallelContext::single_process(), c.cfg, options(corpus));
+    expect_equivalent(pipelined, ref);
+  }
+}
+
 TEST_F(PpTrainTest, BadConfigurationsAreNamed) {
   const int n = nranks();
   if (n == 1) GTEST_SKIP() << "pipeline parallelism needs 2 or more ranks";
@@ -150,9 +194,12 @@ TEST_F(PpTrainTest, BadConfigurationsAreNamed) {
   EXPECT_NE(e.find("--microbatches=" + std::to_string(m) + " is not a multiple of --pp=" + std::to_string(n)),
             std::string::npos) << e;
   o = options(corpus);
-  o.fsdp = "zero2";
+  o.fsdp = "full";
+  o.pp_schedule = "interleaved";
+  o.virtual_stages = 2;
+  o.micro_batch = 12 / (2 * n);
   e = error_message([&] { Trainer(context(n), cfg, o); });
-  EXPECT_NE(e.find("with --fsdp zero2 is not available yet"), std::string::npos) << e;
+  EXPECT_NE(e.find("--fsdp full with --virtual-stages 2 is not available"), std::string::npos) << e;
   o = options(corpus);
   o.pp_schedule = "pipedream";
   e = error_message([&] { Trainer(context(n), cfg, o); });

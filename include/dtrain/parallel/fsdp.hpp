@@ -67,6 +67,11 @@ struct FsdpOptions {
   // counted once.
   CommPtr tp;
   std::vector<std::pair<std::string, std::int64_t>> tp_replicated;
+  // Pipeline parallelism around (each rank's parameters are its stage's): the norm is
+  // summed over pp too; `uncounted` parameters (a last stage's copy of tied embeddings,
+  // which the first stage's counts) stay out of it. Only clip_grad_norm uses them.
+  CommPtr pp;
+  std::vector<std::string> uncounted;
 };
 
 struct FsdpStats {
@@ -114,7 +119,7 @@ class ShardedDataParallel {
   // Every unit's gradient reduced (averaged) into this rank's shard; full gradients freed.
   void finish_gradient_sync();
   // Global L2 norm of the sharded gradients (one all-reduce; two under tensor
-  // parallelism, see FsdpOptions::tp); clips them to max_norm
+  // parallelism, see FsdpOptions::tp and ::pp); clips them to max_norm
   // (infinity: no clipping) and returns the norm before clipping. grad_scale: the loss
   // scale the gradients carry (dtrain::clip_grad_norm unscales them in the same pass).
   double clip_grad_norm(double max_norm, double grad_scale = 1.0);

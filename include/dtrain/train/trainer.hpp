@@ -107,6 +107,8 @@ class Trainer {
   const TrainOptions& options() const { return options_; }
   // The model (with pipeline parallelism: this rank's first chunk).
   models::Gpt& model() { return model_; }
+  // This rank's models: the whole model, or its pipeline chunks in order.
+  std::vector<models::Gpt> models() const;
   // The single-process model's parameters, assembled from every rank's pieces (tensor-
   // parallel slices, pipeline stages); a collective over the tp and pp groups.
   NamedParameters full_parameters();
