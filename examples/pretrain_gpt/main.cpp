@@ -114,6 +114,8 @@ void define(CLI::App& app, Options& o) {
   app.add_option("--eval-batches", t.eval_batches, "val batches (of --global-batch samples) per evaluation")->group(report);
   app.add_option("--log-every", t.log_every, "log a step line every N steps")->group(report);
   app.add_option("--metrics", t.metrics_path, "JSON-lines metrics file written by rank 0")->group(report);
+  app.add_option("--trace", t.trace_path, "Chrome trace (Perfetto) per rank: FILE.json -> FILE.rank<r>.json; merge_traces joins them")
+      ->group(report);
   app.add_option("--peak-tflops", t.peak_tflops, "peak TFLOP/s of one device for MFU (0: known-GPU table)")->group(report);
   app.add_option("--progress", t.progress, "progress bar: auto (terminal), on, off")->group(report);
   app.add_flag("--sync-timing", t.sync_timing, "synchronize the device between phases for an exact time breakdown")->group(report);

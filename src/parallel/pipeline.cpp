@@ -7,6 +7,7 @@
 #include <deque>
 #include <limits>
 #include <map>
+#include <optional>
 
 #include "dtrain/core/error.hpp"
 
@@ -36,6 +37,7 @@ struct PipelineRuntime::Transport {
   }
   void send(const at::Tensor& t, int to_stage, int t_tag) {
     const int p = rt.options_.shape.stages;
+    auto s = trace::span(rt.options_.trace, "send", "pp", trace::Track::kComm, {{"to_stage", to_stage}});
     auto c = t.detach().contiguous();
     if (to_stage % p == rt.pp_->rank()) {
       local[t_tag].push_back(c);
@@ -54,10 +56,12 @@ struct PipelineRuntime::Transport {
       return t;
     }
     auto t = at::empty(rt.options_.activation_shape, opts);
+    auto s = trace::span(rt.options_.trace, "recv", "pp", trace::Track::kComm, {{"from_stage", from_stage}});
     rt.pp_->recv(t, from_stage % p, {t_tag})->wait();
     return t;
   }
   void finish() {
+    auto s = trace::span(rt.options_.trace, "send-wait", "pp", trace::Track::kComm);
     for (auto& w : sends) w->wait();
     sends.clear();
   }
@@ -115,31 +119,44 @@ double PipelineRuntime::run(const at::Tensor& inputs, const at::Tensor& targets)
     const int g = virtual_stage(rank, a.chunk, p);
     auto& chunk = chunks_[static_cast<std::size_t>(a.chunk)];
     auto& st = live[{a.microbatch, a.chunk}];
+    // The action's compute span (receives before it and sends after it are their own).
+    std::optional<trace::Recorder::Span> span;
+    auto compute = [&] {
+      span.emplace(options_.trace, to_string(a.op), "pp", trace::Track::kCompute,
+                   std::vector<std::pair<std::string, std::int64_t>>{
+                       {"microbatch", a.microbatch}, {"chunk", a.chunk}, {"stage", g}});
+    };
     if (a.op == Op::kForward) {
       st.input = g == 0 ? inputs.narrow(0, micro * a.microbatch, micro)
                         : recv(g - 1, tag(g - 1, false)).requires_grad_(true);
+      compute();
       st.output = chunk.forward(st.input);
       if (g == last) {
         // The batch mean: each of the m equal micro-batches weighs 1/m.
         st.loss = chunk.loss(st.output, targets.narrow(0, micro * a.microbatch, micro)) / m;
         loss_sum += st.loss.item<double>();
+        span.reset();
       } else {
+        span.reset();
         send(st.output, g + 1, tag(g, false));
       }
       continue;
     }
     if (a.op != Op::kBackwardWeight && g != last) st.output_grad = recv(g + 1, tag(g + 1, true));
+    compute();
     const at::Tensor target = g == last ? st.loss : st.output;
     const std::vector<at::Tensor> seed =
         g == last ? std::vector<at::Tensor>{} : std::vector<at::Tensor>{st.output_grad};
     if (a.op == Op::kBackward) {
       torch::autograd::backward({target}, seed);
+      span.reset();
       if (g > 0) send(st.input.grad(), g - 1, tag(g, true));
       live.erase({a.microbatch, a.chunk});
     } else if (a.op == Op::kBackwardInput) {
       // The input gradient now (the previous stage waits for it); the graph stays for W.
       if (g > 0) {
         auto grads = torch::autograd::grad({target}, {st.input}, seed, /*retain_graph=*/true);
+        span.reset();
         send(grads[0], g - 1, tag(g, true));
       }
     } else {  // W: the parameters' gradients, from the graph Bi kept

@@ -4,13 +4,16 @@
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <mutex>
+#include <unordered_map>
 #include <utility>
 
 #include "dtrain/core/logging.hpp"
@@ -53,50 +56,66 @@ double known_peak_tflops(const std::string& name) {
 
 namespace {
 
-// Counts the bytes of CPU tensors allocated through it (and their peak); the memory
-// itself comes from the allocator it wraps.
+// Counts the bytes of CPU tensors allocated through it (and their peak). The memory comes
+// from c10::alloc_cpu; the data pointer is its own context (what raw_allocate, used by
+// some kernels, requires), and the sizes are kept in a map.
 class TrackingCpuAllocator final : public c10::Allocator {
  public:
-  explicit TrackingCpuAllocator(c10::Allocator* base) : base_(base) {}
   c10::DataPtr allocate(size_t n) override {
-    auto* ctx = new Context{base_->allocate(n), n, this};
-    void* data = ctx->inner.get();
-    const auto now = current_.fetch_add(static_cast<std::int64_t>(n)) + static_cast<std::int64_t>(n);
-    auto peak = peak_.load();
-    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
+    void* data = n > 0 ? c10::alloc_cpu(n) : nullptr;
+    if (data != nullptr) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      sizes_[data] = n;
+      current_ += static_cast<std::int64_t>(n);
+      peak_ = std::max(peak_, current_);
     }
-    return {data, ctx, &release, c10::Device(c10::kCPU)};
+    return {data, data, &release, c10::Device(c10::kCPU)};
   }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
   }
-  std::int64_t current() const { return current_.load(); }
-  std::int64_t peak() const { return peak_.load(); }
-  void reset_peak() { peak_.store(current_.load()); }
+  std::int64_t current() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return current_;
+  }
+  std::int64_t peak() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return peak_;
+  }
+  void reset_peak() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    peak_ = current_;
+  }
 
  private:
-  struct Context {
-    c10::DataPtr inner;  // frees the memory when the context is deleted
-    std::size_t bytes;
-    TrackingCpuAllocator* owner;
-  };
-  static void release(void* p) {
-    auto* ctx = static_cast<Context*>(p);
-    ctx->owner->current_.fetch_sub(static_cast<std::int64_t>(ctx->bytes));
-    delete ctx;
-  }
-  c10::Allocator* base_;
-  std::atomic<std::int64_t> current_{0}, peak_{0};
+  static void release(void* data);
+  mutable std::mutex mutex_;
+  std::unordered_map<void*, std::size_t> sizes_;
+  std::int64_t current_ = 0, peak_ = 0;
 };
 
 TrackingCpuAllocator* cpu_tracker = nullptr;
+
+void TrackingCpuAllocator::release(void* data) {
+  if (data == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lock(cpu_tracker->mutex_);
+    const auto it = cpu_tracker->sizes_.find(data);
+    if (it != cpu_tracker->sizes_.end()) {
+      cpu_tracker->current_ -= static_cast<std::int64_t>(it->second);
+      cpu_tracker->sizes_.erase(it);
+    }
+  }
+  c10::free_cpu(data);
+}
 
 }  // namespace
 
 void enable_cpu_memory_tracking() {
   static std::once_flag once;
   std::call_once(once, [] {
-    cpu_tracker = new TrackingCpuAllocator(c10::GetCPUAllocator());  // lives for the process
+    cpu_tracker = new TrackingCpuAllocator();  // lives for the process
     c10::SetCPUAllocator(cpu_tracker, /*priority=*/100);
   });
 }

@@ -188,6 +188,15 @@ Trainer::Trainer(ContextPtr ctx, models::GptConfig model, TrainOptions options)
     : ctx_(std::move(ctx)), model_config_(std::move(model)), options_(std::move(options)) {
   DTRAIN_CHECK_ARG(ctx_ != nullptr, "Trainer needs a ParallelContext");
   validate_and_agree();
+  if (!options_.trace_path.empty()) {
+    trace_ = std::make_unique<trace::Recorder>(
+        ctx_->rank(), format("rank {} (pp {}, dp {}, tp {})", ctx_->rank(), ctx_->pp_rank(),
+                             ctx_->dp_rank(), ctx_->tp_rank()));
+    if (!ctx_->device().is_cpu()) {
+      const auto device = ctx_->device();
+      trace_->set_end_hook([device] { synchronize(device); });
+    }
+  }
   if (ctx_->pp_size() > 1) {
     build_pipeline();
     model_ = pipeline_->chunks.front();
@@ -282,6 +291,7 @@ void Trainer::build_pipeline() {
   pp::PipelineOptions po;
   po.schedule = pp::parse_schedule(o.pp_schedule);
   po.shape = {p, static_cast<int>(accum_), v};
+  po.trace = trace_.get();
   // Sequence parallelism: each tp rank passes its part of the sequence.
   po.activation_shape = {micro_batch_, ctx_->sequence_parallel() ? o.seq_len / ctx_->tp_size() : o.seq_len,
                          model_config_.d_model};
@@ -318,6 +328,7 @@ double Trainer::pipeline_step(StepMetrics& m, double scale) {
   if (options_.sync_timing) synchronize(device);
   m.forward_ms = ms_since(t);  // forward and backward interleave: the whole pipeline
   t = Clock::now();
+  auto sync_span = trace::span(trace_.get(), "grad-sync", "train", trace::Track::kComm);
   // The tied copies first (full gradients): sums commute with the data-parallel average.
   if (pl.tied) {  // the first stage's embedding and the last stage's head copy
     for (auto& chunk : pl.chunks) {
@@ -349,6 +360,7 @@ double Trainer::pipeline_step(StepMetrics& m, double scale) {
       at += g.numel();
     }
   }
+  sync_span.end();
   if (options_.sync_timing) synchronize(device);
   m.sync_ms = ms_since(t);
   return pipeline_loss(local);
@@ -419,6 +431,11 @@ void Trainer::check_options() const {
   DTRAIN_CHECK_ARG(o.eval_every >= 0, "--eval-every=", o.eval_every, " must be >= 0");
   DTRAIN_CHECK_ARG(o.eval_batches >= 1, "--eval-batches=", o.eval_batches, " must be >= 1");
   DTRAIN_CHECK_ARG(o.log_every >= 1, "--log-every=", o.log_every, " must be >= 1");
+  if (!o.trace_path.empty()) {  // fail now, not after training
+    const auto path = trace::rank_path(o.trace_path, ctx_->rank());
+    DTRAIN_CHECK_ARG(std::ofstream(path, std::ios::out | std::ios::app).good(), "--trace '",
+                     o.trace_path, "': this rank's file '", path, "' cannot be written");
+  }
   DTRAIN_CHECK_ARG(o.peak_tflops >= 0, "--peak-tflops=", o.peak_tflops, " must be >= 0");
   if (o.fsdp != "none") parse_sharding(o.fsdp);  // raises naming --fsdp
   DTRAIN_CHECK_ARG(o.fsdp_prefetch >= 0 && o.fsdp_prefetch <= 16, "--fsdp-prefetch=",
@@ -635,27 +652,35 @@ StepMetrics Trainer::train_step() {
     auto t = Clock::now();
     torch::Tensor loss;
     {
+      auto span = trace::span(trace_.get(), "forward", "train", trace::Track::kCompute, {{"microbatch", k}});
       AutocastScope autocast(precision_dtype(options_.precision), device.type());
       loss = model_->loss(inputs, targets);
     }
     timed_sync();
     m.forward_ms += ms_since(t);
     t = Clock::now();
-    (loss * (scale / static_cast<double>(accum_))).backward();
+    {
+      auto span = trace::span(trace_.get(), "backward", "train", trace::Track::kCompute, {{"microbatch", k}});
+      (loss * (scale / static_cast<double>(accum_))).backward();
+    }
     timed_sync();
     m.backward_ms += ms_since(t);
     loss_sum += loss.detach().to(torch::kFloat);
   }
   auto t = Clock::now();
-  if (sdp_) {
-    sdp_->finish_gradient_sync();
-  } else {
-    ddp_->finish_gradient_sync();
+  {
+    auto span = trace::span(trace_.get(), "grad-sync", "train", trace::Track::kComm);
+    if (sdp_) {
+      sdp_->finish_gradient_sync();
+    } else {
+      ddp_->finish_gradient_sync();
+    }
   }
   timed_sync();
   m.sync_ms = ms_since(t);
   }
   auto t = Clock::now();
+  auto optimizer_span = trace::span(trace_.get(), "optimizer", "train");
   const double max_norm =
       options_.grad_clip > 0 ? options_.grad_clip : std::numeric_limits<double>::infinity();
   // Clipping also unscales; an overflow (norm inf/nan, the same on every rank) skips the
@@ -681,6 +706,7 @@ StepMetrics Trainer::train_step() {
     set_learning_rate(*optimizer_, m.lr);
     optimizer_->step();
   }
+  optimizer_span.end();
   timed_sync();
   m.optimizer_ms = ms_since(t);
   // The global mean loss: one scalar all-reduce over the data-parallel ranks.
@@ -745,10 +771,19 @@ std::vector<StepMetrics> Trainer::run() {
   rep.start = Clock::now();
   rep.first_step = step_;
   const auto& o = options_;
+  if (trace_) {  // time zero after a barrier: the ranks' timelines line up
+    ctx_->world()->barrier()->wait();
+    trace_->set_epoch();
+  }
   while (step_ < o.steps) {
+    auto step_span = trace::span(trace_.get(), "step", "train", trace::Track::kCompute, {{"step", step_ + 1}});
     StepMetrics m = train_step();
+    step_span.end();
     const bool last = step_ == o.steps;
-    if (val_ && (last || (o.eval_every > 0 && step_ % o.eval_every == 0))) m.val_loss = evaluate();
+    if (val_ && (last || (o.eval_every > 0 && step_ % o.eval_every == 0))) {
+      auto span = trace::span(trace_.get(), "eval", "train");
+      m.val_loss = evaluate();
+    }
     if (rep.active) {
       if (m.step % o.log_every == 0 || m.step == 1 || last || m.val_loss >= 0 || m.skipped) {
         char mfu[32] = "n/a";
@@ -804,6 +839,11 @@ std::vector<StepMetrics> Trainer::run() {
     out.push_back(m);
   }
   rep.clear_bar();
+  if (trace_) {
+    const auto path = trace::rank_path(o.trace_path, ctx_->rank());
+    trace_->write(path);
+    if (rep.active) log_info("trace: {} (one file per rank; merge_traces joins them)", path);
+  }
   return out;
 }
 

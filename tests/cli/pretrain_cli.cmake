@@ -105,8 +105,29 @@ if(MPIEXEC)
   expect(np2-sp-seq 2 "--seq-len=31 is not divisible by --tp=2"
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --tp 2 --sequence-parallel --seq-len 31)
   # Pipeline parallelism: 2 stages of the tiny model's 2 blocks, 2 micro-batches.
-  expect(np2-pp 0 "pipeline: 2 stages x 1 chunk\\(s\\), schedule zb, 2 micro-batches of 2.*val loss"
-         NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --pp 2 --pp-schedule zb --microbatches 2)
+  expect(np2-pp 0 "pipeline: 2 stages x 1 chunk\\(s\\), schedule zb, 2 micro-batches of 2.*val loss.*trace: .*t.rank0.json"
+         NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --pp 2 --pp-schedule zb --microbatches 2
+         --trace "${WORK_DIR}/t.json")
+  # merge_traces joins the ranks' files and draws the last step (2 ranks x 2 micro-batches x
+  # F, Bi, W = 12 actions).
+  execute_process(COMMAND "${MERGE}" "${WORK_DIR}/all.json" "${WORK_DIR}/t.rank0.json" "${WORK_DIR}/t.rank1.json"
+                          --svg "${WORK_DIR}/zb.svg" RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(rc EQUAL 0 AND out MATCHES "of 2 rank\\(s\\).*step 2: .*drew 12 pipeline actions" AND EXISTS "${WORK_DIR}/zb.svg")
+    message(STATUS "ok: merge-traces")
+  else()
+    message(STATUS "FAILED: merge-traces: exit ${rc}:\n${out}${err}")
+    math(EXPR failures "${failures} + 1")
+  endif()
+  execute_process(COMMAND "${MERGE}" "${WORK_DIR}/all.json" "${WORK_DIR}/t.rank7.json"
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(rc EQUAL 2 AND err MATCHES "input '.*t.rank7.json' cannot be read")
+    message(STATUS "ok: merge-traces-missing")
+  else()
+    message(STATUS "FAILED: merge-traces-missing: exit ${rc}:\n${out}${err}")
+    math(EXPR failures "${failures} + 1")
+  endif()
+  expect(np2-trace-unwritable 2 "--trace '/nonexistent/t.json': this rank's file '/nonexistent/t.rank[01].json' cannot be written"
+         NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --pp 2 --trace /nonexistent/t.json)
   expect(np2-pp-fsdp 0 "pipeline: 2 stages x 1 chunk.*sharding: full over 1 rank.*val loss"
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --pp 2 --fsdp full --microbatches 2)
   expect(np2-pp-fsdp-chunks 2 "--fsdp full with --virtual-stages 2 is not available"

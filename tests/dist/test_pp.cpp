@@ -11,6 +11,8 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <fstream>
+#include <map>
 
 #include "train_harness.hpp"
 #include "dtrain/models/gpt.hpp"
@@ -171,6 +173,53 @@ TEST_F(PpTrainTest, ComposesWithShardingAndTensorParallelism) {
     Trainer pipelined(context(c.pp, c.tp, c.sp), c.cfg, o);
     Trainer ref(ParallelContext::single_process(), c.cfg, options(corpus));
     expect_equivalent(pipelined, ref);
+  }
+}
+
+// --trace: every action of every step is a span on this rank (F and B, or F, Bi and W per
+// micro-batch), with the step, gradient sync and optimizer spans; the rank's file holds
+// them all.
+TEST_F(PpTrainTest, TraceRecordsEveryAction) {
+  const int n = nranks();
+  if (n == 1) GTEST_SKIP() << "pipeline parallelism needs 2 or more ranks";
+  auto cfg = models::GptConfig::preset("tiny");
+  cfg.n_layer = 4;
+  for (const char* schedule : {"1f1b", "zb"}) {
+    SCOPED_TRACE(schedule);
+    TestCorpus corpus("pptrace" + std::to_string(rank()));
+    auto o = options(corpus);
+    o.steps = 2;
+    o.micro_batch = 2;  // 6 micro-batches
+    o.pp_schedule = schedule;
+    o.trace_path = corpus.dir() + "/trace.json";
+    Trainer trainer(context(n), cfg, o);
+    trainer.run();
+    std::map<std::string, int> count;
+    for (const auto& e : trainer.trace()->events()) {
+      ++count[e.name];
+      if (e.category == "pp" && e.track == trace::Track::kCompute) {
+        EXPECT_EQ(e.args.back(), (std::pair<std::string, std::int64_t>{"stage", rank()}));
+      }
+    }
+    const int actions = 2 * 6;  // steps x micro-batches
+    EXPECT_EQ(count["F"], actions);
+    if (std::string(schedule) == "zb") {
+      EXPECT_EQ(count["Bi"], actions);
+      EXPECT_EQ(count["W"], actions);
+      EXPECT_EQ(count["B"], 0);
+    } else {
+      EXPECT_EQ(count["B"], actions);
+    }
+    EXPECT_EQ(count["recv"], rank() == 0 || rank() == n - 1 ? actions : 2 * actions);
+    EXPECT_EQ(count["step"], 2);
+    EXPECT_EQ(count["grad-sync"], 2);
+    EXPECT_EQ(count["optimizer"], 2);
+    std::ifstream in(trace::rank_path(o.trace_path, rank()));
+    ASSERT_TRUE(in.good());
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::size_t spans = 0;
+    for (auto at = text.find("\"ph\":\"X\""); at != std::string::npos; at = text.find("\"ph\":\"X\"", at + 1)) ++spans;
+    EXPECT_EQ(spans, trainer.trace()->events().size());
   }
 }
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "dtrain/comm/communicator.hpp"
+#include "dtrain/core/trace.hpp"
 #include "dtrain/parallel/pipeline_schedule.hpp"
 
 namespace dtrain::pp {
@@ -28,6 +29,9 @@ struct PipelineOptions {
   ScheduleShape shape;                          // stages = pp size
   std::vector<std::int64_t> activation_shape;   // what stages pass: [micro, seq, d]
   c10::ScalarType activation_dtype = c10::ScalarType::Float;
+  // Spans of every action (F, B, Bi, W: compute track, args microbatch/chunk/stage) and
+  // of every send post, receive wait and the final send wait (comm track); null: none.
+  trace::Recorder* trace = nullptr;
 };
 
 class PipelineRuntime {

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "dtrain/core/trace.hpp"
 #include "dtrain/models/gpt.hpp"
 #include "dtrain/optim/loss_scaler.hpp"
 #include "dtrain/optim/optim.hpp"
@@ -65,6 +66,10 @@ struct TrainOptions {
   double peak_tflops = 0;           // per device; 0: known GPU table (none for CPUs)
   std::string progress = "auto";    // auto (when stderr is a terminal) | on | off
   bool sync_timing = false;         // synchronize the device between phases (exact breakdown)
+  // Chrome trace (Perfetto JSON) of every step's spans, one file per rank
+  // (trace::rank_path: "t.json" -> "t.rank<r>.json"), written when run() ends; "": none.
+  // On a GPU each span ends with a device synchronize.
+  std::string trace_path;
 };
 
 // What one optimizer step did. Times are milliseconds on this rank; the loss is the
@@ -128,6 +133,8 @@ class Trainer {
   double comm_bytes() const;
   // Logs the run's shape: model size, data, batch layout, FLOPs per token, peak.
   void log_summary() const;
+  // The spans recorded so far with TrainOptions::trace_path (null without it).
+  const trace::Recorder* trace() const { return trace_.get(); }
 
  private:
   struct Reporter;
@@ -155,6 +162,7 @@ class Trainer {
   std::unique_ptr<DynamicLossScaler> scaler_;
   std::unique_ptr<Reporter> reporter_;
   std::unique_ptr<Pipeline> pipeline_;
+  std::unique_ptr<trace::Recorder> trace_;
   NamedParameters params_;  // this rank's trainable parameters (every chunk)
 };
 
