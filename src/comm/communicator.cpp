@@ -285,6 +285,26 @@ WorkPtr Communicator::recv(const at::Tensor& tensor, int src, const P2POptions& 
   return do_recv(tensor, src, opts.tag, resolve(opts.timeout));
 }
 
+std::vector<WorkPtr> Communicator::batch_p2p(const std::vector<P2POp>& ops, Timeout timeout) {
+  for (const auto& op : ops) {
+    const bool send = op.kind == P2POp::Kind::kSend;
+    check_tensor(op.tensor, "tensor");
+    check_peer(op.peer, send ? "dst" : "src");
+    DTRAIN_CHECK_ARG(op.tag >= 0 && op.tag < 32768, send ? "send" : "recv", " on communicator ",
+                     describe(), ": tag=", op.tag, " is out of range; allowed: 0..32767");
+  }
+  return do_batch_p2p(ops, resolve(timeout));
+}
+
+std::vector<WorkPtr> Communicator::do_batch_p2p(const std::vector<P2POp>& ops, Timeout timeout) {
+  std::vector<WorkPtr> works;
+  for (const auto& op : ops) {
+    works.push_back(op.kind == P2POp::Kind::kSend ? do_send(op.tensor, op.peer, op.tag, timeout)
+                                                  : do_recv(op.tensor, op.peer, op.tag, timeout));
+  }
+  return works;
+}
+
 WorkPtr Communicator::barrier(const CollectiveOptions& opts) {
   const auto seq = begin_collective(OpKind::kBarrier, nullptr, ReduceOp::kSum, -1);
   return do_barrier(seq, resolve(opts.timeout));

@@ -243,6 +243,29 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
+  // One NCCL group on the communicator's stream; every operation's Work is the group's.
+  std::vector<WorkPtr> do_batch_p2p(const std::vector<P2POp>& ops, Timeout timeout) override {
+    std::vector<at::Tensor> tensors;
+    for (const auto& op : ops) {
+      if (op.tag != 0) warn_once("nccl-tag", "NCCL matches send/recv by order per peer; tags are ignored");
+      tensors.push_back(op.tensor);
+    }
+    auto work = launch(OpKind::kSend, 0, timeout, str_cat(ops.size(), " batched send/recv"), tensors,
+                       [&](cudaStream_t s) {
+                         DTRAIN_NCCL_CHECK(ncclGroupStart());
+                         for (const auto& op : ops) {
+                           const auto& t = op.tensor;
+                           if (op.kind == P2POp::Kind::kSend) {
+                             DTRAIN_NCCL_CHECK(ncclSend(t.data_ptr(), t.numel(), nccl_dtype(t.scalar_type()), op.peer, comm_, s));
+                           } else {
+                             DTRAIN_NCCL_CHECK(ncclRecv(t.data_ptr(), t.numel(), nccl_dtype(t.scalar_type()), op.peer, comm_, s));
+                           }
+                         }
+                         DTRAIN_NCCL_CHECK(ncclGroupEnd());
+                       });
+    return std::vector<WorkPtr>(ops.size(), work);
+  }
+
   WorkPtr do_barrier(std::uint64_t seq, Timeout timeout) override {
     c10::cuda::CUDAGuard guard(device_);
     at::Tensor one = at::ones({1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, device_));

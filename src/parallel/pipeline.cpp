@@ -24,31 +24,47 @@ PipelineRuntime::PipelineRuntime(std::vector<StageChunk> chunks, CommPtr pp, Pip
   DTRAIN_CHECK_ARG(options_.activation_shape.size() == 3, "pipeline: activation shape must be "
                    "[micro, seq, d]");
   schedule_ = make_schedule(options_.schedule, options_.shape);
+  if (pp_->backend() == Backend::kNccl) {  // messages pair up by order, not by tag
+    const auto order = check_message_order(schedule_, options_.shape);
+    DTRAIN_CHECK_ARG(order.empty(), "pipeline: --pp-schedule ", to_string(options_.schedule), " with --pp ",
+                     options_.shape.stages, ", --microbatches ", options_.shape.microbatches,
+                     ", --virtual-stages ", options_.shape.virtual_stages, " cannot run over NCCL, which ",
+                     "pairs messages by order: ", order, "; allowed: another schedule or shape");
+  }
 }
 
 // Point-to-point messages between virtual stages. A message is tagged with its sender's
 // chunk and direction; both ends know the sender (forward: virtual stage g - 1, backward:
 // g + 1). Messages to this rank itself (one rank holding consecutive virtual stages, p = 1)
-// go through a local queue. Sends are asynchronous and waited by finish().
+// go through a local queue. A send is held until the next receive and issued with it in
+// one batch (Communicator::batch_p2p: on NCCL one group, so two neighbours that each send
+// and then receive cannot wait on each other), or issued alone by flush() when the next
+// action receives nothing. Sends are waited by finish().
 struct PipelineRuntime::Transport {
   Transport(PipelineRuntime& rt, const at::TensorOptions& opts) : rt(rt), opts(opts) {}
   int tag(int sender_stage, bool backward) const {
     return 2 * (sender_stage / rt.options_.shape.stages) + (backward ? 1 : 0);
   }
+  bool local(int stage) const { return stage % rt.options_.shape.stages == rt.pp_->rank(); }
   void send(const at::Tensor& t, int to_stage, int t_tag) {
-    const int p = rt.options_.shape.stages;
-    auto s = trace::span(rt.options_.trace, "send", "pp", trace::Track::kComm, {{"to_stage", to_stage}});
     auto c = t.detach().contiguous();
-    if (to_stage % p == rt.pp_->rank()) {
-      local[t_tag].push_back(c);
+    if (local(to_stage)) {
+      local_queue[t_tag].push_back(c);
     } else {
-      sends.push_back(rt.pp_->send(c, to_stage % p, {t_tag}));
+      pending.push_back({P2POp::Kind::kSend, c, to_stage % rt.options_.shape.stages, t_tag});
     }
   }
+  void flush() {
+    if (pending.empty()) return;
+    auto s = trace::span(rt.options_.trace, "send", "pp", trace::Track::kComm,
+                         {{"to_rank", pending.front().peer}, {"sends", static_cast<std::int64_t>(pending.size())}});
+    for (auto& w : rt.pp_->batch_p2p(pending)) sends.push_back(std::move(w));
+    pending.clear();
+  }
   at::Tensor recv(int from_stage, int t_tag) {
-    const int p = rt.options_.shape.stages;
-    if (from_stage % p == rt.pp_->rank()) {
-      auto& q = local[t_tag];
+    if (local(from_stage)) {
+      flush();
+      auto& q = local_queue[t_tag];
       DTRAIN_CHECK(!q.empty(), "pipeline: stage ", rt.pp_->rank(),
                    " expects a message from itself that was not sent");
       auto t = q.front();
@@ -56,19 +72,27 @@ struct PipelineRuntime::Transport {
       return t;
     }
     auto t = at::empty(rt.options_.activation_shape, opts);
-    auto s = trace::span(rt.options_.trace, "recv", "pp", trace::Track::kComm, {{"from_stage", from_stage}});
-    rt.pp_->recv(t, from_stage % p, {t_tag})->wait();
+    auto s = trace::span(rt.options_.trace, "recv", "pp", trace::Track::kComm,
+                         {{"from_stage", from_stage}, {"sends", static_cast<std::int64_t>(pending.size())}});
+    auto ops = std::move(pending);
+    pending.clear();
+    ops.push_back({P2POp::Kind::kRecv, t, from_stage % rt.options_.shape.stages, t_tag});
+    auto works = rt.pp_->batch_p2p(ops);
+    for (std::size_t i = 0; i + 1 < works.size(); ++i) sends.push_back(std::move(works[i]));
+    works.back()->wait();
     return t;
   }
   void finish() {
+    flush();
     auto s = trace::span(rt.options_.trace, "send-wait", "pp", trace::Track::kComm);
     for (auto& w : sends) w->wait();
     sends.clear();
   }
   PipelineRuntime& rt;
   at::TensorOptions opts;
+  std::vector<P2POp> pending;
   std::vector<WorkPtr> sends;
-  std::map<int, std::deque<at::Tensor>> local;
+  std::map<int, std::deque<at::Tensor>> local_queue;
 };
 
 namespace {
@@ -95,6 +119,7 @@ double PipelineRuntime::forward_only(const at::Tensor& inputs, const at::Tensor&
         loss_sum += chunk.loss(y, targets.narrow(0, micro * i, micro)).item<double>() / m;
       } else {
         io.send(y, g + 1, io.tag(g, false));
+        io.flush();
       }
     }
   }
@@ -115,7 +140,21 @@ double PipelineRuntime::run(const at::Tensor& inputs, const at::Tensor& targets)
   auto send = [&](const at::Tensor& t, int to_stage, int t_tag) { io.send(t, to_stage, t_tag); };
   auto recv = [&](int from_stage, int t_tag) { return io.recv(from_stage, t_tag); };
   double loss_sum = 0;
-  for (const auto& a : schedule_[static_cast<std::size_t>(rank)]) {
+  const auto& actions = schedule_[static_cast<std::size_t>(rank)];
+  // Whether an action starts by receiving from another rank (its input or output gradient).
+  auto receives_remotely = [&](const Action& a) {
+    const int g = virtual_stage(rank, a.chunk, p);
+    if (a.op == Op::kForward) return g > 0 && !io.local(g - 1);
+    return a.op != Op::kBackwardWeight && g != last && !io.local(g + 1);
+  };
+  std::vector<int> weight_grads_done(chunks_.size(), 0);  // per chunk: B or W actions run
+  for (const auto& a : actions) {
+    // Sends of the previous action wait for this one's receive (one batch) unless it has none.
+    if (!receives_remotely(a)) io.flush();
+    if (a.op == Op::kBackward || a.op == Op::kBackwardWeight) {
+      const auto& hook = chunks_[static_cast<std::size_t>(a.chunk)].before_weight_grads;
+      if (hook) hook(++weight_grads_done[static_cast<std::size_t>(a.chunk)] == m);
+    }
     const int g = virtual_stage(rank, a.chunk, p);
     auto& chunk = chunks_[static_cast<std::size_t>(a.chunk)];
     auto& st = live[{a.microbatch, a.chunk}];

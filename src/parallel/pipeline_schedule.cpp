@@ -139,6 +139,39 @@ std::vector<StageActions> make_schedule(ScheduleKind kind, const ScheduleShape& 
   return out;
 }
 
+std::string check_message_order(const std::vector<StageActions>& schedule, const ScheduleShape& s) {
+  const int p = s.stages, last = s.stages * s.virtual_stages - 1;
+  // (sender rank, receiver rank) -> messages "F<mb>@<sender stage>" / "B<mb>@<sender stage>".
+  std::map<std::pair<int, int>, std::vector<std::string>> sent, received;
+  auto name = [](bool backward, int mb, int stage) {
+    return std::string(backward ? "B" : "F") + std::to_string(mb) + "@" + std::to_string(stage);
+  };
+  for (int r = 0; r < p && r < static_cast<int>(schedule.size()); ++r) {
+    for (const auto& a : schedule[static_cast<std::size_t>(r)]) {
+      const int g = virtual_stage(r, a.chunk, p);
+      if (a.op == Op::kForward) {
+        if (g < last && (g + 1) % p != r) sent[{r, (g + 1) % p}].push_back(name(false, a.microbatch, g));
+        if (g > 0 && (g - 1) % p != r) received[{(g - 1) % p, r}].push_back(name(false, a.microbatch, g - 1));
+      } else if (a.op != Op::kBackwardWeight) {
+        if (g > 0 && (g - 1) % p != r) sent[{r, (g - 1) % p}].push_back(name(true, a.microbatch, g));
+        if (g < last && (g + 1) % p != r) received[{(g + 1) % p, r}].push_back(name(true, a.microbatch, g + 1));
+      }
+    }
+  }
+  for (const auto& [pair, messages] : sent) {
+    const auto& expected = received[pair];
+    for (std::size_t i = 0; i < std::max(messages.size(), expected.size()); ++i) {
+      const std::string a = i < messages.size() ? messages[i] : "nothing";
+      const std::string b = i < expected.size() ? expected[i] : "nothing";
+      if (a != b) {
+        return "rank " + std::to_string(pair.first) + " sends " + a + " as its message " + std::to_string(i) +
+               " to rank " + std::to_string(pair.second) + ", which receives " + b + " there";
+      }
+    }
+  }
+  return {};
+}
+
 std::string validate(const std::vector<StageActions>& schedule, const ScheduleShape& s) {
   const int p = s.stages, v = s.virtual_stages, m = s.microbatches;
   if (static_cast<int>(schedule.size()) != p) {

@@ -179,6 +179,8 @@ struct Trainer::Pipeline {
   std::vector<models::Gpt> chunks;
   std::vector<int> blocks;  // per virtual stage
   std::unique_ptr<pp::PipelineRuntime> runtime;
+  // Replicated data parallelism: one per chunk, synchronising on the chunk's last backward.
+  std::vector<std::unique_ptr<DataParallel>> ddp;
   CommPtr tied;
   double scale = 1;     // the loss scale of the running step
   double dp_bytes = 0;  // last step: bytes of the data-parallel gradient average
@@ -213,8 +215,14 @@ Trainer::Trainer(ContextPtr ctx, models::GptConfig model, TrainOptions options)
                                                options_.steps);
   if (options_.fsdp == "none") {
     optimizer_ = make_adamw(params, options_.adamw);
-    // The pipeline runs several backwards per step: it averages over dp after run().
-    if (!pipeline_) ddp_ = std::make_unique<DataParallel>(params, ctx_->dp_comm(), options_.ddp);
+    if (!pipeline_) {
+      ddp_ = std::make_unique<DataParallel>(params, ctx_->dp_comm(), options_.ddp);
+    } else if (ctx_->dp_size() > 1) {
+      for (auto& chunk : pipeline_->chunks) {
+        pipeline_->ddp.push_back(
+            std::make_unique<DataParallel>(chunk->parameter_list(), ctx_->dp_comm(), options_.ddp));
+      }
+    }
   } else {
     FsdpOptions fo;
     fo.strategy = parse_sharding(options_.fsdp);
@@ -286,7 +294,10 @@ void Trainer::build_pipeline() {
                       [model, owner](const at::Tensor& h, const at::Tensor& t) mutable {
                         return model->loss_from_hidden(h, t) * owner->scale;
                       },
-                      model->parameters()});
+                      model->parameters(),
+                      [owner, c](bool last) {
+                        if (!owner->ddp.empty()) owner->ddp[static_cast<std::size_t>(c)]->set_sync(last);
+                      }});
   }
   pp::PipelineOptions po;
   po.schedule = pp::parse_schedule(o.pp_schedule);
@@ -329,7 +340,14 @@ double Trainer::pipeline_step(StepMetrics& m, double scale) {
   m.forward_ms = ms_since(t);  // forward and backward interleave: the whole pipeline
   t = Clock::now();
   auto sync_span = trace::span(trace_.get(), "grad-sync", "train", trace::Track::kComm);
-  // The tied copies first (full gradients): sums commute with the data-parallel average.
+  // Replicated dp: each chunk's buckets were all-reduced during its last backward. The
+  // tied copies' sum commutes with the dp average; FSDP needs it on the full gradients,
+  // before its reduce-scatter.
+  pl.dp_bytes = 0;
+  for (auto& d : pl.ddp) {
+    d->finish_gradient_sync();
+    pl.dp_bytes += d->stats().comm_bytes;
+  }
   if (pl.tied) {  // the first stage's embedding and the last stage's head copy
     for (auto& chunk : pl.chunks) {
       const auto params = chunk->named_parameters();
@@ -338,28 +356,7 @@ double Trainer::pipeline_step(StepMetrics& m, double scale) {
       }
     }
   }
-  pl.dp_bytes = 0;
-  if (sdp_) {
-    sdp_->finish_gradient_sync();  // reduce-scatter every unit
-  } else if (ctx_->dp_comm()->size() > 1) {
-    std::vector<at::Tensor> grads;
-    for (const auto& [name, p] : params_) {
-      if (p.grad().defined()) grads.push_back(p.grad());
-    }
-    const auto& dp = ctx_->dp_comm();
-    auto flat = torch::cat([&] {
-      std::vector<at::Tensor> v;
-      for (const auto& g : grads) v.push_back(g.reshape({-1}));
-      return v;
-    }());
-    dp->all_reduce(flat, {ReduceOp::kAvg})->wait();
-    pl.dp_bytes = wire_bytes(OpKind::kAllReduce, static_cast<double>(flat.nbytes()), dp->size());
-    std::int64_t at = 0;
-    for (auto& g : grads) {
-      g.copy_(flat.narrow(0, at, g.numel()).view_as(g));
-      at += g.numel();
-    }
-  }
+  if (sdp_) sdp_->finish_gradient_sync();  // reduce-scatter every unit
   sync_span.end();
   if (options_.sync_timing) synchronize(device);
   m.sync_ms = ms_since(t);

@@ -165,6 +165,35 @@ TEST_F(CommTest, SendRecvRing) {
   }
 }
 
+// batch_p2p: every rank sends to both neighbours and then receives from both in one batch
+// (the crossing pattern of pipeline stages), twice with two tags per pair; one Work per op.
+TEST_F(CommTest, BatchedSendRecvCrossBetweenNeighbours) {
+  const int n = nranks(), r = rank();
+  if (n == 1) GTEST_SKIP() << "send/recv need two ranks";
+  const int next = (r + 1) % n, prev = (r + n - 1) % n;
+  for (int round = 0; round < 2; ++round) {
+    auto to_next = at::full({5}, 100.0 * r + round), to_prev = at::full({5}, 100.0 * r + 50 + round);
+    auto from_prev = at::zeros({5}), from_next = at::zeros({5});
+    auto works = world()->batch_p2p({{P2POp::Kind::kSend, to_next, next, 1},
+                                     {P2POp::Kind::kSend, to_prev, prev, 2},
+                                     {P2POp::Kind::kRecv, from_prev, prev, 1},
+                                     {P2POp::Kind::kRecv, from_next, next, 2}});
+    ASSERT_EQ(works.size(), 4u);
+    for (auto& w : works) w->wait();
+    expect_equal(from_prev, at::full({5}, 100.0 * prev + round), "from the previous rank");
+    expect_equal(from_next, at::full({5}, 100.0 * next + 50 + round), "from the next rank");
+  }
+  const auto e = [&] {
+    try {
+      world()->batch_p2p({{P2POp::Kind::kRecv, at::zeros({1}), n + 1, 0}});
+    } catch (const InvalidArgument& err) {
+      return std::string(err.what());
+    }
+    return std::string("(no error)");
+  }();
+  EXPECT_NE(e.find("src=" + std::to_string(n + 1) + " is out of range"), std::string::npos) << e;
+}
+
 TEST_F(CommTest, BarrierAndSequenceNumbers) {
   const auto before = world()->seq();
   auto w = world()->barrier();

@@ -2,7 +2,8 @@
 // backward, one whole backward per micro-batch and chunk, matching message orders between
 // adjacent virtual stages) and runs to completion in the simulator (no deadlock); 1f1b holds
 // at most min(p - rank, m) micro-batches in flight (gpipe m, zb p); with equal-cost stages
-// the simulated bubble equals the closed forms; exact lists for small shapes; validate() and
+// the simulated bubble equals the closed forms; messages between two ranks leave in the
+// order the receiver takes them (NCCL); exact lists for small shapes; validate() and
 // simulate() catch broken schedules; shape errors name the option.
 #include <gtest/gtest.h>
 
@@ -61,6 +62,46 @@ TEST(PipelineSchedule, EveryScheduleIsValidAndCompletesForManyShapes) {
     }
   }
   EXPECT_GT(checked, 200);
+}
+
+// Order-matched messages (what NCCL, which ignores tags, needs): every generated schedule
+// sends between any two ranks in the order the receiver receives (one chunk per rank: one
+// kind of message per direction in micro-batch order; interleaved: Megatron's order is the
+// same function on every rank). validate() alone does not ensure it when several stage
+// pairs share a rank pair: some swaps of two adjacent forwards of different chunks keep
+// validate() happy and are caught here.
+TEST(PipelineSchedule, MessageOrdersAgreeBetweenRanks) {
+  for (auto kind : {ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kInterleaved,
+                    ScheduleKind::kZeroBubble}) {
+    for (int p = 1; p <= 6; ++p) {
+      for (int m = 1; m <= 13; ++m) {
+        for (int v = 1; v <= (kind == ScheduleKind::kInterleaved ? 3 : 1); ++v) {
+          const ScheduleShape shape{p, m, v};
+          if (kind == ScheduleKind::kInterleaved && m % p != 0) continue;
+          EXPECT_EQ(check_message_order(make_schedule(kind, shape), shape), "")
+              << to_string(kind) << " p=" << p << " m=" << m << " v=" << v;
+        }
+      }
+    }
+  }
+  int caught = 0;
+  for (int p : {2, 3}) {
+    const ScheduleShape shape{p, 2 * p, 2};
+    const auto good = make_schedule(ScheduleKind::kInterleaved, shape);
+    for (int r = 0; r < p; ++r) {
+      for (std::size_t i = 0; i + 1 < good[static_cast<std::size_t>(r)].size(); ++i) {
+        auto bad = good;
+        auto& list = bad[static_cast<std::size_t>(r)];
+        if (list[i].op != Op::kForward || list[i + 1].op != Op::kForward || list[i].chunk == list[i + 1].chunk) continue;
+        std::swap(list[i], list[i + 1]);
+        if (!validate(bad, shape).empty()) continue;
+        const auto order = check_message_order(bad, shape);
+        EXPECT_NE(order.find("which receives"), std::string::npos) << "p=" << p << " rank " << r << " swap " << i;
+        ++caught;
+      }
+    }
+  }
+  EXPECT_GT(caught, 0) << "no valid reordering found to check";
 }
 
 // Equal-cost stages: the simulated idle fraction is the closed form (enough micro-batches

@@ -15,6 +15,15 @@
 
 namespace dtrain {
 
+// One operation of Communicator::batch_p2p.
+struct P2POp {
+  enum class Kind { kSend, kRecv };
+  Kind kind = Kind::kSend;
+  at::Tensor tensor;
+  int peer = 0;
+  int tag = 0;
+};
+
 namespace detail {
 struct CommProgress;  // per-communicator counters read by the peer probe (src/comm)
 }
@@ -63,6 +72,11 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
                      const AllToAllOptions& opts = {});
   WorkPtr send(const at::Tensor& tensor, int dst, const P2POptions& opts = {});
   WorkPtr recv(const at::Tensor& tensor, int src, const P2POptions& opts = {});
+  // Issues several sends and receives at once, one Work per operation (in order). NCCL
+  // runs them as one group, so a send and a receive crossing between two ranks (each
+  // sending, then receiving) cannot wait on each other; MPI posts them all before any is
+  // waited. Each operation is checked as send()/recv() check theirs.
+  std::vector<WorkPtr> batch_p2p(const std::vector<P2POp>& ops, Timeout timeout = Timeout{0});
   WorkPtr barrier(const CollectiveOptions& opts = {});
 
   // Collective over this communicator: members with the same color form a new
@@ -95,6 +109,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
                                 Timeout timeout) = 0;
   virtual WorkPtr do_send(const at::Tensor& t, int dst, int tag, Timeout timeout) = 0;
   virtual WorkPtr do_recv(const at::Tensor& t, int src, int tag, Timeout timeout) = 0;
+  // Default: do_send / do_recv for each operation in order (both non-blocking).
+  virtual std::vector<WorkPtr> do_batch_p2p(const std::vector<P2POp>& ops, Timeout timeout);
   virtual WorkPtr do_barrier(std::uint64_t seq, Timeout timeout) = 0;
   // Called after a barrier on this communicator succeeded, so every member is present.
   virtual std::shared_ptr<Communicator> do_split(int color, int key, const std::string& name,

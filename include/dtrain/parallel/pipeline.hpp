@@ -22,6 +22,10 @@ struct StageChunk {
   // last virtual stage: output, targets [micro, seq] -> mean loss of the micro-batch
   std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> loss;
   std::vector<at::Tensor> parameters;  // what W (the weight-gradient part) differentiates
+  // Called before each action that accumulates this chunk's parameter gradients (B, or W
+  // under zb) with whether it is the chunk's last of the step: e.g. DataParallel::set_sync,
+  // so the gradient reduction overlaps the last backward. Optional.
+  std::function<void(bool last)> before_weight_grads;
 };
 
 struct PipelineOptions {

@@ -67,6 +67,13 @@ std::vector<StageActions> make_schedule(ScheduleKind kind, const ScheduleShape& 
 // up in issue order). Deadlock freedom is simulate()'s.
 std::string validate(const std::vector<StageActions>& schedule, const ScheduleShape& shape);
 
+// For backends that match point-to-point messages between two ranks by order alone (NCCL
+// ignores tags): empty when, for every ordered pair of ranks, the messages the runtime sends
+// from one to the other (activations after F, input gradients after B / Bi) leave in the
+// order the other receives them; else the first disagreement. Messages within one rank
+// are not counted.
+std::string check_message_order(const std::vector<StageActions>& schedule, const ScheduleShape& shape);
+
 struct ActionCosts {
   double forward = 1, backward = 2;              // B = Bi + W
   double backward_input = 1, backward_weight = 1;
