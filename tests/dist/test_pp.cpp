@@ -105,16 +105,35 @@ class PpTrainTest : public TrainTest {
     c.sequence_parallel = sequence_parallel;
     return std::make_shared<ParallelContext>(world(), c);
   }
+  // 10 steps of `schedule` (one sample per micro-batch; interleaved with 2 chunks) on the
+  // context against the single-process run.
+  void expect_pipeline_equivalent(const ContextPtr& ctx, const models::GptConfig& cfg,
+                                  const std::string& schedule, const std::string& fsdp = "none") {
+    TestCorpus corpus("pp" + std::to_string(rank()));
+    auto o = options(corpus);
+    o.micro_batch = 1;
+    o.pp_schedule = schedule;
+    o.virtual_stages = schedule == "interleaved" ? 2 : 1;
+    o.fsdp = fsdp;
+    Trainer pipelined(ctx, cfg, o);
+    Trainer ref(ParallelContext::single_process(), cfg, options(corpus));
+    expect_equivalent(pipelined, ref);
+  }
+  // GPT-2 (tied embeddings) and Llama (untied, 2 kv heads), 8 blocks.
+  static std::pair<models::GptConfig, models::GptConfig> models8() {
+    auto gpt2 = models::GptConfig::preset("tiny");
+    gpt2.n_layer = 8;
+    auto llama = gpt2;
+    llama.family = "llama", llama.n_kv_head = 2, llama.tie_embeddings = false;
+    return {gpt2, llama};
+  }
 };
 
 // 8 blocks; 12 micro-batches of one sample at dp 1 (6 at dp 2): every schedule's m fits.
 TEST_F(PpTrainTest, EveryScheduleMatchesSingleProcessForTenSteps) {
   const int n = nranks();
   if (n == 1) GTEST_SKIP() << "pipeline parallelism needs 2 or more ranks";
-  auto gpt2 = models::GptConfig::preset("tiny");
-  gpt2.n_layer = 8;
-  auto llama = gpt2;
-  llama.family = "llama", llama.n_kv_head = 2, llama.tie_embeddings = false;
+  const auto [gpt2, llama] = models8();
   std::vector<int> layouts = {n};
   if (n == 4) layouts.push_back(2);  // pp 2 x dp 2: two schedules, GPT-2
   for (int pp : layouts) {
@@ -122,14 +141,7 @@ TEST_F(PpTrainTest, EveryScheduleMatchesSingleProcessForTenSteps) {
       for (const auto& cfg : {gpt2, llama}) {
         if (pp != n && (cfg.family == "llama" || schedule[0] == 'g' || schedule[0] == 'z')) continue;
         SCOPED_TRACE(std::string(schedule) + " pp=" + std::to_string(pp) + " " + cfg.family);
-        TestCorpus corpus("pp" + std::to_string(rank()));
-        auto o = options(corpus);
-        o.micro_batch = 1;
-        o.pp_schedule = schedule;
-        o.virtual_stages = std::string(schedule) == "interleaved" ? 2 : 1;
-        Trainer pipelined(context(pp), cfg, o);
-        Trainer ref(ParallelContext::single_process(), cfg, options(corpus));
-        expect_equivalent(pipelined, ref);
+        expect_pipeline_equivalent(context(pp), cfg, schedule);
       }
     }
   }
@@ -141,10 +153,7 @@ TEST_F(PpTrainTest, EveryScheduleMatchesSingleProcessForTenSteps) {
 TEST_F(PpTrainTest, ComposesWithShardingAndTensorParallelism) {
   const int n = nranks();
   if (n == 1) GTEST_SKIP() << "pipeline parallelism needs 2 or more ranks";
-  auto gpt2 = models::GptConfig::preset("tiny");
-  gpt2.n_layer = 8;
-  auto llama = gpt2;
-  llama.family = "llama", llama.n_kv_head = 2, llama.tie_embeddings = false;
+  const auto [gpt2, llama] = models8();
   struct Case {
     int pp, tp;
     bool sp;
@@ -164,15 +173,7 @@ TEST_F(PpTrainTest, ComposesWithShardingAndTensorParallelism) {
   for (const auto& c : cases) {
     SCOPED_TRACE(format("{} pp={} tp={}{} fsdp={} {}", c.schedule, c.pp, c.tp, c.sp ? " sp" : "",
                         c.fsdp, c.cfg.family));
-    TestCorpus corpus("ppmix" + std::to_string(rank()));
-    auto o = options(corpus);
-    o.micro_batch = 1;
-    o.pp_schedule = c.schedule;
-    o.virtual_stages = std::string(c.schedule) == "interleaved" ? 2 : 1;
-    o.fsdp = c.fsdp;
-    Trainer pipelined(context(c.pp, c.tp, c.sp), c.cfg, o);
-    Trainer ref(ParallelContext::single_process(), c.cfg, options(corpus));
-    expect_equivalent(pipelined, ref);
+    expect_pipeline_equivalent(context(c.pp, c.tp, c.sp), c.cfg, c.schedule, c.fsdp);
   }
 }
 
