@@ -3,7 +3,8 @@
 # torch wheel, nvcc, cmake and ninja but no MPI and no package access (carry/ from
 # scripts/carry.sh travels with the tree). Builds without MPI for the local GPU, runs the
 # unit, GPU and CLI tests (NCCL backend at world size 1), trains the tiny model on the GPU
-# (fp32, bf16, fp16, full sharding), and runs train_bench for gpt2-124m in fp32 and bf16 over
+# (fp32, bf16, fp16, full sharding; one traced run merged by merge_traces), runs pp_bench's
+# runtime with one stage on CUDA, and runs train_bench for gpt2-124m in fp32 and bf16 over
 # every sharding strategy (batch 8 x 1024), and bf16 at batch 32. Full logs and JSON lines
 # go to OUTDIR (default build-gpu/out); a phase that fails is recorded and the next one
 # still runs; a summary table comes last.
@@ -73,6 +74,12 @@ train train_tiny_fp16 --precision fp16
 train train_tiny_full_fp32 --precision fp32 --fsdp full
 train train_tiny_full_bf16 --fsdp full --param-dtype bfloat16
 train train_tiny_zero2_fp16 --fsdp zero2 --param-dtype float16
+# Traced (spans end with a device synchronize), then merged.
+train train_tiny_trace_bf16 --precision bf16 --steps 20 --trace "$out/trace_tiny.json"
+phase merge_traces 60 "$build/examples/merge_traces" "$out/trace_all.json" "$out/trace_tiny.rank0.json"
+# The pipeline runtime on CUDA with one stage (spans, allocator peak per step).
+phase pp_bench 120 "$build/benchmarks/pp_bench" --d-model 1024 --seq 256 --schedules gpipe,1f1b \
+  --microbatches 4 --json "$out/pp_bench.jsonl"
 
 # Throughput and memory: dtrain's trainer against a plain LibTorch loop, gpt2-124m.
 for precision in fp32 bf16; do

@@ -18,6 +18,7 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
+#include <memory>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -221,6 +222,8 @@ int main(int argc, char** argv) {
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "pp_bench: error: %s\n", e.what());
+    // Peers may be inside a collective with this rank: end the whole job.
+    if (runtime_holder && runtime_holder->size() > 1) runtime_holder->abort(1);
     return 1;
   }
   return 0;

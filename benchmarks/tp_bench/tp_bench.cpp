@@ -14,6 +14,7 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
+#include <memory>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -89,8 +90,12 @@ int main(int argc, char** argv) {
   app.add_option("-J,--json", o.json, "append one JSON object per layout to this file");
   CLI11_PARSE(app, argc, argv);
 
+  // Outside the try: an error reaches the catch (and is printed) before the runtime's
+  // shut-down waits for the other ranks.
+  std::unique_ptr<dtrain::Runtime> runtime_holder;
   try {
-    dtrain::Runtime rt(&argc, &argv, dtrain::RuntimeOptions{o.backend});
+    runtime_holder = std::make_unique<dtrain::Runtime>(&argc, &argv, dtrain::RuntimeOptions{o.backend});
+    auto& rt = *runtime_holder;
     auto cfg = dtrain::models::GptConfig::preset(o.preset);
     if (o.n_layer > 0) cfg.n_layer = o.n_layer;
     if (!o.family.empty()) cfg.family = o.family;
@@ -189,6 +194,8 @@ int main(int argc, char** argv) {
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tp_bench: error: %s\n", e.what());
+    // Peers may be inside a collective with this rank: end the whole job.
+    if (runtime_holder && runtime_holder->size() > 1) runtime_holder->abort(1);
     return 1;
   }
   return 0;
