@@ -598,7 +598,8 @@ void Trainer::log_summary() const {
     std::string blocks;
     for (int b : pipeline_->blocks) blocks += (blocks.empty() ? "" : ",") + std::to_string(b);
     log_info("pipeline: {} stages x {} chunk(s), schedule {}, {} micro-batches of {}; blocks per "
-             "virtual stage {}; gradients reduced over {} data-parallel rank(s) after each step",
+             "virtual stage {}; gradients reduced over {} data-parallel rank(s) (replicated: during each "
+             "chunk's last backward; FSDP: after the pipeline)",
              ctx_->pp_size(), options_.virtual_stages, options_.pp_schedule, accum_, micro_batch_,
              blocks, ctx_->dp_size());
   }
