@@ -4,7 +4,7 @@
 # scripts/carry.sh travels with the tree). Builds without MPI for the local GPU, runs the
 # unit, GPU and CLI tests (NCCL backend at world size 1), trains the tiny model on the GPU
 # (fp32, bf16, fp16, full sharding; one traced run merged by merge_traces), runs pp_bench's
-# runtime with one stage on CUDA, and runs train_bench for gpt2-124m in fp32 and bf16 over
+# runtime with one stage on CUDA, a MoE model in bf16 and moe_bench (ep 1) on CUDA, and runs train_bench for gpt2-124m in fp32 and bf16 over
 # every sharding strategy (batch 8 x 1024), and bf16 at batch 32. Full logs and JSON lines
 # go to OUTDIR (default build-gpu/out); a phase that fails is recorded and the next one
 # still runs; a summary table comes last.
@@ -77,6 +77,10 @@ train train_tiny_zero2_fp16 --fsdp zero2 --param-dtype float16
 # Traced (spans end with a device synchronize), then merged.
 train train_tiny_trace_bf16 --precision bf16 --steps 20 --trace "$out/trace_tiny.json"
 phase merge_traces 60 "$build/examples/merge_traces" "$out/trace_all.json" "$out/trace_tiny.rank0.json"
+# Mixture of experts on CUDA: the router in float32 under bf16 autocast, capacity drops.
+train train_tiny_moe_bf16 --precision bf16 --moe-experts 8 --moe-topk 2 --moe-capacity 1.25 --steps 100
+phase moe_bench 120 "$build/benchmarks/moe_bench" --ep 1 --tokens 16384 --d-model 1024 --hidden 2048 \
+  --experts 8 --topk 2 --json "$out/moe_bench.jsonl"
 # The pipeline runtime on CUDA with one stage (spans, allocator peak per step).
 phase pp_bench 120 "$build/benchmarks/pp_bench" --d-model 1024 --seq 256 --schedules gpipe,1f1b \
   --microbatches 4 --json "$out/pp_bench.jsonl"

@@ -29,7 +29,9 @@ constexpr int kExitFailure = 1;
 struct Options {
   std::string config;
   std::string backend = "auto";
-  int dp = 0, dp_shard = 0, tp = 1, pp = 1;
+  int dp = 0, dp_shard = 0, tp = 1, pp = 1, ep = 1;
+  dtrain::ep::MoeOptions moe;
+  bool moe_dropless = false;
   bool sequence_parallel = false;
   double dropout = 0.0;
   // Model: the preset, then any field overridden (-1 / empty: the preset's value).
@@ -52,6 +54,7 @@ void define(CLI::App& app, Options& o) {
   app.add_option("--dp-shard", o.dp_shard, "ranks per replica for --fsdp hybrid (0: no hybrid)")->group(run);
   app.add_option("--tp", o.tp, "tensor-parallel degree (adjacent ranks; heads, MLP width and vocabulary split)")->group(run);
   app.add_flag("--sequence-parallel", o.sequence_parallel, "with --tp: split the activations between tensor-parallel layers along the sequence")->group(run);
+  app.add_option("--ep", o.ep, "expert-parallel degree (splits the dp ranks; each holds experts / ep of every MoE layer)")->group(run);
   app.add_option("--pp", o.pp, "pipeline stages (outermost axis; blocks cut into consecutive stages)")->group(run);
   app.add_option("--pp-schedule", t.pp_schedule, "with --pp: gpipe, 1f1b, interleaved or zb (zero bubble, ZB-H1)")->group(run);
   app.add_option("--microbatches", t.microbatches, "micro-batches per step (global batch / (dp x M) samples each; 0: from --micro-batch)")->group(run);
@@ -79,6 +82,18 @@ void define(CLI::App& app, Options& o) {
       ->check(CLI::IsMember({"none", "full"}))->group(model);
 
   const char* data = "Data";
+  const char* moe = "Mixture of experts";
+  app.add_option("--moe-experts", o.moe.experts, "experts per MoE layer (0: dense MLPs)")->group(moe);
+  app.add_option("--moe-topk", o.moe.topk, "experts each token is routed to")->group(moe);
+  app.add_option("--moe-every", o.moe.every, "block b is a MoE block when b % N == 0")->group(moe);
+  app.add_option("--moe-ffn-hidden", o.moe.ffn_hidden, "each expert's SwiGLU width (0: the MLP width)")->group(moe);
+  auto* capacity = app.add_option("--moe-capacity", o.moe.capacity_factor,
+                                  "capacity factor: an expert takes at most C x tokens x topk / experts of a rank's tokens per forward; the rest pass through the residual (0: dropless)")->group(moe);
+  app.add_flag("--moe-dropless", o.moe_dropless, "no capacity limit (the default; same as --moe-capacity 0)")->excludes(capacity)->group(moe);
+  app.add_option("--moe-score", o.moe.score, "router scores: softmax or sigmoid")->group(moe);
+  app.add_option("--moe-aux-coeff", o.moe.aux_loss_coeff, "load-balancing loss coefficient (Switch/GShard)")->group(moe);
+  app.add_option("--moe-z-coeff", o.moe.z_loss_coeff, "router z-loss coefficient")->group(moe);
+  app.add_option("--moe-bias-rate", o.moe.bias_update_rate, "aux-loss-free balancing: per-expert bias update rate per step (0: off)")->group(moe);
   app.add_option("--train-data", t.train_data, "glob of training token shards (llm.c format)")->group(data);
   app.add_option("--val-data", t.val_data, "glob of validation token shards (empty: no evaluation)")->group(data);
   app.add_option("--seq-len", t.seq_len, "tokens per sample")->group(data);
@@ -183,6 +198,8 @@ dtrain::models::GptConfig model_config(const Options& o) {
   }
   c.activation_checkpointing = o.activation_checkpointing == "full";
   c.dropout = o.dropout;
+  c.moe = o.moe;
+  if (o.moe_dropless) c.moe.capacity_factor = 0;
   c.validate();
   return c;
 }
@@ -192,7 +209,7 @@ dtrain::models::GptConfig model_config(const Options& o) {
 int main(int argc, char** argv) {
   const bool leader = dtrain::detect_launch_env().rank == 0;  // prints parse errors and help
   Options o;
-  CLI::App app{"pretrain_gpt: GPT-2 / Llama pretraining with data, tensor and pipeline parallelism (MPI or NCCL)"};
+  CLI::App app{"pretrain_gpt: GPT-2 / Llama pretraining with data, tensor, pipeline and expert parallelism (MPI or NCCL)"};
   define(app, o);
   try {
     std::vector<std::string> args = {argv[0]};
@@ -227,6 +244,7 @@ int main(int argc, char** argv) {
     parallel.dp_shard = o.dp_shard;
     parallel.tp = o.tp;
     parallel.pp = o.pp;
+    parallel.ep = o.ep;
     parallel.sequence_parallel = o.sequence_parallel;
     auto ctx = std::make_shared<dtrain::ParallelContext>(runtime->world(), parallel, runtime->device());
     trainer = std::make_unique<dtrain::train::Trainer>(ctx, model, o.train);

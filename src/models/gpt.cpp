@@ -56,6 +56,7 @@ void GptConfig::validate() const {
                    "init_std, norm_eps and rope_theta must be positive");
   DTRAIN_CHECK_ARG(dropout >= 0 && dropout < 1, "dropout=", dropout,
                    " is out of range; allowed: [0, 1)");
+  moe.validate();
 }
 
 void GptConfig::validate_tp(int tp) const {
@@ -64,6 +65,9 @@ void GptConfig::validate_tp(int tp) const {
                    tp, "; tensor parallelism splits the attention heads across tp ranks");
   DTRAIN_CHECK_ARG(mlp_hidden() % tp == 0, "the MLP width ", mlp_hidden(),
                    " (--ffn-hidden) is not divisible by --tp=", tp,
+                   "; tensor parallelism splits it across tp ranks");
+  DTRAIN_CHECK_ARG(!moe.enabled() || expert_hidden() % tp == 0, "the expert width ", expert_hidden(),
+                   " (--moe-ffn-hidden) is not divisible by --tp=", tp,
                    "; tensor parallelism splits it across tp ranks");
 }
 
@@ -83,6 +87,11 @@ std::int64_t GptConfig::num_parameters() const {
   block += n_head * hd * d_model + (gpt2 ? d_model : 0);
   block += gpt2 ? (d_model * h + h + h * d_model + d_model) : 3 * d_model * h;
   std::int64_t total = vocab_size * d_model + n_layer * block + norm;
+  for (std::int64_t b = 0; b < n_layer; ++b) {  // a MoE block: router and experts, no MLP
+    if (!moe.is_moe_block(b)) continue;
+    total -= gpt2 ? (d_model * h + h + h * d_model + d_model) : 3 * d_model * h;
+    total += moe.experts * d_model + moe.experts * 3 * d_model * expert_hidden();
+  }
   if (gpt2) total += context * d_model;
   if (!tie_embeddings) total += vocab_size * d_model;
   return total;
@@ -109,6 +118,14 @@ std::vector<std::pair<std::string, std::vector<std::int64_t>>> GptConfig::parame
     if (gpt2) out.push_back({h + "attn_qkv.bias", {qkv}});
     out.push_back({h + "attn_proj.weight", {d, n_head * head_dim()}});
     if (gpt2) out.push_back({h + "attn_proj.bias", {d}});
+    if (moe.is_moe_block(i)) {
+      const std::int64_t E = moe.experts, Fe = expert_hidden();
+      out.push_back({h + "moe.router.weight", {E, d}});
+      out.push_back({h + "moe.fc.weight", {E, Fe, d}});
+      out.push_back({h + "moe.gate.weight", {E, Fe, d}});
+      out.push_back({h + "moe.proj.weight", {E, d, Fe}});
+      continue;
+    }
     out.push_back({h + "mlp_fc.weight", {F, d}});
     if (gpt2) out.push_back({h + "mlp_fc.bias", {F}});
     if (!gpt2) out.push_back({h + "mlp_gate.weight", {F, d}});
@@ -127,6 +144,11 @@ double GptConfig::flops_per_token(std::int64_t seq_len) const {
   if (gpt2) {
     matmul -= context * d_model;  // learned positions: a lookup, no matmul
     matmul -= n_layer * ((n_head + 2 * n_kv_head) * head_dim() + 2 * d_model + mlp_hidden());
+  }
+  for (std::int64_t b = 0; b < n_layer; ++b) {  // only topk of a MoE layer's experts run
+    if (!moe.is_moe_block(b)) continue;
+    if (gpt2) matmul += mlp_hidden() + d_model;  // the MLP biases taken off above are not there
+    matmul -= (moe.experts - moe.topk) * 3 * d_model * expert_hidden();
   }
   return 6.0 * static_cast<double>(matmul) +
          12.0 * static_cast<double>(n_layer * n_head * head_dim() * seq_len);
@@ -147,7 +169,7 @@ torch::Tensor shared(const torch::Tensor& p, const TpEnv& tp) {
 }
 }  // namespace
 
-BlockImpl::BlockImpl(const GptConfig& c, TpEnv tp) : config_(c), tp_(std::move(tp)) {
+BlockImpl::BlockImpl(const GptConfig& c, TpEnv tp, std::int64_t index) : config_(c), tp_(std::move(tp)) {
   const bool gpt2 = c.family == "gpt2";
   const std::int64_t hd = c.head_dim();
   column_.bias = row_.bias = gpt2;
@@ -164,6 +186,12 @@ BlockImpl::BlockImpl(const GptConfig& c, TpEnv tp) : config_(c), tp_(std::move(t
   qkv_w_ = qkv->register_parameter("weight", torch::empty({qkv_rows, c.d_model}));
   if (gpt2) qkv_b_ = qkv->register_parameter("bias", torch::zeros({qkv_rows}));
   proj_ = register_module("attn_proj", tp::RowParallelLinear(c.n_head * hd, c.d_model, tp_.comm, row_));
+  if (c.moe.is_moe_block(index)) {
+    moe_ = register_module("moe", Moe(c.moe, c.d_model, c.expert_hidden(), tp_.comm,
+                                      tp_.sequence_parallel,
+                                      tp_.ep ? tp_.ep : make_self_communicator("ep", 0)));
+    return;
+  }
   fc_ = register_module("mlp_fc", tp::ColumnParallelLinear(c.d_model, c.mlp_hidden(), tp_.comm, column_));
   if (!gpt2) {
     gate_ = register_module("mlp_gate", tp::ColumnParallelLinear(c.d_model, c.mlp_hidden(), tp_.comm, column_));
@@ -263,6 +291,9 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& ro
   auto a = attention(tp::enter_column_region(norm(x, ln1_w_, ln1_b_), tp_.comm, column_),
                      rope_cos, rope_sin);
   auto h = x + tp::dropout(proj_->forward(a), p, is_training(), rng, stream_of(tp_));
+  if (moe_) {
+    return h + tp::dropout(moe_->forward(norm(h, ln2_w_, ln2_b_)), p, is_training(), rng, stream_of(tp_));
+  }
   auto n2 = tp::enter_column_region(norm(h, ln2_w_, ln2_b_), tp_.comm, column_);
   torch::Tensor m;
   if (config_.family == "gpt2") {
@@ -301,6 +332,7 @@ struct CheckpointBlock : public torch::autograd::Function<CheckpointBlock> {
       block->rng().set_states({ctx->saved_data["rng_replicated"].toTensor(),
                                ctx->saved_data["rng_split"].toTensor()});
       torch::AutoGradMode enable(true);
+      MoeRecomputeScope recompute;  // routing statistics were recorded in the forward
       out = block->forward(x, saved[1], saved[2]);
       block->rng().set_states(now);
     }
@@ -321,7 +353,7 @@ bool ends_with(const std::string& s, const std::string& suffix) {
 
 // The tensor-parallel layout of parameter `name` on tp rank r of n; replicated_from < 0
 // and an empty full_shape mean "fill in from the local tensor" (see GptImpl's constructor).
-TpShard shard_of(const GptConfig& c, const std::string& name, int r, int n) {
+TpShard shard_of(const GptConfig& c, const std::string& name, int r, int n, int ep) {
   TpShard s;
   s.replicated_from = -1;
   const std::int64_t d = c.d_model, hd = c.head_dim(), H = c.n_head, Hkv = c.n_kv_head;
@@ -352,6 +384,11 @@ TpShard shard_of(const GptConfig& c, const std::string& name, int r, int n) {
     s.full_shape = {F}, s.dim = 0, s.ranges = {part(F)};
   } else if (ends_with(name, "mlp_proj.weight")) {
     s.full_shape = {d, F}, s.dim = 1, s.ranges = {part(F)};
+  } else if (is_expert_parameter(name)) {  // this rank's experts, their width split over tp
+    const std::int64_t local = c.moe.experts / ep, Fe = c.expert_hidden();
+    const bool down = ends_with(name, "moe.proj.weight");
+    s.full_shape = down ? std::vector<std::int64_t>{local, d, Fe} : std::vector<std::int64_t>{local, Fe, d};
+    s.dim = down ? 2 : 1, s.ranges = {part(Fe)};
   }
   return s;  // anything else (norms, row biases, positions): replicated
 }
@@ -392,6 +429,8 @@ GptImpl::GptImpl(ContextPtr ctx, const GptConfig& config, std::uint64_t seed, Gp
   tp_.sequence_parallel = ctx_->sequence_parallel();
   if (!ctx_->device().is_cpu()) at::globalContext().lazyInitDevice(ctx_->device().type());
   tp_.rng = std::make_shared<tp::RngTracker>(seed, tp_.rank, ctx_->device());
+  c.moe.validate_ep(ctx_->ep_size());
+  tp_.ep = ctx_->ep_comm();
   // Registration order is parameter_shapes() order (own parameters first).
   if (stage_.head) {
     norm_weight_ = register_parameter("ln_f_weight", torch::ones({c.d_model}));
@@ -405,7 +444,7 @@ GptImpl::GptImpl(ContextPtr ctx, const GptConfig& config, std::uint64_t seed, Gp
   // Blocks under "h" by their index in the whole model: parameters "h.<i>.*".
   auto list = register_module("h", std::make_shared<torch::nn::Module>());
   for (std::int64_t i = stage_.first_block; i < stage_.end_block; ++i) {
-    blocks_.emplace_back(c, tp_);
+    blocks_.emplace_back(c, tp_, i);
     list->register_module(std::to_string(i), blocks_.back());
   }
   if (stage_.head && !c.tie_embeddings) {
@@ -425,7 +464,7 @@ GptImpl::GptImpl(ContextPtr ctx, const GptConfig& config, std::uint64_t seed, Gp
     rope_sin_ = register_buffer("rope_sin", ang.sin().to(torch::kFloat));
   }
   for (const auto& item : named_parameters()) {
-    auto spec = shard_of(c, item.key(), tp_.rank, tp_.size);
+    auto spec = shard_of(c, item.key(), tp_.rank, tp_.size, ctx_->ep_size());
     const auto& p = item.value();
     if (spec.dim < 0) spec.full_shape = p.sizes().vec();
     if (spec.replicated_from < 0) spec.replicated_from = spec.dim < 0 ? 0 : p.numel();
@@ -463,11 +502,13 @@ void GptImpl::initialise(std::uint64_t seed) {
       full.zero_();
     } else {
       const bool residual = name.find("attn_proj") != std::string::npos ||
-                            name.find("mlp_proj") != std::string::npos;
+                            name.find("mlp_proj") != std::string::npos ||
+                            name.find("moe.proj") != std::string::npos;
       full.normal_(0.0, residual ? residual_std : c.init_std, gen);
     }
     const auto it = held.find(name);
     if (it == held.end()) continue;
+    if (is_expert_parameter(name)) full = full.narrow(0, expert_rows().first, expert_rows().second);
     params[name].copy_(slice_of(full, *it->second));
     ++filled;
   }
@@ -484,10 +525,21 @@ NamedParameters GptImpl::parameter_list() const {
 NamedParameters GptImpl::full_parameters() const {
   NamedParameters out;
   const auto params = named_parameters();
+  // Expert parameters: this rank's experts (tp-assembled), then every ep rank's in order.
+  auto add = [&](const std::string& name, at::Tensor t) {
+    if (is_expert_parameter(name) && tp_.ep->size() > 1) {
+      auto shape = t.sizes().vec();
+      shape[0] *= tp_.ep->size();
+      auto all = torch::empty(shape, t.options());
+      tp_.ep->all_gather(all, t.contiguous())->wait();
+      t = all;
+    }
+    out.emplace_back(name, t);
+  };
   for (const auto& [name, spec] : shards_) {
     const auto local = params[name].detach().contiguous();
     if (spec.dim < 0 || tp_.size == 1) {
-      out.emplace_back(name, local.clone());
+      add(name, local.clone());
       continue;
     }
     auto shape = local.sizes().vec();
@@ -497,15 +549,33 @@ NamedParameters GptImpl::full_parameters() const {
     auto full = torch::zeros(spec.full_shape, local.options());
     for (int k = 0; k < tp_.size; ++k) {
       std::int64_t at = 0;
-      for (const auto& [start, len] : shard_of(config_, name, k, tp_.size).ranges) {
+      for (const auto& [start, len] : shard_of(config_, name, k, tp_.size, ctx_->ep_size()).ranges) {
         const std::int64_t have = std::clamp<std::int64_t>(full.size(spec.dim) - start, 0, len);
         if (have > 0) full.narrow(spec.dim, start, have).copy_(all[k].narrow(spec.dim, at, have));
         at += len;
       }
     }
-    out.emplace_back(name, full);
+    add(name, full);
   }
   return out;
+}
+
+std::pair<std::int64_t, std::int64_t> GptImpl::expert_rows() const {
+  const std::int64_t local = config_.moe.experts / tp_.ep->size();
+  return {local * tp_.ep->rank(), local};
+}
+
+std::vector<std::pair<std::int64_t, Moe>> GptImpl::moe_layers() const {
+  std::vector<std::pair<std::int64_t, Moe>> out;
+  for (std::size_t i = 0; i < blocks_.size(); ++i) {
+    auto m = blocks_[i]->moe();
+    if (m) out.emplace_back(stage_.first_block + static_cast<std::int64_t>(i), m);
+  }
+  return out;
+}
+
+void GptImpl::set_aux_loss_scale(double scale) {
+  for (auto& [index, m] : moe_layers()) m->set_aux_loss_scale(scale);
 }
 
 bool GptImpl::is_whole() const {

@@ -9,19 +9,29 @@ MeshAxes ParallelConfig::mesh_axes(int world_size) const {
   DTRAIN_CHECK_ARG(tp >= 1 && pp >= 1 && ep >= 1 && cp >= 1 && dp >= 0 && dp_shard >= 0,
                    "parallel degrees must be positive (dp may be 0 for automatic); got ",
                    describe());
-  const int others = tp * pp * ep * cp;
+  // Expert parallelism splits the data-parallel ranks (as in Megatron-Core): it does not
+  // multiply into the world size.
+  const int others = tp * pp * cp;
   int d = dp;
   if (d == 0) {
     DTRAIN_CHECK_ARG(world_size % others == 0, "world size ", world_size,
-                     " is not divisible by tp x pp x ep x cp = ", others, " (", describe(), ")");
+                     " is not divisible by tp x pp x cp = ", others, " (", describe(), ")");
     d = world_size / others;
   }
   DTRAIN_CHECK_ARG(d * others == world_size, "parallel degrees ", describe(), " multiply to ",
                    d * others, " ranks but the world has ", world_size,
                    "; set --dp 0 to fill the world with data parallelism");
+  DTRAIN_CHECK_ARG(d % ep == 0, "--ep=", ep, " does not divide the data-parallel size ", d,
+                   " (", describe(world_size), "); expert parallelism splits the data-parallel ",
+                   "ranks: allowed: a divisor of ", d);
+  DTRAIN_CHECK_ARG(ep == 1 || dp_shard == 0, "--ep=", ep, " with --dp-shard ", dp_shard,
+                   " (hybrid sharding) is not available; allowed: --ep 1, or --fsdp none, "
+                   "zero1, zero2, full");
   MeshAxes axes;
   axes.emplace_back("pp", pp);
-  if (dp_shard > 0) {
+  if (ep > 1) {
+    axes.emplace_back("dp", d / ep);  // the expert-data-parallel part; ep below
+  } else if (dp_shard > 0) {
     DTRAIN_CHECK_ARG(d % dp_shard == 0, "--dp-shard=", dp_shard,
                      " does not divide the data-parallel size ", d,
                      "; allowed: a divisor of ", d);
@@ -38,7 +48,7 @@ MeshAxes ParallelConfig::mesh_axes(int world_size) const {
 
 std::string ParallelConfig::describe(int world_size) const {
   int d = dp;
-  if (d == 0 && world_size > 0) d = world_size / (tp * pp * ep * cp);
+  if (d == 0 && world_size > 0) d = world_size / (tp * pp * cp);
   return detail::str_cat("dp=", d == 0 ? std::string("auto") : std::to_string(d),
                          dp_shard > 0 ? " (dp_shard=" + std::to_string(dp_shard) + ")" : "",
                          " tp=", tp, sequence_parallel ? " (sequence parallel)" : "", " pp=", pp,
@@ -49,7 +59,7 @@ namespace {
 ParallelConfig resolved(ParallelConfig c, int world_size) {
   int d = 1;
   for (const auto& [axis, size] : c.mesh_axes(world_size)) {
-    if (axis == "dp" || axis == "dp_replicate" || axis == "dp_shard") d *= size;
+    if (axis == "dp" || axis == "dp_replicate" || axis == "dp_shard" || axis == "ep") d *= size;
   }
   c.dp = d;
   return c;
@@ -61,23 +71,20 @@ ParallelContext::ParallelContext(CommPtr world, ParallelConfig config, c10::Devi
       device_(device),
       mesh_(world, config_.mesh_axes(world->size())) {
   // Each strategy lifts its own restriction as it lands (see docs/parallelism.md).
-  const std::pair<const char*, int> pending[] = {
-      {"--ep", config_.ep}, {"--cp", config_.cp}};
-  for (const auto& [option, degree] : pending) {
-    DTRAIN_CHECK_ARG(degree == 1, option, "=", degree,
-                     " is not available in this build yet; allowed: 1 (data parallelism "
-                     "over --dp, tensor parallelism over --tp and pipeline parallelism over --pp are implemented)");
-  }
+  DTRAIN_CHECK_ARG(config_.cp == 1, "--cp=", config_.cp,
+                   " is not available in this build yet; allowed: 1 (data, tensor, pipeline "
+                   "and expert parallelism over --dp, --tp, --pp and --ep are implemented)");
   DTRAIN_CHECK_ARG(!config_.sequence_parallel || config_.tp > 1,
                    "--sequence-parallel needs --tp > 1 (got --tp ", config_.tp, ")");
 }
 
 CommPtr ParallelContext::dp_comm() {
-  return config_.dp_shard > 0 ? mesh_.comm({"dp_replicate", "dp_shard"}) : mesh_.comm("dp");
+  if (config_.dp_shard > 0) return mesh_.comm({"dp_replicate", "dp_shard"});
+  return mesh_.comm({"dp", "ep"});  // the "ep" axis exists only with ep > 1
 }
 
 int ParallelContext::dp_rank() const {
-  if (config_.dp_shard == 0) return mesh_.coord("dp");
+  if (config_.dp_shard == 0) return mesh_.coord("dp") * config_.ep + mesh_.coord("ep");
   return mesh_.coord("dp_replicate") * config_.dp_shard + mesh_.coord("dp_shard");
 }
 

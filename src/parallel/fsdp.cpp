@@ -565,12 +565,13 @@ void ShardedDataParallel::finish_gradient_sync() {
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
 }
 
-double ShardedDataParallel::clip_grad_norm(double max_norm, double grad_scale) {
+double ShardedDataParallel::clip_grad_norm(double max_norm, double grad_scale,
+                                           const std::vector<GradGroup>& extra) {
   const bool tp = options_.tp != nullptr && options_.tp->size() > 1;
   const bool pp = options_.pp != nullptr && options_.pp->size() > 1;
   std::vector<at::Tensor> shards;
   for (auto& u : units_) shards.push_back(u->master);
-  if (!tp && !pp && options_.uncounted.empty()) {
+  if (!tp && !pp && options_.uncounted.empty() && extra.empty()) {
     return dtrain::clip_grad_norm(shards, max_norm, comm_.get(), grad_scale);
   }
   // Elements distinct across tp are summed over tp as well, tp-replicated ones count once;
@@ -593,8 +594,9 @@ double ShardedDataParallel::clip_grad_norm(double max_norm, double grad_scale) {
     }
     if (at < g.numel()) rest.grads.push_back(g.narrow(0, at, g.numel() - at));
   }
-  return dtrain::clip_grad_norm(std::vector<GradGroup>{distinct, replicated, rest}, max_norm,
-                                grad_scale);
+  std::vector<GradGroup> groups{distinct, replicated, rest};
+  groups.insert(groups.end(), extra.begin(), extra.end());
+  return dtrain::clip_grad_norm(groups, max_norm, grad_scale);
 }
 
 void ShardedDataParallel::step(double lr) {

@@ -94,6 +94,7 @@ struct ParamRole {
   at::Tensor param;
   std::int64_t replicated_from;
   bool copy;
+  bool expert;  // split over ep (expert parallelism): distinct across the ep ranks
 };
 
 std::vector<ParamRole> param_roles(const std::vector<models::Gpt>& models) {
@@ -102,26 +103,35 @@ std::vector<ParamRole> param_roles(const std::vector<models::Gpt>& models) {
     const auto params = model->parameter_list();
     for (std::size_t i = 0; i < params.size(); ++i) {
       out.push_back({params[i].first, params[i].second, model->tp_shards()[i].second.replicated_from,
-                     params[i].first == "tok_emb.weight" && !model->stage().embedding});
+                     params[i].first == "tok_emb.weight" && !model->stage().embedding,
+                     model->context()->ep_size() > 1 && models::is_expert_parameter(params[i].first)});
     }
   }
   return out;
 }
 
-// Gradient clipping groups over tensor and pipeline parallelism with replicated data
-// parallelism: tp-distinct elements summed over tp and pp, tp-replicated ones over pp,
-// tied copies not counted.
+// Gradient clipping groups over tensor, pipeline and expert parallelism with replicated
+// data parallelism: tp-distinct elements summed over tp and pp, tp-replicated ones over pp,
+// experts over tp, pp and ep, tied copies not counted. With only_experts, the expert group
+// alone (what --fsdp adds to its own groups).
 std::vector<GradGroup> grad_groups(const std::vector<ParamRole>& roles, Communicator* tp,
-                                   Communicator* pp) {
+                                   Communicator* pp, Communicator* ep, bool only_experts = false) {
   GradGroup distinct, replicated, copies{{}, {}, /*counted=*/false};
   for (auto* c : {tp, pp}) {
     if (c != nullptr && c->size() > 1) distinct.over.push_back(c);
   }
   if (pp != nullptr && pp->size() > 1) replicated.over.push_back(pp);
+  GradGroup experts{{}, distinct.over};
+  if (ep != nullptr && ep->size() > 1) experts.over.push_back(ep);
   for (const auto& r : roles) {
     const auto& g = r.param.grad();
     if (!g.defined()) continue;
     const auto flat = g.view({-1});
+    if (r.expert) {
+      experts.grads.push_back(flat);
+      continue;
+    }
+    if (only_experts) continue;
     const std::int64_t n = flat.numel(), from = std::min(r.replicated_from, n);
     if (r.copy) {
       copies.grads.push_back(flat);
@@ -130,7 +140,18 @@ std::vector<GradGroup> grad_groups(const std::vector<ParamRole>& roles, Communic
     if (from > 0) distinct.grads.push_back(flat.narrow(0, 0, from));
     if (from < n) replicated.grads.push_back(flat.narrow(0, from, n - from));
   }
-  return {distinct, replicated, copies};
+  if (only_experts) return {experts};
+  return {distinct, replicated, copies, experts};
+}
+
+// Expert parallelism splits parameters in two: experts (their gradients averaged over the
+// expert-data-parallel ranks) and the rest (over all data-parallel ranks).
+std::pair<NamedParameters, NamedParameters> split_experts(const NamedParameters& params, int ep) {
+  NamedParameters dense, experts;
+  for (const auto& item : params) {
+    (ep > 1 && models::is_expert_parameter(item.first) ? experts : dense).push_back(item);
+  }
+  return {dense, experts};
 }
 
 std::string duration_text(double seconds) {
@@ -181,6 +202,7 @@ struct Trainer::Pipeline {
   std::unique_ptr<pp::PipelineRuntime> runtime;
   // Replicated data parallelism: one per chunk, synchronising on the chunk's last backward.
   std::vector<std::unique_ptr<DataParallel>> ddp;
+  std::vector<std::unique_ptr<DataParallel>> expert_ddp;  // ep > 1: per chunk, its experts
   CommPtr tied;
   double scale = 1;     // the loss scale of the running step
   double dp_bytes = 0;  // last step: bytes of the data-parallel gradient average
@@ -210,17 +232,27 @@ Trainer::Trainer(ContextPtr ctx, models::GptConfig model, TrainOptions options)
     params_ = model_->parameter_list();
   }
   const auto& params = params_;
+  const int ep = ctx_->ep_size();
+  auto [dense, experts] = split_experts(params, ep);
   const double min_lr = options_.min_lr > 0 ? options_.min_lr : options_.adamw.lr / 10;
   schedule_ = std::make_unique<CosineSchedule>(options_.adamw.lr, min_lr, options_.warmup_steps,
                                                options_.steps);
+  if (!pipeline_ && !experts.empty()) {
+    expert_ddp_ = std::make_unique<DataParallel>(experts, ctx_->expert_dp_comm(), options_.ddp);
+  } else if (pipeline_ && ep > 1) {
+    for (auto& chunk : pipeline_->chunks) {
+      pipeline_->expert_ddp.push_back(std::make_unique<DataParallel>(
+          split_experts(chunk->parameter_list(), ep).second, ctx_->expert_dp_comm(), options_.ddp));
+    }
+  }
   if (options_.fsdp == "none") {
     optimizer_ = make_adamw(params, options_.adamw);
     if (!pipeline_) {
-      ddp_ = std::make_unique<DataParallel>(params, ctx_->dp_comm(), options_.ddp);
+      ddp_ = std::make_unique<DataParallel>(dense, ctx_->dp_comm(), options_.ddp);
     } else if (ctx_->dp_size() > 1) {
       for (auto& chunk : pipeline_->chunks) {
-        pipeline_->ddp.push_back(
-            std::make_unique<DataParallel>(chunk->parameter_list(), ctx_->dp_comm(), options_.ddp));
+        pipeline_->ddp.push_back(std::make_unique<DataParallel>(
+            split_experts(chunk->parameter_list(), ep).first, ctx_->dp_comm(), options_.ddp));
       }
     }
   } else {
@@ -236,15 +268,17 @@ Trainer::Trainer(ContextPtr ctx, models::GptConfig model, TrainOptions options)
     fo.tp = ctx_->tp_comm();
     fo.pp = ctx_->pp_comm();
     for (const auto& r : param_roles(models())) {
+      if (r.expert) continue;  // not sharded: split over ep
       if (r.replicated_from < r.param.numel()) fo.tp_replicated.emplace_back(r.name, r.replicated_from);
       if (r.copy) fo.uncounted.push_back(r.name);
     }
     if (fo.strategy == ShardingStrategy::kHybrid) {
-      sdp_ = std::make_unique<ShardedDataParallel>(params, ctx_->shard_comm(), fo,
+      sdp_ = std::make_unique<ShardedDataParallel>(dense, ctx_->shard_comm(), fo,
                                                    ctx_->replicate_comm());
     } else {
-      sdp_ = std::make_unique<ShardedDataParallel>(params, ctx_->dp_comm(), fo);
+      sdp_ = std::make_unique<ShardedDataParallel>(dense, ctx_->dp_comm(), fo);
     }
+    if (!experts.empty()) expert_optimizer_ = make_adamw(experts, options_.adamw);
     // Full sharding: gather around blocks.
     for (auto& m : models()) m->set_block_hooks(sdp_->block_hooks());
   }
@@ -297,6 +331,9 @@ void Trainer::build_pipeline() {
                       model->parameters(),
                       [owner, c](bool last) {
                         if (!owner->ddp.empty()) owner->ddp[static_cast<std::size_t>(c)]->set_sync(last);
+                        if (!owner->expert_ddp.empty()) {
+                          owner->expert_ddp[static_cast<std::size_t>(c)]->set_sync(last);
+                        }
                       }});
   }
   pp::PipelineOptions po;
@@ -344,9 +381,11 @@ double Trainer::pipeline_step(StepMetrics& m, double scale) {
   // tied copies' sum commutes with the dp average; FSDP needs it on the full gradients,
   // before its reduce-scatter.
   pl.dp_bytes = 0;
-  for (auto& d : pl.ddp) {
-    d->finish_gradient_sync();
-    pl.dp_bytes += d->stats().comm_bytes;
+  for (auto* list : {&pl.ddp, &pl.expert_ddp}) {
+    for (auto& d : *list) {
+      d->finish_gradient_sync();
+      pl.dp_bytes += d->stats().comm_bytes;
+    }
   }
   if (pl.tied) {  // the first stage's embedding and the last stage's head copy
     for (auto& chunk : pl.chunks) {
@@ -393,6 +432,7 @@ void Trainer::check_options() const {
   const auto& o = options_;
   model_config_.validate();
   model_config_.validate_tp(ctx_->tp_size());
+  model_config_.moe.validate_ep(ctx_->ep_size());
   DTRAIN_CHECK_ARG(!o.train_data.empty(), "--train-data is required (a glob of token shards)");
   DTRAIN_CHECK_ARG(o.seq_len >= 1 && o.seq_len <= model_config_.context, "--seq-len=", o.seq_len,
                    " is not allowed: the model context is ", model_config_.context,
@@ -543,29 +583,33 @@ std::int64_t Trainer::model_state_bytes() const {
     const auto* storage = t.storage().unsafeGetStorageImpl();
     if (seen.insert(storage).second) bytes += static_cast<std::int64_t>(storage->nbytes());
   };
-  const torch::optim::Optimizer& opt = sdp_ ? sdp_->optimizer() : *optimizer_;
   for (const auto& [name, p] : params_) {
     add(p);
     add(p.grad());
   }
-  for (const auto& group : opt.param_groups()) {
-    for (const auto& p : group.params()) {
-      add(p);
-      add(p.grad());
+  std::vector<const torch::optim::Optimizer*> optimizers{sdp_ ? &sdp_->optimizer() : optimizer_.get()};
+  if (expert_optimizer_) optimizers.push_back(expert_optimizer_.get());
+  for (const auto* opt : optimizers) {
+    for (const auto& group : opt->param_groups()) {
+      for (const auto& p : group.params()) {
+        add(p);
+        add(p.grad());
+      }
     }
-  }
-  for (const auto& [key, state] : opt.state()) {
-    const auto& s = static_cast<const torch::optim::AdamWParamState&>(*state);
-    add(s.exp_avg());
-    add(s.exp_avg_sq());
-    add(s.max_exp_avg_sq());
+    for (const auto& [key, state] : opt->state()) {
+      const auto& s = static_cast<const torch::optim::AdamWParamState&>(*state);
+      add(s.exp_avg());
+      add(s.exp_avg_sq());
+      add(s.max_exp_avg_sq());
+    }
   }
   return bytes;
 }
 
 double Trainer::comm_bytes() const {
-  if (sdp_) return sdp_->stats().comm_bytes;
-  return pipeline_ ? pipeline_->dp_bytes : ddp_->stats().comm_bytes;
+  if (pipeline_) return pipeline_->dp_bytes + (sdp_ ? sdp_->stats().comm_bytes : 0.0);
+  const double experts = expert_ddp_ ? expert_ddp_->stats().comm_bytes : 0.0;
+  return experts + (sdp_ ? sdp_->stats().comm_bytes : ddp_->stats().comm_bytes);
 }
 
 void Trainer::log_summary() const {
@@ -592,6 +636,17 @@ void Trainer::log_summary() const {
                         ? std::to_string(model_config_.n_kv_head / ctx_->tp_size())
                         : std::to_string(model_config_.n_kv_head) + " (replicated)"));
   }
+  if (model_config_.moe.enabled()) {
+    const auto& moe = model_config_.moe;
+    std::int64_t layers = 0;
+    for (std::int64_t b = 0; b < model_config_.n_layer; ++b) layers += moe.is_moe_block(b) ? 1 : 0;
+    log_info("moe: {} layer(s) (every {} block(s)) of {} SwiGLU experts x {} wide, top-{} {} routing, {}; "
+             "aux {} z {} bias rate {}; ep {}: {} experts per rank, expert gradients averaged over {} rank(s)",
+             layers, moe.every, moe.experts, model_config_.expert_hidden(), moe.topk, moe.score,
+             moe.capacity_factor > 0 ? format("capacity factor {}", moe.capacity_factor) : std::string("dropless"),
+             moe.aux_loss_coeff, moe.z_loss_coeff, moe.bias_update_rate, ctx_->ep_size(),
+             moe.experts / ctx_->ep_size(), ctx_->dp_size() / ctx_->ep_size());
+  }
   log_info("device: {}; peak {} TFLOP/s per device{}", device_name_, peak_tflops_,
            peak_tflops_ > 0 ? "" : " (unknown: MFU not reported; --peak-tflops)");
   if (pipeline_) {
@@ -615,6 +670,11 @@ void Trainer::log_summary() const {
     log_info("data parallel: replicated over {} rank(s), {} gradient bucket(s)", ctx_->dp_size(),
              ddp_->stats().buckets);
   }
+  if (expert_ddp_) {
+    log_info("experts: replicated over {} rank(s) (dp / ep), {} gradient bucket(s){}",
+             expert_ddp_->comm()->size(), expert_ddp_->stats().buckets,
+             sdp_ ? ", their own AdamW (not sharded)" : "");
+  }
 }
 
 StepMetrics Trainer::train_step() {
@@ -632,6 +692,10 @@ StepMetrics Trainer::train_step() {
   } else {
     optimizer_->zero_grad();
   }
+  if (expert_optimizer_) expert_optimizer_->zero_grad();
+  // MoE auxiliary losses: their gradients get the factor each micro-batch's loss gets.
+  for (auto& model : models()) model->set_aux_loss_scale(scale / static_cast<double>(accum_));
+  ep::reset_comm_stats();
   double pipeline_mean = 0;
   auto loss_sum = torch::zeros({}, torch::TensorOptions().device(device));
   if (pipeline_) {
@@ -647,6 +711,7 @@ StepMetrics Trainer::train_step() {
     } else {
       ddp_->set_sync(k == accum_ - 1);
     }
+    if (expert_ddp_) expert_ddp_->set_sync(k == accum_ - 1);
     auto t = Clock::now();
     torch::Tensor loss;
     {
@@ -673,6 +738,7 @@ StepMetrics Trainer::train_step() {
     } else {
       ddp_->finish_gradient_sync();
     }
+    if (expert_ddp_) expert_ddp_->finish_gradient_sync();
   }
   timed_sync();
   m.sync_ms = ms_since(t);
@@ -684,10 +750,16 @@ StepMetrics Trainer::train_step() {
   // Clipping also unscales; an overflow (norm inf/nan, the same on every rank) skips the
   // update when loss scaling is on.
   if (sdp_) {
-    m.grad_norm = sdp_->clip_grad_norm(max_norm, scale);
-  } else if (pipeline_ || ctx_->tp_size() > 1) {
-    m.grad_norm = clip_grad_norm(
-        grad_groups(param_roles(models()), ctx_->tp_comm().get(), ctx_->pp_comm().get()), max_norm, scale);
+    // Experts (split over ep, outside the shards) join the sharded gradients' norm.
+    m.grad_norm = sdp_->clip_grad_norm(
+        max_norm, scale,
+        expert_optimizer_ ? grad_groups(param_roles(models()), ctx_->tp_comm().get(), ctx_->pp_comm().get(),
+                                        ctx_->ep_comm().get(), /*only_experts=*/true)
+                          : std::vector<GradGroup>{});
+  } else if (pipeline_ || ctx_->tp_size() > 1 || ctx_->ep_size() > 1) {
+    m.grad_norm = clip_grad_norm(grad_groups(param_roles(models()), ctx_->tp_comm().get(),
+                                             ctx_->pp_comm().get(), ctx_->ep_comm().get()),
+                                 max_norm, scale);
   } else {
     m.grad_norm = clip_grad_norm(model_->parameters(), max_norm, nullptr, scale);
   }
@@ -697,6 +769,10 @@ StepMetrics Trainer::train_step() {
     apply = scaler_->update(std::isfinite(m.grad_norm));
     m.skipped = !apply;
     m.skipped_steps = scaler_->skipped_steps();
+  }
+  if (apply && expert_optimizer_) {
+    set_learning_rate(*expert_optimizer_, m.lr);
+    expert_optimizer_->step();
   }
   if (apply && sdp_) {
     sdp_->step(m.lr);
@@ -715,6 +791,7 @@ StepMetrics Trainer::train_step() {
     ctx_->dp_comm()->all_reduce(mean, {ReduceOp::kAvg})->wait();
     m.loss = mean.item<double>();
   }
+  if (model_config_.moe.enabled()) collect_moe(m.moe);
   m.step_ms = ms_since(t_step);
 
   ++step_;
@@ -728,6 +805,74 @@ StepMetrics Trainer::train_step() {
   m.mem_mib = mem.current_mib;
   m.peak_mem_mib = mem.peak_mib;
   return m;
+}
+
+void Trainer::collect_moe(MoeMetrics& m) {
+  const auto& moe = model_config_.moe;
+  const auto E = moe.experts;
+  std::vector<std::int64_t> blocks;
+  std::map<std::int64_t, std::int64_t> row_of;
+  for (std::int64_t b = 0; b < model_config_.n_layer; ++b) {
+    if (!moe.is_moe_block(b)) continue;
+    row_of[b] = static_cast<std::int64_t>(blocks.size());
+    blocks.push_back(b);
+  }
+  const auto L = static_cast<std::int64_t>(blocks.size());
+  // Per layer: E counts, dropped, aux and z sums, forwards; a last row: a2a bytes and ms.
+  // tp ranks route the same tokens: only tp rank 0 counts them. Summed over the world
+  // (each layer lives on one pipeline stage).
+  auto table = torch::zeros({L + 1, E + 4}, torch::TensorOptions().dtype(torch::kDouble).device(ctx_->device()));
+  std::vector<std::pair<std::int64_t, models::Moe>> mine;
+  for (auto& model : models()) {
+    for (auto& layer : model->moe_layers()) mine.push_back(layer);
+  }
+  if (ctx_->tp_rank() == 0) {
+    for (auto& [block, layer] : mine) {
+      const auto& st = layer->stats();
+      auto row = table[row_of[block]];
+      row.narrow(0, 0, E).copy_(st.counts);
+      row[E] = st.dropped;
+      row[E + 1] = st.aux_loss;
+      row[E + 2] = st.z_loss;
+      row[E + 3] = static_cast<double>(st.forwards);
+    }
+  }
+  const auto& a2a = ep::comm_stats();
+  table[L][0] = a2a.bytes;
+  table[L][1] = a2a.ms;
+  ctx_->world()->all_reduce(table)->wait();
+  const auto all = table.cpu();
+  for (auto& [block, layer] : mine) {
+    layer->update_bias(all[row_of[block]].narrow(0, 0, E).to(ctx_->device()));
+    layer->reset_stats();
+  }
+  const int ep = ctx_->ep_size();
+  double assigned = 0, dropped = 0, aux = 0, z = 0, forwards = 0;
+  for (std::int64_t l = 0; l < L; ++l) {
+    const auto row = all[l];
+    const auto counts = row.narrow(0, 0, E);
+    std::vector<double> per(static_cast<std::size_t>(E));
+    for (std::int64_t e = 0; e < E; ++e) per[static_cast<std::size_t>(e)] = counts[e].item<double>();
+    const double mean = counts.mean().item<double>();
+    if (mean > 0) {
+      m.expert_load_max_over_mean = std::max(m.expert_load_max_over_mean, counts.max().item<double>() / mean);
+      const auto per_rank = counts.view({ep, E / ep}).sum(1);
+      m.ep_load_max_over_mean =
+          std::max(m.ep_load_max_over_mean, (per_rank.max() / per_rank.mean()).item<double>());
+    }
+    assigned += counts.sum().item<double>();
+    dropped += row[E].item<double>();
+    aux += row[E + 1].item<double>();
+    z += row[E + 2].item<double>();
+    forwards += row[E + 3].item<double>();
+    m.tokens_per_expert.push_back(std::move(per));
+  }
+  m.layers = blocks;
+  m.dropped_fraction = assigned > 0 ? dropped / assigned : 0;
+  m.aux_loss = forwards > 0 ? aux / forwards : 0;
+  m.z_loss = forwards > 0 ? z / forwards : 0;
+  m.a2a_bytes = all[L][0].item<double>() / ctx_->world_size();
+  m.a2a_ms = all[L][1].item<double>() / ctx_->world_size();
 }
 
 double Trainer::evaluate() {
@@ -801,6 +946,15 @@ std::vector<StepMetrics> Trainer::run() {
                       scaling);
         rep.clear_bar();
         log_info("{}", line);
+        if (!m.moe.layers.empty()) {
+          std::snprintf(line, sizeof(line),
+                        "step %5lld: moe aux %.4f z %.4f | load max/mean: experts %.2f, ep ranks %.2f | "
+                        "dropped %.1f%% | all-to-all %.2f MiB %.1f ms per rank",
+                        static_cast<long long>(m.step), m.moe.aux_loss, m.moe.z_loss,
+                        m.moe.expert_load_max_over_mean, m.moe.ep_load_max_over_mean,
+                        100 * m.moe.dropped_fraction, m.moe.a2a_bytes / (1 << 20), m.moe.a2a_ms);
+          log_info("{}", line);
+        }
         if (m.val_loss >= 0) {
           std::snprintf(line, sizeof(line), "step %5lld: val loss %.4f",
                         static_cast<long long>(m.step), m.val_loss);
@@ -824,6 +978,17 @@ std::vector<StepMetrics> Trainer::run() {
                             {"mem_mib", m.mem_mib},
                             {"peak_mem_mib", m.peak_mem_mib}};
         if (m.val_loss >= 0) j["val_loss"] = m.val_loss;
+        if (!m.moe.layers.empty()) {
+          j["moe"] = {{"layers", m.moe.layers},
+                      {"tokens_per_expert", m.moe.tokens_per_expert},
+                      {"expert_load_max_over_mean", m.moe.expert_load_max_over_mean},
+                      {"ep_load_max_over_mean", m.moe.ep_load_max_over_mean},
+                      {"dropped_fraction", m.moe.dropped_fraction},
+                      {"aux_loss", m.moe.aux_loss},
+                      {"z_loss", m.moe.z_loss},
+                      {"a2a_bytes", m.moe.a2a_bytes},
+                      {"a2a_ms", m.moe.a2a_ms}};
+        }
         if (m.loss_scale > 0) {
           j["loss_scale"] = m.loss_scale;
           j["skipped"] = m.skipped;

@@ -100,7 +100,7 @@ if(MPIEXEC)
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --tp 2 --fsdp full)
   expect(np2-tp-heads 2 "n_head=3 \\(--n-head\\) is not divisible by --tp=2"
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --tp 2 --n-head 3 --d-model 48)
-  expect(np2-tp-world 2 "tp x pp x ep x cp = 3"
+  expect(np2-tp-world 2 "tp x pp x cp = 3"
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --tp 3)
   expect(np2-sp-seq 2 "--seq-len=31 is not divisible by --tp=2"
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --tp 2 --sequence-parallel --seq-len 31)
@@ -133,7 +133,27 @@ if(MPIEXEC)
   expect(np2-pp-fsdp-chunks 2 "--fsdp full with --virtual-stages 2 is not available"
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --pp 2 --fsdp full --pp-schedule interleaved
          --virtual-stages 2 --n-layer 4 --microbatches 2)
+  # Mixture of experts split over 2 ep ranks: the layout, the telemetry line, JSON lines.
+  expect(np2-moe 0 "moe: 2 layer\\(s\\) .* of 4 SwiGLU experts .*top-2 softmax routing, capacity factor 1.25.*ep 2: 2 experts per rank.*step +2: moe aux [0-9.]+ .*all-to-all [0-9.]+ MiB.*val loss"
+         NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --moe-experts 4 --ep 2 --moe-capacity 1.25
+         --metrics "${WORK_DIR}/moe.jsonl")
+  file(READ "${WORK_DIR}/moe.jsonl" moe_lines)
+  if(moe_lines MATCHES "\"moe\":{.*\"a2a_bytes\":[1-9].*\"dropped_fraction\".*\"tokens_per_expert\":\\[\\[")
+    message(STATUS "ok: np2-moe-metrics")
+  else()
+    message(STATUS "FAILED: np2-moe-metrics: ${moe_lines}")
+    math(EXPR failures "${failures} + 1")
+  endif()
+  expect(np2-moe-experts-ep 2 "--moe-experts=3 is not divisible by --ep=2"
+         NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --moe-experts 3 --ep 2)
+  expect(np2-ep-dp 2 "--ep=2 does not divide the data-parallel size 1"
+         NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --moe-experts 4 --ep 2 --tp 2)
+  expect(np2-ep-dense 2 "--ep=2 needs a MoE model \\(--moe-experts E\\)"
+         NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --ep 2)
 endif()
+expect(moe-topk 2 "--moe-topk=5 is not allowed with --moe-experts 4; allowed: 1..4" ARGS ${DATA} --moe-experts 4 --moe-topk 5)
+expect(moe-score 2 "--moe-score 'relu' is not known; allowed: softmax, sigmoid" ARGS ${DATA} --moe-experts 4 --moe-score relu)
+expect(moe-dropless-capacity nonzero "--moe-capacity excludes --moe-dropless" ARGS ${DATA} --moe-experts 4 --moe-dropless --moe-capacity 2)
 expect(pp-schedule-unknown 2 "--pp-schedule 'pipedream' is not known; allowed: gpipe, 1f1b, interleaved, zb"
        ARGS ${DATA} --pp-schedule pipedream)
 expect(virtual-stages-without-pp 2 "--virtual-stages / --pp-layers need --pp > 1" ARGS ${DATA} --virtual-stages 2)

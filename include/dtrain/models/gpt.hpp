@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "dtrain/models/moe.hpp"
 #include "dtrain/optim/optim.hpp"
 #include "dtrain/parallel/block_hooks.hpp"
 #include "dtrain/parallel/context.hpp"
@@ -40,6 +41,9 @@ struct GptConfig {
   // Dropout on the embeddings, the attention probabilities and both residual branches
   // (training only); masks come from the model's tp::RngTracker.
   double dropout = 0.0;
+  // Mixture of experts: the MLP of every moe.every-th block (from block 0) becomes
+  // moe.experts SwiGLU experts of which the router picks moe.topk per token.
+  ep::MoeOptions moe;
 
   // Raises InvalidArgument listing the known presets.
   static GptConfig preset(const std::string& name);
@@ -51,13 +55,14 @@ struct GptConfig {
   void validate_tp(int tp) const;
   std::int64_t head_dim() const { return d_model / n_head; }
   std::int64_t mlp_hidden() const;
+  std::int64_t expert_hidden() const { return moe.ffn_hidden > 0 ? moe.ffn_hidden : mlp_hidden(); }
   // Parameter count from the shapes (what the module registers).
   std::int64_t num_parameters() const;
   // The single-process model's parameters (name, shape) in registration order: the order
   // the initialisation draws them in.
   std::vector<std::pair<std::string, std::vector<std::int64_t>>> parameter_shapes() const;
   // Training FLOPs (forward + backward) per token at sequence length seq_len: 6 per
-  // weight used in a matmul (every parameter except norms, biases and learned positions;
+  // weight used in a matmul (of a MoE layer: the router and topk experts) (every parameter except norms, biases and learned positions;
   // the tied embedding counts once, as the output projection) plus attention's
   // 12 * n_layer * n_head * head_dim * seq_len (scores and values, causal mask ignored,
   // as in PaLM and nanoGPT).
@@ -83,18 +88,21 @@ struct TpEnv {
   int rank = 0, size = 1;
   bool sequence_parallel = false;
   std::shared_ptr<tp::RngTracker> rng;
+  CommPtr ep;  // the expert-parallel group (MoE blocks)
 };
 
 // One transformer block (pre-norm attention + MLP with residuals): attention heads and the
-// MLP width split across tp (column-parallel in, row-parallel out).
+// MLP width split across tp (column-parallel in, row-parallel out); block `index` of a MoE
+// model may have a Moe in place of the MLP.
 class BlockImpl : public torch::nn::Module {
  public:
-  BlockImpl(const GptConfig& config, TpEnv tp);
+  BlockImpl(const GptConfig& config, TpEnv tp, std::int64_t index = 0);
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& rope_cos,
                         const torch::Tensor& rope_sin);
   // Whether this rank holds its own n_kv_head / tp key/value heads (else all of them).
   bool kv_split() const { return config_.n_kv_head % tp_.size == 0; }
   tp::RngTracker& rng() { return *tp_.rng; }
+  Moe moe() const { return moe_; }  // null for a dense block
 
  private:
   torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) const;
@@ -107,6 +115,7 @@ class BlockImpl : public torch::nn::Module {
   torch::Tensor qkv_w_, qkv_b_;                             // attn_qkv: this rank's q, k, v rows
   tp::RowParallelLinear proj_{nullptr}, down_{nullptr};     // attention out, MLP out
   tp::ColumnParallelLinear fc_{nullptr}, gate_{nullptr};    // MLP in (gate: llama)
+  Moe moe_{nullptr};                                        // in place of the MLP
 };
 TORCH_MODULE(Block);
 
@@ -130,6 +139,9 @@ struct GptStage {
 // Tensor parallelism (ctx tp > 1): vocabulary-parallel embedding and output projection
 // (the loss never gathers the logits), heads and MLP width split; with sequence
 // parallelism the residual stream, norms and dropout hold T / tp positions per rank.
+// Expert parallelism (ctx ep > 1): each rank holds experts expert_rows() of every MoE
+// layer. MoE auxiliary losses are not part of loss(): their gradients enter in backward,
+// scaled by set_aux_loss_scale.
 class GptImpl : public torch::nn::Module {
  public:
   // Raises InvalidArgument for an invalid config (see GptConfig::validate) or stage.
@@ -154,12 +166,21 @@ class GptImpl : public torch::nn::Module {
   // Installs hooks called around every block's forward (null removes them); the caller
   // keeps them alive while the model runs.
   void set_block_hooks(BlockHooks* hooks) { hooks_ = hooks; }
-  // Each parameter's tensor-parallel layout, in parameter_list() order.
+  // Each parameter's tensor-parallel layout, in parameter_list() order. For an expert
+  // parameter (is_expert_parameter) it is relative to this rank's experts: full_shape's
+  // first dimension is E / ep, the rows expert_rows() of the single-process tensor.
   const std::vector<std::pair<std::string, TpShard>>& tp_shards() const { return shards_; }
-  // The single-process parameters, assembled from every tp rank's slices (collective over
-  // the tp group; copies, on the model's device). With one tp rank: copies of the local ones.
+  // The single-process parameters, assembled from every tp rank's slices and every ep
+  // rank's experts (collective over the tp and ep groups; copies, on the model's device). With one tp rank: copies of the local ones.
   NamedParameters full_parameters() const;
   tp::RngTracker& rng() { return *tp_.rng; }
+  // (first, count) of the experts this rank holds in every MoE layer ((0, E) at ep = 1).
+  std::pair<std::int64_t, std::int64_t> expert_rows() const;
+  // This stage's MoE layers with their block indices, in order.
+  std::vector<std::pair<std::int64_t, Moe>> moe_layers() const;
+  // The factor the caller multiplies the loss by before backward (every MoE layer's
+  // auxiliary losses get the same); 1 by default.
+  void set_aux_loss_scale(double scale);
 
  private:
   torch::Tensor local_logits(const torch::Tensor& h);  // [B, T, padded vocab / tp]

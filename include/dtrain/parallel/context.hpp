@@ -17,7 +17,9 @@ struct ParallelConfig {
   int dp = 0;  // data-parallel degree; 0: whatever the world size leaves after the others
   int tp = 1;  // tensor parallel (innermost axis)
   int pp = 1;  // pipeline stages (outermost axis)
-  int ep = 1;  // expert parallel
+  // Expert parallel: splits the dp ranks into groups of ep that each hold E / ep of every
+  // MoE layer's experts and exchange tokens (must divide dp; does not add ranks).
+  int ep = 1;
   int cp = 1;  // context (sequence) parallel
   // Hybrid sharding (HSDP): the dp ranks form dp / dp_shard replicas of dp_shard ranks
   // each (mesh axes dp_replicate x dp_shard); 0: no such split (axis dp).
@@ -41,7 +43,7 @@ using ContextPtr = std::shared_ptr<ParallelContext>;
 class ParallelContext {
  public:
   // Raises InvalidArgument for degrees that do not fit the world, and for strategies this
-  // build does not implement yet (ep, cp > 1), naming the option.
+  // build does not implement yet (cp > 1), naming the option.
   ParallelContext(CommPtr world, ParallelConfig config, c10::Device device = c10::kCPU);
   // One process, every degree 1, on `device`.
   static ContextPtr single_process(c10::Device device = c10::kCPU);
@@ -70,6 +72,13 @@ class ParallelContext {
   CommPtr pp_comm() { return mesh_.comm("pp"); }
   int pp_rank() const { return mesh_.coord("pp"); }
   int pp_size() const { return config_.pp; }
+  // Expert parallelism: the ranks that split each MoE layer's experts (part of the dp
+  // group, tp coordinate fixed), and the ranks that hold the same experts (dp / ep of them:
+  // expert gradients are averaged over it). Self and dp_comm() at ep = 1.
+  CommPtr ep_comm() { return mesh_.comm("ep"); }
+  int ep_rank() const { return mesh_.coord("ep"); }
+  int ep_size() const { return config_.ep; }
+  CommPtr expert_dp_comm() { return config_.ep > 1 ? mesh_.comm("dp") : dp_comm(); }
   bool is_single_process() const { return world_size() == 1; }
 
  private:

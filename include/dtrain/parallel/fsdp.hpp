@@ -122,7 +122,10 @@ class ShardedDataParallel {
   // parallelism, see FsdpOptions::tp and ::pp); clips them to max_norm
   // (infinity: no clipping) and returns the norm before clipping. grad_scale: the loss
   // scale the gradients carry (dtrain::clip_grad_norm unscales them in the same pass).
-  double clip_grad_norm(double max_norm, double grad_scale = 1.0);
+  // extra: gradients outside the shards that share the norm and are clipped with them
+  // (experts split over ep, see train::Trainer).
+  double clip_grad_norm(double max_norm, double grad_scale = 1.0,
+                        const std::vector<GradGroup>& extra = {});
   // AdamW on this rank's shards at learning rate lr, then the all-gather of the
   // parameters.
   void step(double lr);

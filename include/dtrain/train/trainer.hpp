@@ -72,6 +72,18 @@ struct TrainOptions {
   std::string trace_path;
 };
 
+// Mixture-of-experts telemetry of one step (every MoE layer of the model, all ranks).
+struct MoeMetrics {
+  std::vector<std::int64_t> layers;                    // block index of each MoE layer
+  std::vector<std::vector<double>> tokens_per_expert;  // per layer: assignments per expert
+  double expert_load_max_over_mean = 0;  // max / mean assignments over experts (worst layer)
+  double ep_load_max_over_mean = 0;      // max / mean tokens received over ep ranks (worst layer)
+  double dropped_fraction = 0;           // assignments dropped by capacity / all assignments
+  double aux_loss = 0, z_loss = 0;       // mean per layer and micro-batch (coefficients applied)
+  double a2a_bytes = 0;                  // per rank (mean): dispatch and combine, fwd + bwd
+  double a2a_ms = 0;                     // per rank (mean): time in those all-to-alls
+};
+
 // What one optimizer step did. Times are milliseconds on this rank; the loss is the
 // global mean over every rank and micro-batch.
 struct StepMetrics {
@@ -86,6 +98,7 @@ struct StepMetrics {
   bool skipped = false;                 // gradients overflowed: no update was applied
   std::int64_t skipped_steps = 0;       // overflowed steps so far
   std::int64_t tokens = 0;              // tokens trained so far (all ranks)
+  MoeMetrics moe;                       // empty layers for a dense model
 };
 
 class Trainer {
@@ -145,6 +158,7 @@ class Trainer {
   double pipeline_loss(double local);  // the last stage's loss, on every rank
   void check_options() const;
   void load_data();
+  void collect_moe(MoeMetrics& m);  // one all-reduce over the world; updates router biases
 
   ContextPtr ctx_;
   models::GptConfig model_config_;
@@ -158,6 +172,10 @@ class Trainer {
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::unique_ptr<CosineSchedule> schedule_;
   std::unique_ptr<DataParallel> ddp_;
+  // Expert parallelism: expert gradients averaged over the expert-data-parallel ranks (and,
+  // with --fsdp, their own AdamW: experts are split over ep, not sharded over dp).
+  std::unique_ptr<DataParallel> expert_ddp_;
+  std::unique_ptr<torch::optim::Optimizer> expert_optimizer_;
   std::unique_ptr<ShardedDataParallel> sdp_;
   std::unique_ptr<DynamicLossScaler> scaler_;
   std::unique_ptr<Reporter> reporter_;
