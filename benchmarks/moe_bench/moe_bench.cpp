@@ -56,11 +56,15 @@ Row run(const Options& o, const dtrain::CommPtr& world, c10::Device device, int 
   auto w2 = (torch::randn({o.d_model, w}, gen) * 0.02).to(device).requires_grad_(true);
   {
     torch::NoGradGuard no_grad;
-    auto init = at::make_generator<at::CPUGeneratorImpl>(7 + ctx->ep_rank());
-    for (auto& p : moe->parameters()) p.copy_(torch::randn(p.sizes(), init) * 0.02);
+    // The router is replicated (the same on every rank); each ep rank has its own experts.
+    auto same = at::make_generator<at::CPUGeneratorImpl>(7);
+    auto own = at::make_generator<at::CPUGeneratorImpl>(1000 + ctx->ep_rank());
+    moe->router.copy_(torch::randn(moe->router.sizes(), same) * 0.02);
+    for (auto* p : {&moe->fc, &moe->gate, &moe->proj}) p->copy_(torch::randn(p->sizes(), own) * 0.02);
     moe->to(device);
   }
-  const auto x = torch::randn({1, o.tokens, o.d_model}, gen).to(device);
+  // The input needs its gradient, as inside a model (the dispatch then runs backward too).
+  const auto x = torch::randn({1, o.tokens, o.d_model}, gen).to(device).requires_grad_(true);
   std::vector<double> layer, a2a, dense;
   double bytes = 0;
   for (int i = 0; i < o.warmup + o.iters; ++i) {
