@@ -133,10 +133,11 @@ if(MPIEXEC)
   expect(np2-pp-fsdp-chunks 2 "--fsdp full with --virtual-stages 2 is not available"
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --pp 2 --fsdp full --pp-schedule interleaved
          --virtual-stages 2 --n-layer 4 --microbatches 2)
-  # Mixture of experts split over 2 ep ranks: the layout, the telemetry line, JSON lines.
+  # Mixture of experts split over 2 ep ranks (bf16 autocast, recomputed blocks): the layout,
+  # the telemetry line, JSON lines.
   expect(np2-moe 0 "moe: 2 layer\\(s\\) .* of 4 SwiGLU experts .*top-2 softmax routing, capacity factor 1.25.*ep 2: 2 experts per rank.*step +2: moe aux [0-9.]+ .*all-to-all [0-9.]+ MiB.*val loss"
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --moe-experts 4 --ep 2 --moe-capacity 1.25
-         --metrics "${WORK_DIR}/moe.jsonl")
+         --precision bf16 --activation-checkpointing full --metrics "${WORK_DIR}/moe.jsonl")
   file(READ "${WORK_DIR}/moe.jsonl" moe_lines)
   if(moe_lines MATCHES "\"moe\":{.*\"a2a_bytes\":[1-9].*\"dropped_fraction\".*\"tokens_per_expert\":\\[\\[")
     message(STATUS "ok: np2-moe-metrics")

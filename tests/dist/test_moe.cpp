@@ -135,7 +135,10 @@ TEST_F(MoeTrainTest, ComposesWithDataParallelShardingTensorAndPipelineParallelis
   gpt2.family = "gpt2", gpt2.n_kv_head = gpt2.n_head, gpt2.tie_embeddings = true;
   gpt2.moe.score = "sigmoid", gpt2.moe.bias_update_rate = 1e-3, gpt2.activation_checkpointing = true;
   std::vector<Case> cases;
-  if (n == 2) cases = {{2, 1, false, 1, "zero2", cfg}, {2, 1, false, 1, "full", gpt2}, {1, 2, true, 1, "none", cfg}};
+  if (n == 2) {
+    cases = {{2, 1, false, 1, "zero2", cfg}, {2, 1, false, 1, "full", gpt2}, {1, 2, true, 1, "none", cfg},
+             {1, 1, false, 1, "full", cfg}};  // ep 1: the experts inside the blocks' FSDP units
+  }
   if (n == 3) cases = {{3, 1, false, 1, "zero1", gpt2}};
   if (n == 4) {
     cases = {{2, 1, false, 1, "none", gpt2},  {2, 1, false, 1, "zero2", cfg}, {2, 2, false, 1, "none", cfg},
