@@ -2,7 +2,8 @@
 # Installs what dtrain needs, and nothing that is already there: Debian packages (compiler,
 # CMake, Ninja, ccache, Open MPI, spdlog, CLI11, nlohmann-json, GoogleTest, and `fortunes`,
 # the prose the demo and a pretraining test train on) and LibTorch
-# (an importable torch, else `pip install torch==$DTRAIN_TORCH_VERSION`, default 2.11.0).
+# (an importable torch, else `pip install torch==$DTRAIN_TORCH_VERSION`, default 2.11.0), and
+# Python's safetensors and numpy (the checkpoint tests read dtrain's files with them).
 # The CUDA toolkit, NCCL and cuDNN are used from CUDA_HOME or /usr/local/cuda when present.
 set -euo pipefail
 
@@ -36,19 +37,29 @@ torch_version() {
   python3 -c "import importlib.util as u, importlib.metadata as m, sys
 sys.exit(1) if u.find_spec('torch') is None else print(m.version('torch'))" 2>/dev/null
 }
-if torch_version >/dev/null; then
-  :
-else
-  say "installing torch==${DTRAIN_TORCH_VERSION} (LibTorch headers, libraries and CMake config)"
-  if ! python3 -m pip install -q "torch==${DTRAIN_TORCH_VERSION}" 2>/tmp/dtrain-pip.err; then
+pip_install() {  # pip_install SPEC: into the python3 that CMake asks for torch
+  if ! python3 -m pip install -q "$1" 2>/tmp/dtrain-pip.err; then
     if grep -q externally-managed /tmp/dtrain-pip.err; then
-      python3 -m pip install -q --break-system-packages "torch==${DTRAIN_TORCH_VERSION}"
+      python3 -m pip install -q --break-system-packages "$1"
     else
       cat /tmp/dtrain-pip.err >&2
       exit 1
     fi
   fi
+}
+if torch_version >/dev/null; then
+  :
+else
+  say "installing torch==${DTRAIN_TORCH_VERSION} (LibTorch headers, libraries and CMake config)"
+  pip_install "torch==${DTRAIN_TORCH_VERSION}"
 fi
+# Python's safetensors: the checkpoint tests check that it reads dtrain's files.
+for pkg in numpy safetensors; do  # safetensors.torch needs numpy
+  if ! python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('$pkg') is None)" 2>/dev/null; then
+    say "installing $pkg (Python; the checkpoint tests read dtrain's files with safetensors)"
+    pip_install "$pkg"
+  fi
+done
 say "ready: torch $(torch_version)," \
     "$(mpirun --version 2>/dev/null | head -1 || echo 'no MPI')," \
     "nvcc $(command -v nvcc >/dev/null && nvcc --version | grep -o 'release [0-9.]*' || echo 'absent')"

@@ -1,6 +1,8 @@
 // dtrain umbrella header: everything a training program needs.
 #pragma once
 
+#include "dtrain/checkpoint/directory.hpp"
+#include "dtrain/checkpoint/safetensors.hpp"
 #include "dtrain/comm/communicator.hpp"
 #include "dtrain/comm/launch_env.hpp"
 #include "dtrain/comm/runtime.hpp"
