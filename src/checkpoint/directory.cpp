@@ -17,6 +17,7 @@
 
 #include "dtrain/checkpoint/safetensors.hpp"
 #include "dtrain/core/fs.hpp"
+#include "file_io.hpp"
 
 namespace dtrain::checkpoint {
 
@@ -43,23 +44,7 @@ void sync_dir(const std::string& dir) {
 
 // Writes text to path durably (write, fsync, close).
 void write_durable(const std::string& path, const std::string& text) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) fail(path, "cannot be created: " + errno_text());
-  const char* p = text.data();
-  std::size_t left = text.size();
-  std::string problem;
-  while (left > 0 && problem.empty()) {
-    const ssize_t n = ::write(fd, p, left);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) problem = "write failed: " + (n == 0 ? std::string("no progress") : errno_text());
-    else p += n, left -= static_cast<std::size_t>(n);
-  }
-  if (problem.empty() && ::fsync(fd) != 0) problem = "fsync failed: " + errno_text();
-  if (::close(fd) != 0 && problem.empty()) problem = "close failed: " + errno_text();
-  if (!problem.empty()) {
-    ::unlink(path.c_str());
-    fail(path, problem);
-  }
+  io::write_file(path, {{text.data(), text.size()}});
 }
 
 void rename_or_fail(const std::string& from, const std::string& to) {

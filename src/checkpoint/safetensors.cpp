@@ -11,6 +11,8 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 
+#include "file_io.hpp"
+
 namespace dtrain::checkpoint {
 
 namespace {
@@ -106,11 +108,17 @@ std::uint64_t write_safetensors(const std::string& path,
   unsigned char prefix[8];
   for (int i = 0; i < 8; ++i) prefix[i] = static_cast<unsigned char>(length >> (8 * i));
 
+  std::vector<io::Buffer> buffers{{prefix, 8}, {text.data(), text.size()}};
+  for (const auto& t : cpu) buffers.push_back({t.data_ptr(), t.nbytes()});
+  return io::write_file(path, buffers);
+}
+
+std::uint64_t io::write_file(const std::string& path, const std::vector<Buffer>& buffers) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) fail(path, system_error("cannot be created"));
   std::uint64_t hash = 0xcbf29ce484222325ULL;
-  bool ok = write_all(fd, prefix, 8, hash) && write_all(fd, text.data(), text.size(), hash);
-  for (std::size_t i = 0; ok && i < cpu.size(); ++i) ok = write_all(fd, cpu[i].data_ptr(), cpu[i].nbytes(), hash);
+  bool ok = true;
+  for (std::size_t i = 0; ok && i < buffers.size(); ++i) ok = write_all(fd, buffers[i].data, buffers[i].size, hash);
   std::string problem = ok ? "" : system_error("write failed");
   if (ok && ::fsync(fd) != 0) ok = false, problem = system_error("fsync failed");
   if (::close(fd) != 0 && ok) ok = false, problem = system_error("close failed");

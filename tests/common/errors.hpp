@@ -1,4 +1,5 @@
-// The message of an expected InvalidArgument, for tests that check what an error names.
+// The message of an expected error (InvalidArgument by default), for tests that check what
+// an error names.
 #pragma once
 
 #include <functional>
@@ -8,11 +9,12 @@
 
 namespace dtrain::testing {
 
-// The message of the InvalidArgument that f raises, or "(no error)".
-inline std::string error_message(const std::function<void()>& f) {
+// The message of the E that f raises, or "(no error)".
+template <typename E = InvalidArgument>
+std::string error_message(const std::function<void()>& f) {
   try {
     f();
-  } catch (const InvalidArgument& e) {
+  } catch (const E& e) {
     return e.what();
   }
   return "(no error)";

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "common/errors.hpp"
 #include "dtrain/checkpoint/directory.hpp"
 #include "dtrain/checkpoint/safetensors.hpp"
 #include "dtrain/core/fs.hpp"
@@ -35,14 +36,8 @@ class SafetensorsTest : public ::testing::Test {
   static void write_bytes(const std::string& file, const std::string& bytes) {
     std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes;
   }
-  // The message of the CheckpointError that f raises, or "(no error)".
   static std::string error_of(const std::function<void()>& f) {
-    try {
-      f();
-    } catch (const CheckpointError& e) {
-      return e.what();
-    }
-    return "(no error)";
+    return testing::error_message<CheckpointError>(f);
   }
   std::string dir_;
 };
