@@ -80,7 +80,7 @@ ParallelContext::ParallelContext(CommPtr world, ParallelConfig config, c10::Devi
 
 CommPtr ParallelContext::dp_comm() {
   if (config_.dp_shard > 0) return mesh_.comm({"dp_replicate", "dp_shard"});
-  return mesh_.comm({"dp", "ep"});  // the "ep" axis exists only with ep > 1
+  return mesh_.comm({"dp", "ep"});  // ep has size 1 without expert parallelism
 }
 
 int ParallelContext::dp_rank() const {
