@@ -1,7 +1,8 @@
 // pretrain_gpt: GPT-2 / Llama pretraining with data parallelism, on CPUs over MPI or on
 // GPUs over NCCL. Options come from CLI11 flags and an optional JSON config whose keys are
 // the long flag names ({"preset": "tiny", "seq-len": 64}); flags given on the command line
-// override the file. Exit codes: 0 done, 2 bad input (named in the message), 1 failure.
+// override the file. Exit codes: 0 done, 2 bad input (named in the message; an unusable
+// --resume checkpoint too), 1 failure, 75 preempted (SIGTERM/SIGUSR1: saved, then stopped).
 //
 //   mpirun -np 2 build/examples/pretrain_gpt --config examples/configs/tiny.json
 //       --train-data 'data/fortunes/fortunes_train_*.bin' --val-data 'data/fortunes/fortunes_val_*.bin'
@@ -13,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "dtrain/checkpoint/safetensors.hpp"
 #include "dtrain/comm/launch_env.hpp"
 #include "dtrain/comm/runtime.hpp"
 #include "dtrain/core/error.hpp"
@@ -25,6 +27,7 @@ using dtrain::InvalidArgument;
 
 constexpr int kExitBadInput = 2;
 constexpr int kExitFailure = 1;
+constexpr int kExitPreempted = 75;  // EX_TEMPFAIL: stopped by SIGTERM/SIGUSR1 after saving
 
 struct Options {
   std::string config;
@@ -134,6 +137,12 @@ void define(CLI::App& app, Options& o) {
   app.add_option("--peak-tflops", t.peak_tflops, "peak TFLOP/s of one device for MFU (0: known-GPU table)")->group(report);
   app.add_option("--progress", t.progress, "progress bar: auto (terminal), on, off")->group(report);
   app.add_flag("--sync-timing", t.sync_timing, "synchronize the device between phases for an exact time breakdown")->group(report);
+  const char* ckpt = "Checkpoints and faults";
+  app.add_option("--save-dir", t.save_dir, "checkpoint directory (step_<N>/ per save; also saved after the last step and on SIGTERM/SIGUSR1)")->group(ckpt);
+  app.add_option("--save-every", t.save_every, "save every N steps (0: only at the end and on a preemption signal)")->group(ckpt);
+  app.add_option("--keep-checkpoints", t.keep_checkpoints, "keep the newest N checkpoints (0: all)")->group(ckpt);
+  app.add_option("--resume", t.resume, "auto (newest good checkpoint under --save-dir, if any) or a checkpoint directory; any layout loads into any other")->group(ckpt);
+  app.add_option("--max-skipped-steps", t.max_skipped_steps, "abort after N steps in a row with non-finite gradients (each is skipped)")->group(ckpt);
 }
 
 // "--key value" tokens for every entry of the JSON config, checked against the app.
@@ -249,6 +258,10 @@ int main(int argc, char** argv) {
     auto ctx = std::make_shared<dtrain::ParallelContext>(runtime->world(), parallel, runtime->device());
     trainer = std::make_unique<dtrain::train::Trainer>(ctx, model, o.train);
     trainer->log_summary();
+  } catch (const dtrain::checkpoint::CheckpointError& e) {
+    // --resume: every rank raises the same error (the trainer makes them agree).
+    if (!runtime || runtime->rank() == 0) std::fprintf(stderr, "pretrain_gpt: error: %s\n", e.what());
+    return kExitBadInput;
   } catch (const InvalidArgument& e) {
     // Bad input is detected identically on every rank (the trainer makes the ranks agree).
     const std::string what = e.what();
@@ -264,10 +277,17 @@ int main(int argc, char** argv) {
   }
   try {
     const auto metrics = trainer->run();
+    if (metrics.empty()) {
+      dtrain::log_info("done: nothing to train, the run is at step {} of --steps {}", trainer->step(),
+                       o.train.steps);
+      return 0;
+    }
     const auto& first = metrics.front();
     const auto& last = metrics.back();
-    dtrain::log_info("done: {} steps, loss {} -> {}{}", metrics.size(), first.loss, last.loss,
+    dtrain::log_info("{}: {} steps, loss {} -> {}{}", trainer->preempted() ? "preempted" : "done", metrics.size(),
+                     first.loss, last.loss,
                      last.val_loss >= 0 ? dtrain::format(", val loss {}", last.val_loss) : std::string());
+    if (trainer->preempted()) return kExitPreempted;
   } catch (const std::exception& e) {
     // Mid-run failures may leave peers inside a collective: end the whole job.
     std::fprintf(stderr, "pretrain_gpt: error during training: %s\n", e.what());

@@ -3,6 +3,7 @@
 
 #include "dtrain/checkpoint/directory.hpp"
 #include "dtrain/checkpoint/safetensors.hpp"
+#include "dtrain/checkpoint/sharded.hpp"
 #include "dtrain/comm/communicator.hpp"
 #include "dtrain/comm/launch_env.hpp"
 #include "dtrain/comm/runtime.hpp"

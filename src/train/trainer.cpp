@@ -22,6 +22,7 @@
 #include "dtrain/parallel/pipeline_partition.hpp"
 #include "dtrain/train/autocast.hpp"
 #include "dtrain/train/device_stats.hpp"
+#include "train/faults.hpp"
 
 namespace dtrain::train {
 
@@ -292,11 +293,14 @@ Trainer::Trainer(ContextPtr ctx, models::GptConfig model, TrainOptions options)
   if (reporter_->active) {
     reporter_->bar = options_.progress == "on" || (options_.progress == "auto" && isatty(2));
     if (!options_.metrics_path.empty()) {
-      reporter_->metrics.open(options_.metrics_path, std::ios::out | std::ios::trunc);
+      // A resumed run appends to the metrics of the steps before it.
+      reporter_->metrics.open(options_.metrics_path,
+                              std::ios::out | (options_.resume.empty() ? std::ios::trunc : std::ios::app));
       DTRAIN_CHECK_ARG(reporter_->metrics.good(), "--metrics '", options_.metrics_path,
                        "' cannot be written");
     }
   }
+  if (!options_.resume.empty()) resume();
 }
 
 Trainer::~Trainer() {
@@ -473,6 +477,14 @@ void Trainer::check_options() const {
     DTRAIN_CHECK_ARG(std::ofstream(path, std::ios::out | std::ios::app).good(), "--trace '",
                      o.trace_path, "': this rank's file '", path, "' cannot be written");
   }
+  DTRAIN_CHECK_ARG(o.save_every >= 0, "--save-every=", o.save_every, " must be >= 0 (0: only at the end)");
+  DTRAIN_CHECK_ARG(o.save_every == 0 || !o.save_dir.empty(), "--save-every ", o.save_every,
+                   " needs --save-dir (where the checkpoints go)");
+  DTRAIN_CHECK_ARG(o.keep_checkpoints >= 0, "--keep-checkpoints=", o.keep_checkpoints,
+                   " must be >= 0 (0: keep all)");
+  DTRAIN_CHECK_ARG(o.resume != "auto" || !o.save_dir.empty(),
+                   "--resume auto needs --save-dir (the directory it searches for checkpoints)");
+  DTRAIN_CHECK_ARG(o.max_skipped_steps >= 1, "--max-skipped-steps=", o.max_skipped_steps, " must be >= 1");
   DTRAIN_CHECK_ARG(o.peak_tflops >= 0, "--peak-tflops=", o.peak_tflops, " must be >= 0");
   if (o.fsdp != "none") parse_sharding(o.fsdp);  // raises naming --fsdp
   DTRAIN_CHECK_ARG(o.fsdp_prefetch >= 0 && o.fsdp_prefetch <= 16, "--fsdp-prefetch=",
@@ -683,6 +695,7 @@ StepMetrics Trainer::train_step() {
   auto timed_sync = [&]() {
     if (options_.sync_timing) synchronize(device);
   };
+  inject_fault(ctx_->rank(), step_ + 1);
   StepMetrics m;
   m.step = step_ + 1;  // steps completed once this one is done
   m.lr = schedule_->lr(step_);
@@ -763,13 +776,17 @@ StepMetrics Trainer::train_step() {
   } else {
     m.grad_norm = clip_grad_norm(model_->parameters(), max_norm, nullptr, scale);
   }
-  bool apply = true;
+  // The norm is the same on every rank: they all skip, or none does.
+  const bool finite = std::isfinite(m.grad_norm);
   if (scaler_) {
     m.loss_scale = scale;
-    apply = scaler_->update(std::isfinite(m.grad_norm));
-    m.skipped = !apply;
-    m.skipped_steps = scaler_->skipped_steps();
+    scaler_->update(finite);
   }
+  const bool apply = finite;
+  m.skipped = !apply;
+  skipped_ += apply ? 0 : 1;
+  skipped_in_a_row_ = apply ? 0 : skipped_in_a_row_ + 1;
+  m.skipped_steps = skipped_;
   if (apply && expert_optimizer_) {
     set_learning_rate(*expert_optimizer_, m.lr);
     expert_optimizer_->step();
@@ -793,6 +810,12 @@ StepMetrics Trainer::train_step() {
   }
   if (model_config_.moe.enabled()) collect_moe(m.moe);
   m.step_ms = ms_since(t_step);
+  if (skipped_in_a_row_ >= options_.max_skipped_steps) {
+    throw Error(format("training diverged: {} steps in a row up to step {} had non-finite gradients "
+                       "(last loss {}, grad norm {}) and were skipped; --max-skipped-steps {}. "
+                       "Lower --lr or resume from an earlier checkpoint",
+                       skipped_in_a_row_, step_ + 1, m.loss, m.grad_norm, options_.max_skipped_steps));
+  }
 
   ++step_;
   const std::int64_t step_tokens = options_.global_batch * options_.seq_len;
@@ -910,6 +933,7 @@ double Trainer::evaluate() {
 
 std::vector<StepMetrics> Trainer::run() {
   std::vector<StepMetrics> out;
+  const PreemptionSignals signals(!options_.save_dir.empty());
   auto& rep = *reporter_;
   rep.start = Clock::now();
   rep.first_step = step_;
@@ -931,11 +955,14 @@ std::vector<StepMetrics> Trainer::run() {
       if (m.step % o.log_every == 0 || m.step == 1 || last || m.val_loss >= 0 || m.skipped) {
         char mfu[32] = "n/a";
         if (m.mfu >= 0) std::snprintf(mfu, sizeof(mfu), "%.1f%%", 100 * m.mfu);
-        char scaling[96] = "";
+        char scaling[128] = "";
         if (m.loss_scale > 0) {
           std::snprintf(scaling, sizeof(scaling), " | loss scale %g%s | skipped %lld", m.loss_scale,
                         m.skipped ? " (overflow, step skipped)" : "",
                         static_cast<long long>(m.skipped_steps));
+        } else if (m.skipped) {
+          std::snprintf(scaling, sizeof(scaling), " | non-finite gradients: step skipped (%lld in a row, %lld in all)",
+                        static_cast<long long>(skipped_in_a_row_), static_cast<long long>(m.skipped_steps));
         }
         char line[640];
         std::snprintf(line, sizeof(line),
@@ -989,8 +1016,8 @@ std::vector<StepMetrics> Trainer::run() {
                       {"a2a_bytes", m.moe.a2a_bytes},
                       {"a2a_ms", m.moe.a2a_ms}};
         }
-        if (m.loss_scale > 0) {
-          j["loss_scale"] = m.loss_scale;
+        if (m.loss_scale > 0) j["loss_scale"] = m.loss_scale;
+        if (m.loss_scale > 0 || m.skipped_steps > 0) {
           j["skipped"] = m.skipped;
           j["skipped_steps"] = m.skipped_steps;
         }
@@ -1000,6 +1027,16 @@ std::vector<StepMetrics> Trainer::run() {
       rep.draw_bar(step_, o.steps);
     }
     out.push_back(m);
+    const bool stop = stop_requested();
+    if (!o.save_dir.empty() && (stop || last || (o.save_every > 0 && step_ % o.save_every == 0))) {
+      rep.clear_bar();
+      save_checkpoint();
+    }
+    if (stop) {
+      preempted_ = true;
+      if (rep.active) log_info("preempted: stopped after step {} with a checkpoint; resume with --resume auto", step_);
+      break;
+    }
   }
   rep.clear_bar();
   if (trace_) {

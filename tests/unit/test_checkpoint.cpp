@@ -14,6 +14,7 @@
 #include "common/errors.hpp"
 #include "dtrain/checkpoint/directory.hpp"
 #include "dtrain/checkpoint/safetensors.hpp"
+#include "dtrain/checkpoint/sharded.hpp"
 #include "dtrain/core/fs.hpp"
 
 namespace dtrain::checkpoint {
@@ -259,6 +260,94 @@ TEST_F(CheckpointDirTest, BadFilesAreNamedAndTheNewestGoodCheckpointIsUsed) {
   msg = error_of([&] { latest_good(root); });
   EXPECT_NE(msg.find("no usable checkpoint"), std::string::npos) << msg;
   EXPECT_NE(msg.find("is not a dtrain-checkpoint manifest"), std::string::npos) << msg;
+}
+
+// The global flat index of every local element, computed the slow way: the local tensor is
+// the concatenation along dim of the ranges (padding: -1) of rows [row0, row0 + rows).
+torch::Tensor brute_force(const std::vector<std::int64_t>& shape, std::int64_t dim,
+                          const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges, std::int64_t row0,
+                          std::int64_t rows) {
+  std::int64_t n = 1;
+  for (auto d : shape) n *= d;
+  auto idx = torch::arange(n, torch::kLong).view(shape).narrow(0, row0, rows);
+  std::vector<torch::Tensor> parts;
+  for (const auto& [start, len] : ranges) {
+    const std::int64_t have = std::clamp<std::int64_t>(shape[static_cast<std::size_t>(dim)] - start, 0, len);
+    if (have > 0) parts.push_back(idx.narrow(dim, start, have));
+    if (have < len) {
+      auto pad = idx.sizes().vec();
+      pad[static_cast<std::size_t>(dim)] = len - have;
+      parts.push_back(torch::full(pad, -1, torch::kLong));
+    }
+  }
+  return torch::cat(parts, dim).reshape({-1});
+}
+
+torch::Tensor from_runs(const Runs& runs, std::int64_t numel) {
+  auto out = torch::full({numel}, -1, torch::kLong);
+  for (const auto& r : runs) out.narrow(0, r.local, r.numel).copy_(torch::arange(r.global, r.global + r.numel));
+  return out;
+}
+
+// Slices of every kind dtrain makes: dim-0 ranges (q, k, v rows of a tp rank), a dim-1
+// slice (row-parallel), expert rows with a dim-2 slice, vocabulary padding past the end.
+TEST(ShardedRunsTest, SliceRunsMapEveryLocalElementLikeTheSlowIndex) {
+  struct Case {
+    std::vector<std::int64_t> shape;
+    std::int64_t dim;
+    std::vector<std::pair<std::int64_t, std::int64_t>> ranges;
+    std::int64_t row0, rows;
+  };
+  const std::vector<Case> cases = {
+      {{12, 5}, 0, {{2, 2}, {6, 1}, {9, 2}}, 0, 12},
+      {{6, 8}, 1, {{4, 4}}, 0, 6},
+      {{6, 4, 8}, 2, {{2, 3}}, 2, 3},
+      {{6, 8, 4}, 1, {{0, 4}}, 4, 2},
+      {{10, 3}, 0, {{8, 4}}, 0, 10},  // rows 8, 9 and two rows of padding
+  };
+  for (const auto& c : cases) {
+    const auto want = brute_force(c.shape, c.dim, c.ranges, c.row0, c.rows);
+    const auto runs = c.dim == 0 ? slice_runs(c.shape, 0, c.ranges) : slice_runs(c.shape, c.dim, c.ranges, c.row0, c.rows);
+    EXPECT_TRUE(torch::equal(from_runs(runs, want.numel()), want)) << c.dim;
+    // Any flat window of the local tensor (an FSDP shard) keeps its part of the map.
+    const std::int64_t lo = want.numel() / 3, hi = want.numel() - 2;
+    EXPECT_TRUE(torch::equal(from_runs(restrict_runs(runs, lo, hi), hi - lo), want.narrow(0, lo, hi - lo)));
+  }
+  EXPECT_EQ(slice_runs({4, 6}, -1, {}), (Runs{{0, 0, 24}}));  // whole: one run
+  EXPECT_EQ(slice_runs({8, 6}, -1, {}, 2, 4), (Runs{{0, 12, 24}}));  // rows 2..5
+}
+
+// Two "ranks" write interleaved halves of a [6, 4] tensor (by columns); a reader fills a
+// third layout (rows 1..4) from both files and names a hole when one file is missing.
+TEST_F(SafetensorsTest, ShardReaderFillsAnyLayoutFromTheRankFiles) {
+  const auto full = torch::arange(24, torch::kFloat).view({6, 4});
+  std::map<std::string, std::vector<ShardReader::Shard>> index;
+  for (int r = 0; r < 2; ++r) {
+    const auto runs = slice_runs({6, 4}, 1, {{2 * r, 2}});
+    ShardEntry e{"param/w", {6, 4}, full.narrow(1, 2 * r, 2).contiguous().view(-1), runs};
+    std::vector<ShardSummary> sums;
+    const auto name = "rank" + std::to_string(r) + ".safetensors";
+    write_shard_file(path(name), {e}, {{"extra", torch::ones({2})}}, {}, &sums);
+    ASSERT_EQ(sums.size(), 1u);
+    EXPECT_EQ(sums[0].numel, 12);
+    EXPECT_EQ(sums[0].dtype, "F32");
+    index["param/w"].push_back({name, sums[0]});
+  }
+  {
+    ShardReader reader(dir_, index);
+    auto dest = torch::zeros({16});
+    reader.fill("param/w", slice_runs({6, 4}, -1, {}, 1, 4), dest);
+    EXPECT_TRUE(torch::equal(dest, full.narrow(0, 1, 4).reshape({-1})));
+    EXPECT_TRUE(torch::equal(reader.read_extra("rank1.safetensors", "extra"), torch::ones({2})));
+    EXPECT_FALSE(reader.read_extra("rank1.safetensors", "none").defined());
+    EXPECT_EQ(reader.shape("param/w"), (std::vector<std::int64_t>{6, 4}));
+    EXPECT_NE(error_of([&] { reader.shape("param/x"); }).find("holds no tensor 'param/x'"), std::string::npos);
+  }
+  index["param/w"].pop_back();
+  ShardReader half(dir_, index);
+  auto dest = torch::zeros({24});
+  const auto msg = error_of([&] { half.fill("param/w", slice_runs({6, 4}, -1, {}), dest); });
+  EXPECT_NE(msg.find("no file holds element 2 of 'param/w' [6, 4]"), std::string::npos) << msg;
 }
 
 }  // namespace

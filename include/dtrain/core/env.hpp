@@ -14,6 +14,12 @@ inline constexpr const char* kCommTimeoutS = "DTRAIN_COMM_TIMEOUT_S";  // defaul
 inline constexpr const char* kCommCheck = "DTRAIN_COMM_CHECK";         // 0/1, default 0
 inline constexpr const char* kLogLevel = "DTRAIN_LOG_LEVEL";  // trace|debug|info|warn|error
 inline constexpr const char* kLogAllRanks = "DTRAIN_LOG_ALL_RANKS";  // 0/1, default 0
+// Fault injection (tests): world rank DTRAIN_FAULT_KILL_RANK kills itself when step
+// DTRAIN_FAULT_AT_STEP begins, unless DTRAIN_RESTART_COUNT (set by dtrain-run on each
+// relaunch) is above 0.
+inline constexpr const char* kFaultKillRank = "DTRAIN_FAULT_KILL_RANK";
+inline constexpr const char* kFaultAtStep = "DTRAIN_FAULT_AT_STEP";
+inline constexpr const char* kRestartCount = "DTRAIN_RESTART_COUNT";
 
 // Raw value, or nullopt when unset or empty.
 std::optional<std::string> get(const char* name);

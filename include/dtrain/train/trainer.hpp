@@ -70,6 +70,19 @@ struct TrainOptions {
   // (trace::rank_path: "t.json" -> "t.rank<r>.json"), written when run() ends; "": none.
   // On a GPU each span ends with a device synchronize.
   std::string trace_path;
+  // Checkpoints (docs/checkpoints.md). save_dir: where they go (one step_<N> directory per
+  // save); save_every: every N steps (0: only after the last step and on a preemption
+  // signal, when save_dir is set); keep_checkpoints: the newest N are kept (0: all).
+  // resume: "" starts fresh; "auto" loads the newest good checkpoint under save_dir
+  // (fresh when there is none); a path loads that checkpoint directory (or the newest good
+  // one of a save_dir). Any checkpoint loads into any layout and world size.
+  std::string save_dir;
+  std::int64_t save_every = 0;
+  int keep_checkpoints = 0;
+  std::string resume;
+  // Steps whose gradients are not finite (NaN/Inf loss or gradients; float16 overflows)
+  // apply no update and are counted; this many in a row end the run with an error.
+  std::int64_t max_skipped_steps = 20;
 };
 
 // Mixture-of-experts telemetry of one step (every MoE layer of the model, all ranks).
@@ -95,8 +108,8 @@ struct StepMetrics {
   double mem_mib = 0, peak_mem_mib = 0;
   double val_loss = -1;                 // -1 when no evaluation ran after this step
   double loss_scale = 0;                // the scale this step's backward used; 0: no scaling
-  bool skipped = false;                 // gradients overflowed: no update was applied
-  std::int64_t skipped_steps = 0;       // overflowed steps so far
+  bool skipped = false;                 // gradients not finite: no update was applied
+  std::int64_t skipped_steps = 0;       // skipped steps so far
   std::int64_t tokens = 0;              // tokens trained so far (all ranks)
   MoeMetrics moe;                       // empty layers for a dense model
 };
@@ -149,6 +162,22 @@ class Trainer {
   // The spans recorded so far with TrainOptions::trace_path (null without it).
   const trace::Recorder* trace() const { return trace_.get(); }
 
+  // Writes this step's checkpoint under root ("" : options().save_dir); a collective over
+  // the world. Every rank writes the state it owns (parameters, AdamW moments, MoE router
+  // biases, its RNG states) to its own file and rank 0 the manifest; returns the step
+  // directory. On any rank's failure (disk full, permissions) every rank raises
+  // checkpoint::CheckpointError naming it; training state is untouched and the previous
+  // checkpoints stay loadable.
+  std::string save_checkpoint(const std::string& root = "");
+  // Loads a checkpoint directory written by any layout and world size (collective): each
+  // rank reads the byte ranges of the elements it holds. Optimizer state, step, tokens,
+  // data position, loss scaler and router biases resume; RNG states too when the layout
+  // is the same. CheckpointError (every rank, naming the file and the problem) when it is
+  // from another model, incomplete or corrupt; the trainer's state is then unchanged.
+  void load_checkpoint(const std::string& dir);
+  // Whether run() stopped early on SIGTERM or SIGUSR1 (after saving a checkpoint).
+  bool preempted() const { return preempted_; }
+
  private:
   struct Reporter;
   struct Pipeline;  // pipeline parallelism: this rank's chunks and the runtime
@@ -159,11 +188,19 @@ class Trainer {
   void check_options() const;
   void load_data();
   void collect_moe(MoeMetrics& m);  // one all-reduce over the world; updates router biases
+  struct StateTensor;
+  // This rank's state as pieces of the single-process tensors (trainer_checkpoint.cpp);
+  // fsdp: the pieces standing for the sharded parameters and moments.
+  std::vector<StateTensor> state_tensors(const ShardedState* fsdp) const;
+  void resume();                   // options_.resume, at construction
+  bool stop_requested();           // a preemption signal reached any rank (collective)
 
   ContextPtr ctx_;
   models::GptConfig model_config_;
   TrainOptions options_;
   std::int64_t accum_ = 1, micro_batch_ = 0, step_ = 0, tokens_ = 0;
+  std::int64_t skipped_ = 0, skipped_in_a_row_ = 0;  // steps without an update
+  bool preempted_ = false;
   double flops_per_token_ = 0, peak_tflops_ = 0;
   std::string device_name_;
   std::unique_ptr<data::TokenDataset> train_, val_;
