@@ -213,6 +213,10 @@ Trainer::Trainer(ContextPtr ctx, models::GptConfig model, TrainOptions options)
     : ctx_(std::move(ctx)), model_config_(std::move(model)), options_(std::move(options)) {
   DTRAIN_CHECK_ARG(ctx_ != nullptr, "Trainer needs a ParallelContext");
   validate_and_agree();
+  // LibTorch seeds its default generators from the OS; seeding them from the run's seed
+  // makes every process (and so every checkpoint file) reproducible. The model draws its
+  // initialisation and dropout masks from generators of its own.
+  torch::manual_seed(options_.seed + 1000003ULL * static_cast<std::uint64_t>(ctx_->rank()));
   if (!options_.trace_path.empty()) {
     trace_ = std::make_unique<trace::Recorder>(
         ctx_->rank(), format("rank {} (pp {}, dp {}, tp {})", ctx_->rank(), ctx_->pp_rank(),

@@ -160,6 +160,18 @@ expect(pp-schedule-unknown 2 "--pp-schedule 'pipedream' is not known; allowed: g
 expect(virtual-stages-without-pp 2 "--virtual-stages / --pp-layers need --pp > 1" ARGS ${DATA} --virtual-stages 2)
 expect(sp-without-tp 2 "--sequence-parallel needs --tp > 1" ARGS ${DATA} --sequence-parallel)
 expect(dropout-range 2 "dropout=1.5 is out of range" ARGS ${DATA} --dropout 1.5)
+# Checkpoint options.
+expect(save-every-without-dir 2 "--save-every 5 needs --save-dir" ARGS ${DATA} --global-batch 8 --save-every 5)
+expect(resume-auto-without-dir 2 "--resume auto needs --save-dir" ARGS ${DATA} --global-batch 8 --resume auto)
+expect(resume-not-a-checkpoint 2 "--resume '[^']*data' is neither a checkpoint" ARGS ${DATA} --global-batch 8 --resume "${WORK_DIR}/data")
+expect(max-skipped-steps 2 "--max-skipped-steps=0 must be >= 1" ARGS ${DATA} --global-batch 8 --max-skipped-steps 0)
+expect(keep-checkpoints 2 "--keep-checkpoints=-1 must be >= 0" ARGS ${DATA} --global-batch 8 --keep-checkpoints -1)
+# Save at the end, then resume auto with more steps: it continues from step 3.
+expect(save-at-end 0 "checkpoint: step 3 saved to [^\n]*ck/step_3" ARGS ${DATA} --global-batch 8 --steps 3 --warmup-steps 1 --save-dir "${WORK_DIR}/ck")
+expect(resume-auto 0 "resumed from [^\n]*ck/step_3 at step 3.*step +5/5" ARGS ${DATA} --global-batch 8 --steps 5 --warmup-steps 1 --save-dir "${WORK_DIR}/ck" --resume auto)
+expect(resume-done 0 "nothing to train, the run is at step 5 of --steps 5" ARGS ${DATA} --global-batch 8 --steps 5 --warmup-steps 1 --save-dir "${WORK_DIR}/ck" --resume auto)
+expect(resume-other-model 2 "is from a different model: n_layer is 2 there, 3 here"
+       ARGS ${DATA} --global-batch 8 --steps 6 --warmup-steps 1 --n-layer 3 --resume "${WORK_DIR}/ck/step_5")
 
 if(failures GREATER 0)
   message(FATAL_ERROR "${failures} pretrain_gpt CLI check(s) failed")
