@@ -140,6 +140,7 @@ void define(CLI::App& app, Options& o) {
   const char* ckpt = "Checkpoints and faults";
   app.add_option("--save-dir", t.save_dir, "checkpoint directory (step_<N>/ per save; also saved after the last step and on SIGTERM/SIGUSR1)")->group(ckpt);
   app.add_option("--save-every", t.save_every, "save every N steps (0: only at the end and on a preemption signal)")->group(ckpt);
+  app.add_flag("--async-save", t.async_save, "periodic saves copy the state to host memory and write it in the background")->group(ckpt);
   app.add_option("--keep-checkpoints", t.keep_checkpoints, "keep the newest N checkpoints (0: all)")->group(ckpt);
   app.add_option("--resume", t.resume, "auto (newest good checkpoint under --save-dir, if any) or a checkpoint directory; any layout loads into any other")->group(ckpt);
   app.add_option("--max-skipped-steps", t.max_skipped_steps, "abort after N steps in a row with non-finite gradients (each is skipped)")->group(ckpt);

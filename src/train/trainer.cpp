@@ -1032,9 +1032,10 @@ std::vector<StepMetrics> Trainer::run() {
     }
     out.push_back(m);
     const bool stop = stop_requested();
+    if (pending_) finish_save(/*only_if_written=*/true);
     if (!o.save_dir.empty() && (stop || last || (o.save_every > 0 && step_ % o.save_every == 0))) {
       rep.clear_bar();
-      save_checkpoint();
+      save_checkpoint("", o.async_save && !stop && !last);
     }
     if (stop) {
       preempted_ = true;
@@ -1043,6 +1044,7 @@ std::vector<StepMetrics> Trainer::run() {
     }
   }
   rep.clear_bar();
+  finish_save();
   if (trace_) {
     const auto path = trace::rank_path(o.trace_path, ctx_->rank());
     trace_->write(path);

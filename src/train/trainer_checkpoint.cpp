@@ -3,7 +3,9 @@
 // into any layout, resume at construction, and the per-step preemption check.
 #include <torch/torch.h>
 
+#include <atomic>
 #include <chrono>
+#include <thread>
 #include <cstdio>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -185,13 +187,33 @@ std::vector<Trainer::StateTensor> Trainer::state_tensors(const ShardedState* fsd
   return out;
 }
 
-std::string Trainer::save_checkpoint(const std::string& root_in) {
-  const std::string root = root_in.empty() ? options_.save_dir : root_in;
-  DTRAIN_CHECK_ARG(!root.empty(), "save_checkpoint: no directory given and no --save-dir");
+// A save between its snapshot and its commit: what every rank writes (host copies) and
+// what rank 0 puts in the manifest. Async saves write from a thread while training goes on.
+struct Trainer::PendingSave {
+  std::string root;
+  std::int64_t step = 0;
+  json meta;  // manifest fields known at the snapshot
+  std::vector<checkpoint::ShardEntry> entries;
+  std::vector<std::pair<std::string, at::Tensor>> extra;
+  json result;  // this rank's file record, or {"error": ...}
+  std::thread writer;
+  std::atomic<bool> written{false};
+  std::chrono::steady_clock::time_point start;
+  double snapshot_ms = 0;
+  bool async = false;
+  ~PendingSave() {
+    if (writer.joinable()) writer.join();
+  }
+};
+
+std::shared_ptr<Trainer::PendingSave> Trainer::snapshot(const std::string& root) {
   torch::NoGradGuard no_grad;
   auto& world = *ctx_->world();
   const auto device = ctx_->device();
-  const auto t0 = std::chrono::steady_clock::now();
+  auto p = std::make_shared<PendingSave>();
+  p->root = root;
+  p->step = step_;
+  p->start = std::chrono::steady_clock::now();
   std::string error;
   if (world.rank() == 0) {
     try {
@@ -201,55 +223,103 @@ std::string Trainer::save_checkpoint(const std::string& root_in) {
     }
   }
   agree(world, error, device);
-  const auto staging = checkpoint::staging_dir(root, step_);
-  // Every rank writes its file; the outcome goes to rank 0 as JSON.
-  json mine;
   try {
+    // Host copies: training may change the live tensors while the file is written.
     const auto sharded = sdp_ ? sdp_->sharded_state() : ShardedState{};
-    std::vector<checkpoint::ShardEntry> entries;
     for (auto& t : state_tensors(sdp_ ? &sharded : nullptr)) {
-      entries.push_back({t.key, t.shape, t.values, t.save});
+      if (t.save.empty()) continue;
+      p->entries.push_back({t.key, t.shape, t.values.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true), t.save});
     }
-    std::vector<std::pair<std::string, at::Tensor>> extra;
-    extra.emplace_back("rng/cpu", at::detail::getDefaultCPUGenerator().get_state());
-    if (!device.is_cpu()) extra.emplace_back("rng/device", at::globalContext().defaultGenerator(device).get_state());
+    p->extra.emplace_back("rng/cpu", at::detail::getDefaultCPUGenerator().get_state());
+    if (!device.is_cpu()) p->extra.emplace_back("rng/device", at::globalContext().defaultGenerator(device).get_state());
     auto chunks = models();
     for (std::size_t c = 0; c < chunks.size(); ++c) {
       const auto states = chunks[c]->rng().states();
-      for (std::size_t k = 0; k < states.size(); ++k) {
-        extra.emplace_back(format("rng/chunk{}/{}", c, k), states[k]);
+      for (std::size_t k = 0; k < states.size(); ++k) p->extra.emplace_back(format("rng/chunk{}/{}", c, k), states[k]);
+    }
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  agree(world, error, device);
+  if (world.rank() == 0) {
+    const auto& o = options_;
+    const auto& pc = ctx_->config();
+    json& m = p->meta;
+    m["dtrain_version"] = DTRAIN_VERSION;
+    m["model"] = architecture(model_config_);
+    m["parallel"] = {{"world", world.size()},   {"pp", ctx_->pp_size()},
+                     {"dp", ctx_->dp_size()},   {"ep", ctx_->ep_size()},
+                     {"tp", ctx_->tp_size()},   {"dp_shard", pc.dp_shard},
+                     {"sequence_parallel", ctx_->sequence_parallel()},
+                     {"virtual_stages", o.virtual_stages}, {"fsdp", o.fsdp}};
+    std::int64_t adam_steps = 0;
+    if (sdp_) adam_steps = sdp_->sharded_state().optimizer_step;
+    for (const auto* opt : {optimizer_.get(), expert_optimizer_.get()}) {
+      if (opt == nullptr) continue;
+      for (const auto& [key, st] : opt->state()) {
+        adam_steps = std::max<std::int64_t>(adam_steps, static_cast<const torch::optim::AdamWParamState&>(*st).step());
       }
     }
-    const auto name = rank_file(world.rank());
-    const auto path = fs::join(staging, name);
+    m["train"] = {{"step", step_}, {"tokens", tokens_}, {"skipped_steps", skipped_},
+                  {"skipped_in_a_row", skipped_in_a_row_}, {"optimizer_steps", adam_steps}};
+    m["sampler"] = {{"step", step_}, {"seed", o.seed}, {"global_batch", o.global_batch},
+                    {"seq_len", o.seq_len}, {"num_samples", train_->num_samples()},
+                    {"epoch", step_ / sampler_->steps_per_epoch()}};
+    m["schedule"] = {{"kind", "cosine"}, {"lr", o.adamw.lr}, {"min_lr", o.min_lr > 0 ? o.min_lr : o.adamw.lr / 10},
+                     {"warmup_steps", o.warmup_steps}, {"steps", o.steps}, {"next_lr", schedule_->lr(step_)}};
+    if (scaler_) {
+      const auto& st = scaler_->state();
+      m["loss_scaler"] = {{"scale", st.scale}, {"good_steps", st.good_steps}, {"skipped_steps", st.skipped_steps}};
+    }
+    m["rng"] = "per rank in its file: rng/cpu, rng/device, rng/chunk<c>/<k> (restored only into the same layout)";
+  }
+  p->snapshot_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - p->start).count();
+  return p;
+}
+
+// This rank's file (no collective: runs in the writer thread of an async save).
+void Trainer::write_rank_file(PendingSave& p, int rank) {
+  try {
+    const auto name = rank_file(rank);
+    const auto path = fs::join(checkpoint::staging_dir(p.root, p.step), name);
     std::vector<checkpoint::ShardSummary> summaries;
     const auto checksum = checkpoint::write_shard_file(
-        path, entries, extra, {{"format", "dtrain-checkpoint rank file"}, {"rank", std::to_string(world.rank())}},
+        path, p.entries, p.extra, {{"format", "dtrain-checkpoint rank file"}, {"rank", std::to_string(rank)}},
         &summaries);
     json tensors = json::array();
     for (const auto& s : summaries) tensors.push_back({s.key, s.shape, s.dtype, s.lo, s.hi, s.numel});
-    mine = {{"file", name},
-            {"bytes", file_size(path)},
-            {"checksum", checksum},
-            {"mesh", {{"pp", ctx_->pp_rank()}, {"dp", ctx_->dp_rank()}, {"ep", ctx_->ep_rank()}, {"tp", ctx_->tp_rank()}}},
-            {"tensors", tensors}};
-  } catch (const Error& e) {
-    mine = {{"error", e.what()}};
+    p.result = {{"file", name},
+                {"bytes", file_size(path)},
+                {"checksum", checksum},
+                {"mesh", {{"pp", ctx_->pp_rank()}, {"dp", ctx_->dp_rank()}, {"ep", ctx_->ep_rank()}, {"tp", ctx_->tp_rank()}}},
+                {"tensors", tensors}};
+  } catch (const std::exception& e) {
+    p.result = {{"error", e.what()}};
   }
-  const auto all = all_gather_text(world, mine.dump(), device);
-  error.clear();
+  p.entries.clear();  // free the host copies
+  p.extra.clear();
+  p.written = true;
+}
+
+std::string Trainer::commit(const std::shared_ptr<PendingSave>& p) {
+  auto& world = *ctx_->world();
+  const auto device = ctx_->device();
+  if (p->writer.joinable()) p->writer.join();
+  const auto all = all_gather_text(world, p->result.dump(), device);
+  const auto staging = checkpoint::staging_dir(p->root, p->step);
+  std::string error;
   for (int r = 0; r < world.size() && error.empty(); ++r) {
     const auto j = json::parse(all[static_cast<std::size_t>(r)]);
     if (j.contains("error")) error = format("rank {}: {}", r, j["error"].get<std::string>());
   }
   if (!error.empty()) {
     if (world.rank() == 0) fs::remove_tree(staging);  // best effort; begin_save clears it anyway
-    throw CheckpointError("checkpoint step " + std::to_string(step_) + " was not saved: " + error);
+    throw CheckpointError("checkpoint step " + std::to_string(p->step) + " was not saved: " + error);
   }
   std::int64_t bytes = 0;
   if (world.rank() == 0) {
     try {
-      json manifest;
+      json manifest = p->meta;
       std::vector<checkpoint::FileRecord> files;
       json tensors = json::object(), ranks = json::array();
       for (int r = 0; r < world.size(); ++r) {
@@ -264,54 +334,56 @@ std::string Trainer::save_checkpoint(const std::string& root_in) {
           entry["shards"].push_back({{"rank", r}, {"file", j["file"]}, {"lo", t[3]}, {"hi", t[4]}, {"numel", t[5]}});
         }
       }
-      const auto& o = options_;
-      const auto& pc = ctx_->config();
-      manifest["dtrain_version"] = DTRAIN_VERSION;
-      manifest["model"] = architecture(model_config_);
-      manifest["parallel"] = {{"world", world.size()},   {"pp", ctx_->pp_size()},
-                              {"dp", ctx_->dp_size()},   {"ep", ctx_->ep_size()},
-                              {"tp", ctx_->tp_size()},   {"dp_shard", pc.dp_shard},
-                              {"sequence_parallel", ctx_->sequence_parallel()},
-                              {"virtual_stages", o.virtual_stages}, {"fsdp", o.fsdp}};
-      std::int64_t adam_steps = 0;
-      if (sdp_) adam_steps = sdp_->sharded_state().optimizer_step;
-      for (const auto* opt : {optimizer_.get(), expert_optimizer_.get()}) {
-        if (opt == nullptr) continue;
-        for (const auto& [key, st] : opt->state()) {
-          adam_steps = std::max<std::int64_t>(adam_steps, static_cast<const torch::optim::AdamWParamState&>(*st).step());
-        }
-      }
-      manifest["train"] = {{"step", step_}, {"tokens", tokens_}, {"skipped_steps", skipped_},
-                           {"skipped_in_a_row", skipped_in_a_row_}, {"optimizer_steps", adam_steps}};
-      manifest["sampler"] = {{"step", step_}, {"seed", o.seed}, {"global_batch", o.global_batch},
-                             {"seq_len", o.seq_len}, {"num_samples", train_->num_samples()},
-                             {"epoch", step_ / sampler_->steps_per_epoch()}};
-      manifest["schedule"] = {{"kind", "cosine"}, {"lr", o.adamw.lr}, {"min_lr", o.min_lr > 0 ? o.min_lr : o.adamw.lr / 10},
-                              {"warmup_steps", o.warmup_steps}, {"steps", o.steps}, {"next_lr", schedule_->lr(step_)}};
-      if (scaler_) {
-        const auto& s = scaler_->state();
-        manifest["loss_scaler"] = {{"scale", s.scale}, {"good_steps", s.good_steps}, {"skipped_steps", s.skipped_steps}};
-      }
-      manifest["rng"] = "per rank in its file: rng/cpu, rng/device, rng/chunk<c>/<k> (restored only into the same layout)";
       manifest["ranks"] = ranks;
       manifest["tensors"] = tensors;
-      checkpoint::commit_save(root, step_, manifest.dump(1), files, options_.keep_checkpoints);
+      checkpoint::commit_save(p->root, p->step, manifest.dump(1), files, options_.keep_checkpoints);
     } catch (const Error& e) {
       error = e.what();
     }
   }
   agree(world, error, device);
-  const auto dir = checkpoint::step_dir(root, step_);
+  const auto dir = checkpoint::step_dir(p->root, p->step);
+  last_save_ = {p->snapshot_ms,
+                std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - p->start).count()};
   if (world.rank() == 0) {
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    log_info("checkpoint: step {} saved to {} ({} MiB in {} s, {} file(s))", step_, dir,
-             std::round(static_cast<double>(bytes) / (1 << 20) * 100) / 100, std::round(s * 1000) / 1000,
-             world.size());
+    log_info("checkpoint: step {} saved to {} ({} MiB in {} s, {} file(s){})", p->step, dir,
+             std::round(static_cast<double>(bytes) / (1 << 20) * 100) / 100, std::round(last_save_.total_ms) / 1000,
+             world.size(), p->async ? format(", async: training paused {} ms", std::round(p->snapshot_ms)) : std::string());
   }
   return dir;
 }
 
+std::string Trainer::save_checkpoint(const std::string& root_in, bool async) {
+  const std::string root = root_in.empty() ? options_.save_dir : root_in;
+  DTRAIN_CHECK_ARG(!root.empty(), "save_checkpoint: no directory given and no --save-dir");
+  finish_save();  // the previous async save first
+  auto p = snapshot(root);
+  const int rank = ctx_->world()->rank();
+  if (!async) {
+    write_rank_file(*p, rank);
+    return commit(p);
+  }
+  p->async = true;
+  auto* raw = p.get();
+  p->writer = std::thread([this, raw, rank] { write_rank_file(*raw, rank); });
+  pending_ = p;
+  return checkpoint::step_dir(root, p->step);
+}
+
+std::string Trainer::finish_save(bool only_if_written) {
+  if (!pending_) return "";
+  if (only_if_written) {
+    // Commit only when every rank's writer is done (one small all-reduce).
+    auto flag = torch::full({1}, pending_->written ? 1 : 0, torch::TensorOptions().dtype(torch::kInt).device(ctx_->device()));
+    ctx_->world()->all_reduce(flag, {ReduceOp::kMin})->wait();
+    if (flag.cpu().item<int>() == 0) return "";
+  }
+  auto p = std::move(pending_);
+  return commit(p);
+}
+
 void Trainer::load_checkpoint(const std::string& dir) {
+  finish_save();
   torch::NoGradGuard no_grad;
   auto& world = *ctx_->world();
   const auto device = ctx_->device();

@@ -127,6 +127,35 @@ TEST_F(CheckpointTest, ResumeInTheSameLayoutIsExact) {
   }
 }
 
+// Async saves (host snapshot, background write, commit on a later step) write the same
+// bytes as synchronous ones and leave training unchanged.
+TEST_F(CheckpointTest, AsyncSavesWriteWhatSyncSavesWrite) {
+  TestCorpus corpus("async" + std::to_string(rank()));
+  const auto root = shared_dir("async");
+  const Layout layout{1, 1, 1, false, "zero2"};
+  auto ctx = context(layout);
+  std::vector<std::vector<train::StepMetrics>> runs;
+  for (const bool async : {false, true}) {
+    auto o = with(options(corpus), layout, ctx->dp_size());
+    o.steps = 6;
+    o.save_every = 2;
+    o.async_save = async;
+    o.save_dir = fs::join(root, async ? "async" : "sync");
+    Trainer t(ctx, models::GptConfig::preset("tiny"), o);
+    runs.push_back(t.run());
+    EXPECT_EQ(checkpoint::list_steps(o.save_dir), (std::vector<std::int64_t>{2, 4, 6}));
+    if (async) EXPECT_GT(t.last_save().total_ms, 0);
+  }
+  for (std::size_t s = 0; s < runs[0].size(); ++s) EXPECT_EQ(runs[0][s].loss, runs[1][s].loss);
+  for (const int step : {2, 4, 6}) {
+    const auto a = checkpoint::verify(checkpoint::step_dir(fs::join(root, "sync"), step));
+    const auto b = checkpoint::verify(checkpoint::step_dir(fs::join(root, "async"), step));
+    const auto files = [](const std::string& manifest) { return manifest.substr(manifest.find("\"files\"")); };
+    EXPECT_EQ(files(a).substr(0, files(a).find("\"format\"")), files(b).substr(0, files(b).find("\"format\"")))
+        << "step " << step;
+  }
+}
+
 // Saved in one layout after 5 steps, loaded into others (another world size too), 5 more
 // steps: losses and parameters as the single process's 10 uninterrupted steps, within the
 // equivalence harness's tolerances (see train_harness.hpp).

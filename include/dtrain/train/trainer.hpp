@@ -80,6 +80,7 @@ struct TrainOptions {
   std::int64_t save_every = 0;
   int keep_checkpoints = 0;
   std::string resume;
+  bool async_save = false;  // periodic saves write in the background (the last one does not)
   // Steps whose gradients are not finite (NaN/Inf loss or gradients; float16 overflows)
   // apply no update and are counted; this many in a row end the run with an error.
   std::int64_t max_skipped_steps = 20;
@@ -168,7 +169,19 @@ class Trainer {
   // directory. On any rank's failure (disk full, permissions) every rank raises
   // checkpoint::CheckpointError naming it; training state is untouched and the previous
   // checkpoints stay loadable.
-  std::string save_checkpoint(const std::string& root = "");
+  // async: the state is copied to host memory (the only pause of training), then this
+  // rank's file is written by a background thread; the save is committed (manifest,
+  // rename, `latest`) by finish_save(), which the next save and run() call. A step
+  // directory is returned either way.
+  std::string save_checkpoint(const std::string& root = "", bool async = false);
+  // Commits a pending async save (collective; a no-op without one) and returns its
+  // directory. only_if_written: only when every rank's writer is done ("" otherwise).
+  std::string finish_save(bool only_if_written = false);
+  // The last committed save: milliseconds training paused (the snapshot) and in all.
+  struct SaveTimes {
+    double snapshot_ms = 0, total_ms = 0;
+  };
+  const SaveTimes& last_save() const { return last_save_; }
   // Loads a checkpoint directory written by any layout and world size (collective): each
   // rank reads the byte ranges of the elements it holds. Optimizer state, step, tokens,
   // data position, loss scaler and router biases resume; RNG states too when the layout
@@ -193,6 +206,12 @@ class Trainer {
   // fsdp: the pieces standing for the sharded parameters and moments.
   std::vector<StateTensor> state_tensors(const ShardedState* fsdp) const;
   void resume();                   // options_.resume, at construction
+  struct PendingSave;
+  std::shared_ptr<PendingSave> snapshot(const std::string& root);  // collective
+  void write_rank_file(PendingSave& p, int rank);                   // no collective
+  std::string commit(const std::shared_ptr<PendingSave>& p);        // collective
+  std::shared_ptr<PendingSave> pending_;  // an async save not yet committed
+  SaveTimes last_save_;
   bool stop_requested();           // a preemption signal reached any rank (collective)
 
   ContextPtr ctx_;
