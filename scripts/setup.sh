@@ -3,7 +3,8 @@
 # CMake, Ninja, ccache, Open MPI, spdlog, CLI11, nlohmann-json, GoogleTest, and `fortunes`,
 # the prose the demo and a pretraining test train on) and LibTorch
 # (an importable torch, else `pip install torch==$DTRAIN_TORCH_VERSION`, default 2.11.0), and
-# Python's safetensors and numpy (the checkpoint tests read dtrain's files with them).
+# Python's safetensors, numpy and transformers (the checkpoint tests read dtrain's files and
+# its Hugging Face export with them).
 # The CUDA toolkit, NCCL and cuDNN are used from CUDA_HOME or /usr/local/cuda when present.
 set -euo pipefail
 
@@ -53,11 +54,14 @@ else
   say "installing torch==${DTRAIN_TORCH_VERSION} (LibTorch headers, libraries and CMake config)"
   pip_install "torch==${DTRAIN_TORCH_VERSION}"
 fi
-# Python's safetensors: the checkpoint tests check that it reads dtrain's files.
-for pkg in numpy safetensors; do  # safetensors.torch needs numpy
-  if ! python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('$pkg') is None)" 2>/dev/null; then
-    say "installing $pkg (Python; the checkpoint tests read dtrain's files with safetensors)"
-    pip_install "$pkg"
+# Python packages the tests use: safetensors (and numpy, which safetensors.torch needs) reads
+# dtrain's checkpoint files; transformers loads the Hugging Face export (hf_export test).
+DTRAIN_TRANSFORMERS_VERSION="${DTRAIN_TRANSFORMERS_VERSION:-5.24.0}"
+for spec in numpy safetensors "transformers==${DTRAIN_TRANSFORMERS_VERSION}"; do
+  module="${spec%%=*}"
+  if ! python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('$module') is None)" 2>/dev/null; then
+    say "installing $spec (Python; used by the checkpoint tests)"
+    pip_install "$spec"
   fi
 done
 say "ready: torch $(torch_version)," \

@@ -43,6 +43,7 @@ struct Options {
   std::int64_t vocab_size = -1, context = -1, n_layer = -1, n_head = -1, n_kv_head = -1,
                d_model = -1, ffn_hidden = -1;
   double bucket_mb = 25;
+  std::string export_hf;
   dtrain::train::TrainOptions train;
 };
 
@@ -143,6 +144,8 @@ void define(CLI::App& app, Options& o) {
   app.add_flag("--async-save", t.async_save, "periodic saves copy the state to host memory and write it in the background")->group(ckpt);
   app.add_option("--keep-checkpoints", t.keep_checkpoints, "keep the newest N checkpoints (0: all)")->group(ckpt);
   app.add_option("--resume", t.resume, "auto (newest good checkpoint under --save-dir, if any) or a checkpoint directory; any layout loads into any other")->group(ckpt);
+  app.add_option("--export-hf", o.export_hf, "after training, write the whole model under Hugging Face names to this safetensors file")->group(ckpt);
+  app.add_option("--init-from", t.init_from, "start from the parameters of a Hugging Face-named safetensors file (fine-tuning; optimizer fresh)")->group(ckpt);
   app.add_option("--max-skipped-steps", t.max_skipped_steps, "abort after N steps in a row with non-finite gradients (each is skipped)")->group(ckpt);
 }
 
@@ -281,6 +284,7 @@ int main(int argc, char** argv) {
     if (metrics.empty()) {
       dtrain::log_info("done: nothing to train, the run is at step {} of --steps {}", trainer->step(),
                        o.train.steps);
+      if (!o.export_hf.empty()) trainer->export_hf(o.export_hf);
       return 0;
     }
     const auto& first = metrics.front();
@@ -289,6 +293,7 @@ int main(int argc, char** argv) {
                      first.loss, last.loss,
                      last.val_loss >= 0 ? dtrain::format(", val loss {}", last.val_loss) : std::string());
     if (trainer->preempted()) return kExitPreempted;
+    if (!o.export_hf.empty()) trainer->export_hf(o.export_hf);
   } catch (const std::exception& e) {
     // Mid-run failures may leave peers inside a collective: end the whole job.
     std::fprintf(stderr, "pretrain_gpt: error during training: %s\n", e.what());

@@ -17,6 +17,7 @@
 #include "dtrain/data/token_shard.hpp"
 #include "dtrain/mesh/device_mesh.hpp"
 #include "dtrain/models/gpt.hpp"
+#include "dtrain/models/hf_names.hpp"
 #include "dtrain/models/moe.hpp"
 #include "dtrain/ops/attention.hpp"
 #include "dtrain/optim/loss_scaler.hpp"

@@ -31,12 +31,6 @@ void append(Runs& out, const Run& r) {
 
 std::string runs_name(const std::string& key) { return key + "::runs"; }
 
-std::string shape_text(const std::vector<std::int64_t>& shape) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
 }  // namespace
 
 Runs slice_runs(const std::vector<std::int64_t>& global_shape, std::int64_t dim,
@@ -233,9 +227,8 @@ void ShardReader::fill(const std::string& key, const Runs& runs, const at::Tenso
     auto it = std::upper_bound(merged.begin(), merged.end(), std::make_pair(r.global, INT64_MAX));
     const std::int64_t reach = it == merged.begin() ? r.global : std::max(r.global, std::prev(it)->second);
     if (reach < r.global + r.numel) {
-      throw CheckpointError("checkpoint '" + dir_ + "': no file holds element " + std::to_string(reach) +
-                            " of '" + key + "' " + shape_text(shape(key)) +
-                            " (a rank file or its tensor is missing)");
+      throw CheckpointError(detail::str_cat("checkpoint '", dir_, "': no file holds element ", reach, " of '", key,
+                                            "' ", at::IntArrayRef(shape(key)), " (a rank file or its tensor is missing)"));
     }
   }
 }

@@ -66,12 +66,6 @@ Span span_in_shard(std::int64_t param_offset, std::int64_t param_numel, std::int
   return s;
 }
 
-std::string shape_text(at::IntArrayRef shape) {
-  std::string t = "[";
-  for (std::size_t i = 0; i < shape.size(); ++i) t += (i ? ", " : "") + std::to_string(shape[i]);
-  return t + "]";
-}
-
 }  // namespace
 
 struct ShardedDataParallel::Unit {
@@ -734,8 +728,8 @@ void ShardedDataParallel::load_state(const ShardedState& state) {
       std::vector<std::pair<std::int64_t, std::int64_t>> covered;
       for (const TensorPiece* piece : it->second) {
         DTRAIN_CHECK_ARG(piece->shape == p.sizes().vec(), "load_state: ", what, " of '", name,
-                         "' has shape ", shape_text(piece->shape), "; the model's is ",
-                         shape_text(p.sizes()));
+                         "' has shape ", at::IntArrayRef(piece->shape), "; the model's is ",
+                         p.sizes());
         const std::int64_t n = piece->values.numel();
         DTRAIN_CHECK_ARG(piece->offset >= 0 && piece->offset + n <= p.numel(), "load_state: ",
                          what, " of '", name, "' has a piece at ", piece->offset, "+", n,

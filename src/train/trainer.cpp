@@ -304,6 +304,7 @@ Trainer::Trainer(ContextPtr ctx, models::GptConfig model, TrainOptions options)
                        "' cannot be written");
     }
   }
+  if (!options_.init_from.empty()) load_hf(options_.init_from);
   if (!options_.resume.empty()) resume();
 }
 
@@ -789,8 +790,12 @@ StepMetrics Trainer::train_step() {
   const bool apply = finite;
   m.skipped = !apply;
   skipped_ += apply ? 0 : 1;
-  skipped_in_a_row_ = apply ? 0 : skipped_in_a_row_ + 1;
   m.skipped_steps = skipped_;
+  // A float16 overflow that lowered the loss scale is the scaler searching for its scale
+  // (2^k can take many halvings), not divergence: it does not count toward
+  // --max-skipped-steps unless the scale was already at its floor or the loss itself is
+  // not finite (checked below, once the global loss is known).
+  const bool scaler_backoff = scaler_ && !finite && scale > scaler_->options().min_scale;
   if (apply && expert_optimizer_) {
     set_learning_rate(*expert_optimizer_, m.lr);
     expert_optimizer_->step();
@@ -814,6 +819,11 @@ StepMetrics Trainer::train_step() {
   }
   if (model_config_.moe.enabled()) collect_moe(m.moe);
   m.step_ms = ms_since(t_step);
+  if (apply) {
+    skipped_in_a_row_ = 0;
+  } else if (!(scaler_backoff && std::isfinite(m.loss))) {
+    ++skipped_in_a_row_;
+  }
   if (skipped_in_a_row_ >= options_.max_skipped_steps) {
     throw Error(format("training diverged: {} steps in a row up to step {} had non-finite gradients "
                        "(last loss {}, grad norm {}) and were skipped; --max-skipped-steps {}. "

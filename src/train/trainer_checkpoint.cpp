@@ -17,6 +17,7 @@
 #include "dtrain/checkpoint/sharded.hpp"
 #include "dtrain/core/fs.hpp"
 #include "dtrain/data/dataset.hpp"
+#include "dtrain/models/hf_names.hpp"
 #include "dtrain/core/logging.hpp"
 #include "dtrain/train/trainer.hpp"
 #include "train/faults.hpp"
@@ -577,6 +578,64 @@ void Trainer::load_checkpoint(const std::string& dir) {
                sampler.value("seq_len", std::int64_t{0}));
     }
   }
+}
+
+void Trainer::export_hf(const std::string& path) {
+  const auto full = full_parameters();  // collective over tp, pp and ep
+  std::string error;
+  if (ctx_->world()->rank() == 0) {
+    try {
+      const auto slash = path.rfind('/');
+      if (slash != std::string::npos && slash > 0) fs::make_directories(path.substr(0, slash));
+      checkpoint::write_safetensors(path, models::to_hf(model_config_, full),
+                                    {{"format", "pt"}, {"dtrain_model", architecture(model_config_).dump()}});
+      log_info("export: {} ({} tensors, Hugging Face {} names)", path, full.size(),
+               model_config_.family == "gpt2" ? "GPT-2" : "Llama");
+    } catch (const Error& e) {
+      error = e.what();
+    }
+  }
+  agree(*ctx_->world(), error, ctx_->device());
+}
+
+void Trainer::load_hf(const std::string& path) {
+  torch::NoGradGuard no_grad;
+  std::map<std::string, at::Tensor> full;
+  std::string error;
+  try {
+    checkpoint::SafetensorsReader reader(path);
+    for (auto& [name, t] : models::from_hf(model_config_, [&](const std::string& n) {
+           return reader.contains(n) ? reader.read(n).to(at::kFloat) : at::Tensor();
+         })) {
+      full[name] = t.reshape({-1});
+    }
+  } catch (const Error& e) {
+    error = "--init-from '" + path + "': " + e.what();
+  }
+  agree(*ctx_->world(), error, ctx_->device());
+  ShardedState fsdp_state;
+  if (sdp_) {
+    fsdp_state = sdp_->sharded_state();
+    fsdp_state.exp_avg.clear();
+    fsdp_state.exp_avg_sq.clear();
+    fsdp_state.optimizer_step = 0;
+    for (auto& piece : fsdp_state.params) piece.values = piece.values.detach().to(at::kCPU, at::kFloat).clone();
+  }
+  std::set<const void*> pieces;
+  for (const auto& piece : fsdp_state.params) pieces.insert(piece.values.data_ptr());
+  for (auto& t : state_tensors(sdp_ ? &fsdp_state : nullptr)) {
+    if (t.key.rfind("param/", 0) != 0) continue;
+    const auto& flat = full.at(t.key.substr(6));
+    const bool piece = pieces.count(t.values.data_ptr()) != 0;
+    auto values = piece ? t.values : t.values.detach().to(at::kCPU).clone();  // padding keeps its values
+    for (const auto& r : t.load) values.narrow(0, r.local, r.numel).copy_(flat.narrow(0, r.global, r.numel));
+    if (!piece) t.values.copy_(values);
+  }
+  for (auto* opt : {optimizer_.get(), expert_optimizer_.get()}) {
+    if (opt != nullptr) opt->state().clear();
+  }
+  if (sdp_) sdp_->load_state(fsdp_state);  // no moments: the sharded AdamW starts afresh
+  if (ctx_->rank() == 0) log_info("init: parameters from {} (Hugging Face names); optimizer state fresh", path);
 }
 
 void Trainer::resume() {

@@ -239,6 +239,62 @@ TEST_F(CheckpointTest, LoadsIntoAnyLayoutAndContinuesAsTheUninterruptedRun) {
   }
 }
 
+// The full export holds the single-process model under Hugging Face names and layouts;
+// importing it into any layout reproduces the parameters exactly; a foreign file is a
+// named error.
+TEST_F(CheckpointTest, HuggingFaceExportImportsIntoAnyLayout) {
+  const int n = nranks();
+  TestCorpus corpus("hf" + std::to_string(rank()));
+  const auto root = shared_dir("hf");
+  struct Case {
+    models::GptConfig cfg;
+    Layout save, load;
+  };
+  auto gpt2 = models::GptConfig::preset("tiny");
+  std::vector<Case> cases = {{gpt2, Layout{1, 1, 1, false, "full"}, Layout{1, 1, 1, false, "zero1"}},
+                             {moe(), Layout{1, 1, n, false, "none"}, Layout{1, 1, 1, false, "zero2"}}};
+  if (n % 2 == 0) cases.push_back({llama(), Layout{2, 1, 1, false, "none"}, Layout{1, 2, 1, false, "none"}});
+  int k = 0;
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.save.text() + " -> " + c.load.text() + " " + c.cfg.family);
+    const auto path = fs::join(root, std::to_string(k++) + ".safetensors");
+    auto ctx = context(c.save);
+    Trainer saver(ctx, c.cfg, with(options(corpus), c.save, ctx->dp_size()));
+    for (int s = 0; s < 3; ++s) saver.train_step();
+    saver.export_hf(path);
+    const auto want = saver.full_parameters();
+    checkpoint::SafetensorsReader file(path);
+    const auto d = c.cfg.d_model;
+    if (c.cfg.family == "gpt2") {
+      EXPECT_EQ(file.info("h.1.attn.c_attn.weight").shape, (std::vector<std::int64_t>{d, 3 * d}));
+      EXPECT_EQ(file.info("wpe.weight").shape, (std::vector<std::int64_t>{c.cfg.context, d}));
+    } else {
+      const auto kv = c.cfg.n_kv_head * c.cfg.head_dim();
+      EXPECT_EQ(file.info("model.layers.1.self_attn.k_proj.weight").shape, (std::vector<std::int64_t>{kv, d}));
+      EXPECT_EQ(file.contains("lm_head.weight"), !c.cfg.tie_embeddings);
+      if (c.cfg.moe.enabled()) {
+        EXPECT_EQ(file.info("model.layers.0.block_sparse_moe.experts.11.w2.weight").shape,
+                  (std::vector<std::int64_t>{d, c.cfg.moe.ffn_hidden}));
+      }
+    }
+    auto o = with(options(corpus), c.load, 1);
+    o.init_from = path;
+    auto load_ctx = context(c.load);
+    Trainer loaded(load_ctx, c.cfg, with(o, c.load, load_ctx->dp_size()));
+    const auto got = loaded.full_parameters();
+    ASSERT_EQ(got.size(), want.size());
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      EXPECT_TRUE(torch::equal(got[i].second, want[i].second)) << got[i].first;
+    }
+    auto other = c.cfg;
+    other.d_model *= 2, other.n_head *= 2, other.n_kv_head *= 2;
+    auto bad = options(corpus);
+    bad.init_from = path;
+    const auto msg = error_message<CheckpointError>([&] { Trainer t(ParallelContext::single_process(), other, bad); });
+    expect_has(msg, {"--init-from '" + path + "'", "; this model needs"});
+  }
+}
+
 // Corrupt, truncated, missing and foreign checkpoints are named errors; --resume auto
 // falls back to the newest good checkpoint.
 TEST_F(CheckpointTest, DamagedCheckpointsAreNamedAndAutoResumeFallsBack) {

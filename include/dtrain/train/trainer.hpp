@@ -81,6 +81,9 @@ struct TrainOptions {
   int keep_checkpoints = 0;
   std::string resume;
   bool async_save = false;  // periodic saves write in the background (the last one does not)
+  // A Hugging Face safetensors file (export_hf's format) the parameters start from
+  // (fine-tuning); a checkpoint found by `resume` takes precedence.
+  std::string init_from;
   // Steps whose gradients are not finite (NaN/Inf loss or gradients; float16 overflows)
   // apply no update and are counted; this many in a row end the run with an error.
   std::int64_t max_skipped_steps = 20;
@@ -188,6 +191,15 @@ class Trainer {
   // is the same. CheckpointError (every rank, naming the file and the problem) when it is
   // from another model, incomplete or corrupt; the trainer's state is then unchanged.
   void load_checkpoint(const std::string& dir);
+  // The single-process model under Hugging Face names and layouts (models/hf_names.hpp)
+  // as one safetensors file, written by rank 0; a collective (parameters are gathered).
+  // CheckpointError (every rank) when it cannot be written.
+  void export_hf(const std::string& path);
+  // Sets every parameter from such a file (a released model, or an export) on every rank,
+  // in any layout; the optimizer state is reset. TrainOptions::init_from does it at
+  // construction. CheckpointError (every rank) naming the file and the missing or
+  // misshapen tensor.
+  void load_hf(const std::string& path);
   // Whether run() stopped early on SIGTERM or SIGUSR1 (after saving a checkpoint).
   bool preempted() const { return preempted_; }
 

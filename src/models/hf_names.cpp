@@ -1,0 +1,132 @@
+// Hugging Face names and layouts of GPT-2 and Llama parameters, both ways.
+#include "dtrain/models/hf_names.hpp"
+
+#include <torch/torch.h>
+
+#include <map>
+
+#include "dtrain/core/error.hpp"
+
+namespace dtrain::models {
+
+namespace {
+
+// One of our tensors and the Hugging Face tensors it is made of: `split` rows of ours
+// (along dim 0) per Hugging Face tensor, each transposed when `transpose` (Conv1D).
+struct Mapping {
+  std::string ours;
+  std::vector<std::string> hf;
+  std::vector<std::int64_t> split;  // rows of ours per hf tensor (empty: one tensor)
+  bool transpose = false;
+  std::int64_t expert = -1;         // >= 0: row `expert` of our stacked expert tensor
+};
+
+std::vector<Mapping> mappings(const GptConfig& c) {
+  std::vector<Mapping> m;
+  const bool gpt2 = c.family == "gpt2";
+  DTRAIN_CHECK_ARG(!(gpt2 && c.moe.enabled()), "the Hugging Face export has no names for GPT-2 with experts; ",
+                   "allowed: gpt2 without --moe-experts, or llama (Mixtral names)");
+  if (gpt2) {
+    m.push_back({"tok_emb.weight", {"wte.weight"}});
+    m.push_back({"pos_emb.weight", {"wpe.weight"}});
+    m.push_back({"ln_f_weight", {"ln_f.weight"}});
+    m.push_back({"ln_f_bias", {"ln_f.bias"}});
+  } else {
+    m.push_back({"tok_emb.weight", {"model.embed_tokens.weight"}});
+    m.push_back({"ln_f_weight", {"model.norm.weight"}});
+  }
+  const std::int64_t hd = c.head_dim(), q = c.n_head * hd, kv = c.n_kv_head * hd;
+  for (std::int64_t i = 0; i < c.n_layer; ++i) {
+    const std::string h = "h." + std::to_string(i) + ".";
+    if (gpt2) {
+      const std::string p = "h." + std::to_string(i) + ".";
+      m.push_back({h + "ln1_weight", {p + "ln_1.weight"}});
+      m.push_back({h + "ln1_bias", {p + "ln_1.bias"}});
+      m.push_back({h + "ln2_weight", {p + "ln_2.weight"}});
+      m.push_back({h + "ln2_bias", {p + "ln_2.bias"}});
+      m.push_back({h + "attn_qkv.weight", {p + "attn.c_attn.weight"}, {}, true});
+      m.push_back({h + "attn_qkv.bias", {p + "attn.c_attn.bias"}});
+      m.push_back({h + "attn_proj.weight", {p + "attn.c_proj.weight"}, {}, true});
+      m.push_back({h + "attn_proj.bias", {p + "attn.c_proj.bias"}});
+      m.push_back({h + "mlp_fc.weight", {p + "mlp.c_fc.weight"}, {}, true});
+      m.push_back({h + "mlp_fc.bias", {p + "mlp.c_fc.bias"}});
+      m.push_back({h + "mlp_proj.weight", {p + "mlp.c_proj.weight"}, {}, true});
+      m.push_back({h + "mlp_proj.bias", {p + "mlp.c_proj.bias"}});
+      continue;
+    }
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    m.push_back({h + "ln1_weight", {p + "input_layernorm.weight"}});
+    m.push_back({h + "ln2_weight", {p + "post_attention_layernorm.weight"}});
+    m.push_back({h + "attn_qkv.weight",
+                 {p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"},
+                 {q, kv, kv}});
+    m.push_back({h + "attn_proj.weight", {p + "self_attn.o_proj.weight"}});
+    if (c.moe.is_moe_block(i)) {
+      m.push_back({h + "moe.router.weight", {p + "block_sparse_moe.gate.weight"}});
+      for (std::int64_t e = 0; e < c.moe.experts; ++e) {
+        const std::string x = p + "block_sparse_moe.experts." + std::to_string(e) + ".";
+        m.push_back({h + "moe.gate.weight", {x + "w1.weight"}, {}, false, e});
+        m.push_back({h + "moe.proj.weight", {x + "w2.weight"}, {}, false, e});
+        m.push_back({h + "moe.fc.weight", {x + "w3.weight"}, {}, false, e});
+      }
+      continue;
+    }
+    m.push_back({h + "mlp_gate.weight", {p + "mlp.gate_proj.weight"}});
+    m.push_back({h + "mlp_fc.weight", {p + "mlp.up_proj.weight"}});
+    m.push_back({h + "mlp_proj.weight", {p + "mlp.down_proj.weight"}});
+  }
+  if (!c.tie_embeddings) m.push_back({"lm_head.weight", {"lm_head.weight"}});
+  return m;
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, at::Tensor>> to_hf(const GptConfig& config, const NamedParameters& full) {
+  std::map<std::string, at::Tensor> ours(full.begin(), full.end());
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& m : mappings(config)) {
+    const auto it = ours.find(m.ours);
+    DTRAIN_CHECK_ARG(it != ours.end(), "to_hf: parameter '", m.ours, "' is missing");
+    auto t = it->second.detach();
+    if (m.expert >= 0) t = t[m.expert];
+    if (m.split.empty()) {
+      out.emplace_back(m.hf.front(), (m.transpose ? t.t() : t).contiguous());
+      continue;
+    }
+    std::int64_t row = 0;
+    for (std::size_t k = 0; k < m.hf.size(); ++k) {
+      out.emplace_back(m.hf[k], t.narrow(0, row, m.split[k]).contiguous());
+      row += m.split[k];
+    }
+  }
+  return out;
+}
+
+NamedParameters from_hf(const GptConfig& config, const std::function<at::Tensor(const std::string&)>& get) {
+  std::map<std::string, std::vector<std::int64_t>> shapes;
+  for (const auto& [name, shape] : config.parameter_shapes()) shapes[name] = shape;
+  std::map<std::string, at::Tensor> ours;
+  for (const auto& m : mappings(config)) {
+    const auto& shape = shapes.at(m.ours);
+    auto& dest = ours[m.ours];
+    if (!dest.defined()) dest = torch::empty(shape, torch::kFloat);
+    auto target = m.expert >= 0 ? dest[m.expert] : dest;
+    std::int64_t row = 0;
+    for (std::size_t k = 0; k < m.hf.size(); ++k) {
+      auto part = m.split.empty() ? target : target.narrow(0, row, m.split[k]);
+      row += m.split.empty() ? 0 : m.split[k];
+      auto t = get(m.hf[k]);
+      DTRAIN_CHECK_ARG(t.defined(), "Hugging Face tensor '", m.hf[k], "' is missing (needed for ", m.ours, ")");
+      if (m.transpose) t = t.t();
+      DTRAIN_CHECK_ARG(t.sizes() == part.sizes(), "Hugging Face tensor '", m.hf[k], "' is ",
+                       (m.transpose ? t.t().sizes() : t.sizes()), "; this model needs ",
+                       (m.transpose ? part.t().sizes() : part.sizes()));
+      part.copy_(t);
+    }
+  }
+  NamedParameters out;
+  for (const auto& [name, shape] : config.parameter_shapes()) out.emplace_back(name, ours.at(name));
+  return out;
+}
+
+}  // namespace dtrain::models

@@ -1,0 +1,52 @@
+# The --export-hf file is what Hugging Face transformers expects: pretrain_gpt trains a tiny
+# GPT-2 and a tiny Llama (GQA, untied head), exports, and transformers' GPT2LMHeadModel /
+# LlamaForCausalLM, loaded with the file's names, give the same val loss as dtrain's
+# evaluation (within 1e-3). Skipped when python3 cannot import transformers (scripts/setup.sh
+# installs it).
+#   -DPRETRAIN=<pretrain_gpt> -DPREPARE=<prepare_data> -DPYTHON=<python3> -DSOURCE_DIR=<repo> -DWORK_DIR=<dir>
+file(REMOVE_RECURSE "${WORK_DIR}")
+execute_process(COMMAND "${PYTHON}" -c "import transformers" RESULT_VARIABLE rc OUTPUT_QUIET ERROR_QUIET)
+if(NOT rc EQUAL 0)
+  message(STATUS "skipped: python3 cannot import transformers")
+  # CTest marks the test skipped on this output (SKIP_REGULAR_EXPRESSION).
+  message(STATUS "DTRAIN_TEST_SKIPPED")
+  return()
+endif()
+execute_process(COMMAND "${PREPARE}" --input "${SOURCE_DIR}/LICENSE" --output-dir "${WORK_DIR}/data" --name lic
+                RESULT_VARIABLE rc OUTPUT_QUIET)
+set(failures 0)
+foreach(family gpt2 llama)
+  set(extra)
+  set(kv 4)
+  if(family STREQUAL "llama")
+    set(extra --family llama --n-kv-head 2 --tie-embeddings false)
+    set(kv 2)
+  endif()
+  execute_process(COMMAND "${PRETRAIN}" --train-data "${WORK_DIR}/data/lic_train_*.bin"
+                          --val-data "${WORK_DIR}/data/lic_val_*.bin" --progress off --steps 20 --warmup-steps 2
+                          --seq-len 32 --global-batch 8 --eval-batches 2 ${extra}
+                          --export-hf "${WORK_DIR}/${family}.safetensors"
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 300)
+  string(REGEX MATCH "done: [^\n]*val loss ([0-9.]+)" m "${out}${err}")
+  set(dtrain_loss "${CMAKE_MATCH_1}")
+  set(ok FALSE)
+  if(rc EQUAL 0 AND NOT dtrain_loss STREQUAL "")
+    execute_process(COMMAND "${PYTHON}" "${SOURCE_DIR}/tests/python/hf_export_check.py" "${WORK_DIR}/${family}.safetensors"
+                            ${family} "${WORK_DIR}/data/lic_val_000000.bin" 32 8 2 64 2 4 ${kv} 64 ${dtrain_loss}
+                    RESULT_VARIABLE prc OUTPUT_VARIABLE pout ERROR_VARIABLE perr TIMEOUT 300)
+    string(REGEX MATCH "hf val loss ([0-9.]+)" m "${pout}")
+    set(hf_loss "${CMAKE_MATCH_1}")
+    if(prc EQUAL 0)
+      set(ok TRUE)
+    endif()
+  endif()
+  if(ok)
+    message(STATUS "ok: ${family}: dtrain val loss ${dtrain_loss}, transformers ${hf_loss}")
+  else()
+    message(STATUS "FAILED: ${family}: dtrain '${dtrain_loss}' (exit ${rc}), transformers '${hf_loss}' (exit ${prc}):\n${pout}${perr}")
+    math(EXPR failures "${failures} + 1")
+  endif()
+endforeach()
+if(failures GREATER 0)
+  message(FATAL_ERROR "${failures} export check(s) failed")
+endif()

@@ -1,0 +1,61 @@
+"""Loads a dtrain --export-hf file into Hugging Face transformers (GPT2LMHeadModel or
+LlamaForCausalLM) and prints the mean loss over the first BATCHES val batches the way
+dtrain's evaluation forms them (non-shuffled samples of SEQ+1 tokens, GLOBAL per batch);
+with EXPECT (dtrain's own val loss), exits 1 unless the two agree within 1e-3 (the same
+float32 means over the same tokens; a wrong name or layout moves the loss by far more).
+Exit 77 (skipped) when transformers is not installed.
+
+  python3 hf_export_check.py FILE FAMILY VAL_SHARD SEQ GLOBAL BATCHES D_MODEL N_LAYER N_HEAD N_KV CONTEXT [EXPECT]
+"""
+import sys
+
+try:
+    import numpy as np
+    import torch
+    import transformers as tf
+    from safetensors.torch import load_file
+except ImportError as e:  # transformers is not a dependency of the project
+    print("skipped:", e)
+    sys.exit(77)
+
+path, family, shard = sys.argv[1:4]
+seq, batch, batches, d, layers, heads, kv, context = map(int, sys.argv[4:12])
+tokens = np.fromfile(shard, dtype=np.uint16, offset=256 * 4).astype(np.int64)
+state = load_file(path)
+vocab = state["wte.weight" if family == "gpt2" else "model.embed_tokens.weight"].shape[0]
+if family == "gpt2":
+    cfg = tf.GPT2Config(vocab_size=vocab, n_positions=context, n_embd=d, n_layer=layers, n_head=heads,
+                        activation_function="gelu_new", layer_norm_epsilon=1e-5, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
+    model = tf.GPT2LMHeadModel(cfg)
+    missing, unexpected = model.transformer.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("attn.bias") and not k.endswith("masked_bias")]
+    model.tie_weights()
+else:
+    cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=state["model.layers.0.mlp.up_proj.weight"].shape[0],
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                         max_position_embeddings=context, rms_norm_eps=1e-5, rope_theta=10000.0,
+                         tie_word_embeddings="lm_head.weight" not in state, attention_bias=False, mlp_bias=False,
+                         bos_token_id=None, eos_token_id=None)
+    model = tf.LlamaForCausalLM(cfg)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if cfg.tie_word_embeddings:
+        missing = [k for k in missing if k != "lm_head.weight"]
+        model.tie_weights()
+if missing or unexpected:
+    print("names differ: missing", missing, "unexpected", unexpected)
+    sys.exit(1)
+model.eval()
+losses = []
+with torch.no_grad():
+    for b in range(batches):
+        rows = torch.tensor(np.stack([tokens[s * seq: s * seq + seq + 1] for s in range(b * batch, (b + 1) * batch)]))
+        logits = model(rows[:, :seq]).logits
+        losses.append(torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), rows[:, 1:].reshape(-1)).item())
+loss = sum(losses) / len(losses)
+print("hf val loss %.6f" % loss)
+if len(sys.argv) > 12:
+    expect = float(sys.argv[12])
+    if not abs(loss - expect) <= 1e-3:
+        print("mismatch: dtrain's val loss is %.6f, transformers' %.6f" % (expect, loss))
+        sys.exit(1)
