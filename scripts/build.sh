@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 build="${DTRAIN_BUILD_DIR:-build}"
 if [ ! -f "$build/build.ninja" ]; then
   # shellcheck disable=SC2086
-  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE="${DTRAIN_BUILD_TYPE:-RelWithDebInfo}" \
+  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE="${DTRAIN_BUILD_TYPE:-Release}" \
     ${DTRAIN_CMAKE_ARGS:-}
 fi
 cmake --build "$build" --parallel "${DTRAIN_JOBS:-$(nproc)}"

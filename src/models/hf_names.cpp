@@ -14,11 +14,14 @@ namespace {
 // One of our tensors and the Hugging Face tensors it is made of: `split` rows of ours
 // (along dim 0) per Hugging Face tensor, each transposed when `transpose` (Conv1D).
 struct Mapping {
+  Mapping(std::string o, std::vector<std::string> h, std::vector<std::int64_t> s = {}, bool t = false,
+          std::int64_t e = -1)
+      : ours(std::move(o)), hf(std::move(h)), split(std::move(s)), transpose(t), expert(e) {}
   std::string ours;
   std::vector<std::string> hf;
   std::vector<std::int64_t> split;  // rows of ours per hf tensor (empty: one tensor)
-  bool transpose = false;
-  std::int64_t expert = -1;         // >= 0: row `expert` of our stacked expert tensor
+  bool transpose;
+  std::int64_t expert;              // >= 0: row `expert` of our stacked expert tensor
 };
 
 std::vector<Mapping> mappings(const GptConfig& c) {

@@ -1,0 +1,76 @@
+// The C entry points of flash attention (dtrain_kernels/attention.h): validation, then
+// dispatch to the (dtype, head dim) instantiation.
+#include "attention/flash.cuh"
+#include "common.cuh"
+
+namespace dtrain_kernels {
+namespace {
+
+bool strides_ok(const dtrain_attention_strides& s) {
+  return s.batch % 8 == 0 && s.head % 8 == 0 && s.seq % 8 == 0 && s.batch >= 0 && s.head >= 0 && s.seq >= 0;
+}
+
+template <typename Params>
+bool shape_ok(const Params& p) {
+  return p.batch > 0 && p.heads > 0 && p.kv_heads > 0 && p.heads % p.kv_heads == 0 && p.seq_q > 0 && p.seq_k > 0 &&
+         dtrain_attention_supports_head_dim(p.head_dim) && (p.dtype == DTRAIN_KERNEL_BF16 || p.dtype == DTRAIN_KERNEL_F16) &&
+         p.batch <= 65535 && p.heads <= 65535 && (p.seq_q + 63) / 64 <= INT32_MAX && (p.seq_k + 63) / 64 <= INT32_MAX &&
+         p.scale > 0.f;
+}
+
+template <template <typename, int> class Run, typename Params>
+cudaError_t dispatch(const Params& p, cudaStream_t stream) {
+  const bool bf16 = p.dtype == DTRAIN_KERNEL_BF16;
+  if (p.head_dim == 64) return bf16 ? Run<__nv_bfloat16, 64>::run(p, stream) : Run<__half, 64>::run(p, stream);
+  return bf16 ? Run<__nv_bfloat16, 128>::run(p, stream) : Run<__half, 128>::run(p, stream);
+}
+
+template <typename T, int D>
+struct Fwd {
+  static cudaError_t run(const dtrain_attention_fwd_params& p, cudaStream_t s) { return run_flash_fwd<T, D>(p, s); }
+};
+template <typename T, int D>
+struct Bwd {
+  static cudaError_t run(const dtrain_attention_bwd_params& p, cudaStream_t s) { return run_flash_bwd<T, D>(p, s); }
+};
+
+}  // namespace
+}  // namespace dtrain_kernels
+
+extern "C" int dtrain_attention_supports_head_dim(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
+
+extern "C" cudaError_t dtrain_attention_fwd(const dtrain_attention_fwd_params* params, cudaStream_t stream) {
+  using namespace dtrain_kernels;
+  if (params == nullptr) return cudaErrorInvalidValue;
+  const auto& p = *params;
+  if (!shape_ok(p) || !p.q || !p.k || !p.v || !p.o || !p.lse) return cudaErrorInvalidValue;
+  if (!strides_ok(p.q_stride) || !strides_ok(p.k_stride) || !strides_ok(p.v_stride) || !strides_ok(p.o_stride)) {
+    return cudaErrorInvalidValue;
+  }
+  if (!aligned(p.q, 16) || !aligned(p.k, 16) || !aligned(p.v, 16) || !aligned(p.o, 4)) return cudaErrorInvalidValue;
+  return dispatch<Fwd>(p, stream);
+}
+
+extern "C" size_t dtrain_attention_bwd_workspace_bytes(const dtrain_attention_bwd_params* params) {
+  if (params == nullptr || params->batch <= 0 || params->heads <= 0 || params->seq_q <= 0) return 0;
+  return sizeof(float) * dtrain_kernels::flash_bwd_workspace_floats(*params);
+}
+
+extern "C" cudaError_t dtrain_attention_bwd(const dtrain_attention_bwd_params* params, cudaStream_t stream) {
+  using namespace dtrain_kernels;
+  if (params == nullptr) return cudaErrorInvalidValue;
+  const auto& p = *params;
+  if (!shape_ok(p) || !p.q || !p.k || !p.v || !p.o || !p.dout || !p.lse || !p.dq || !p.dk || !p.dv ||
+      !p.workspace) {
+    return cudaErrorInvalidValue;
+  }
+  for (const auto* s : {&p.q_stride, &p.k_stride, &p.v_stride, &p.o_stride, &p.dout_stride, &p.dq_stride,
+                        &p.dk_stride, &p.dv_stride}) {
+    if (!strides_ok(*s)) return cudaErrorInvalidValue;
+  }
+  if (!aligned(p.q, 16) || !aligned(p.k, 16) || !aligned(p.v, 16) || !aligned(p.dout, 16) || !aligned(p.o, 2) ||
+      !aligned(p.dq, 2) || !aligned(p.dk, 4) || !aligned(p.dv, 4) || !aligned(p.workspace, 4)) {
+    return cudaErrorInvalidValue;
+  }
+  return dispatch<Bwd>(p, stream);
+}

@@ -1,0 +1,250 @@
+// Flash attention backward (FlashAttention-2's loop order) on mma.sync. A block owns 64
+// keys (16 per warp) of one (batch, kv head) and walks every query tile of every query
+// head that reads this kv head, so dK and dV accumulate in registers with no atomics
+// (grouped-query attention sums its heads here). Per query tile, each warp computes
+// S^T = K Q^T for its keys, P^T = exp(S^T - lse), dV += P^T dO, dP^T = V dO^T,
+// dS^T = P^T (dP^T - delta) and dK += dS^T Q; dS goes through shared memory so that every
+// warp can add its 16 query rows of dQ = dS K into a float32 buffer with atomics.
+// delta = rowsum(dO * O) comes from a small kernel first; a last one converts dQ.
+#pragma once
+
+#include "attention/flash.cuh"
+#include "mma.cuh"
+
+namespace dtrain_kernels {
+
+// delta[row] = sum_d dout[row, d] * o[row, d]; one warp per row; also zeroes dq_accum.
+template <typename T, int D>
+__global__ void flash_bwd_prepare_kernel(dtrain_attention_bwd_params p, float* dq_accum, float* delta) {
+  const int64_t rows = p.batch * p.heads * p.seq_q;
+  const int64_t row = int64_t{blockIdx.x} * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  const int64_t i = row % p.seq_q, h = (row / p.seq_q) % p.heads, b = row / (p.seq_q * p.heads);
+  const T* o = static_cast<const T*>(p.o) + b * p.o_stride.batch + h * p.o_stride.head + i * p.o_stride.seq;
+  const T* d = static_cast<const T*>(p.dout) + b * p.dout_stride.batch + h * p.dout_stride.head +
+               i * p.dout_stride.seq;
+  float s = 0.f;
+  for (int c = lane; c < D; c += 32) {
+    s += to_float(o[c]) * to_float(d[c]);
+    dq_accum[row * D + c] = 0.f;
+  }
+  s = warp_sum(s);
+  if (lane == 0) delta[row] = s;
+}
+
+template <typename T, int D>
+__global__ void flash_bwd_convert_dq_kernel(dtrain_attention_bwd_params p, const float* dq_accum) {
+  const int64_t n = p.batch * p.heads * p.seq_q * D;
+  for (int64_t e = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; e < n; e += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t c = e % D, row = e / D;
+    const int64_t i = row % p.seq_q, h = (row / p.seq_q) % p.heads, b = row / (p.seq_q * p.heads);
+    static_cast<T*>(p.dq)[b * p.dq_stride.batch + h * p.dq_stride.head + i * p.dq_stride.seq + c] =
+        from_float<T>(dq_accum[e]);
+  }
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(FlashConfig<D>::kThreads)
+    flash_bwd_kernel(dtrain_attention_bwd_params p, float* dq_accum, const float* delta) {
+  using C = FlashConfig<D>;
+  constexpr int BM = C::kBlockM, BN = C::kBlockN, P = C::kPitch, PS = C::kPitchS, kThreads = C::kThreads;
+  DTRAIN_DYNAMIC_SMEM(T, smem);
+  T* ks = smem;
+  T* vs = ks + BN * P;
+  T* qs = vs + BN * P;
+  T* dos = qs + BM * P;
+  T* dss = dos + BM * P;  // [BM][PS]: dS as [query][key]
+  float* lse_s = reinterpret_cast<float*>(dss + BM * PS);
+  float* delta_s = lse_s + BM;
+
+  const int64_t b = blockIdx.z, hk = blockIdx.y, n0 = int64_t{blockIdx.x} * BN;
+  const int group = static_cast<int>(p.heads / p.kv_heads);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t key0 = n0 + warp * 16 + g, key1 = key0 + 8;  // keys of c0,c1 and of c2,c3
+  const float scale_log2 = p.scale * kLog2e;
+
+  load_tile_async<BN, D, kThreads>(ks, P, static_cast<const T*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head +
+                                             n0 * p.k_stride.seq,
+                                   p.k_stride.seq, p.seq_k - n0);
+  load_tile_async<BN, D, kThreads>(vs, P, static_cast<const T*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head +
+                                             n0 * p.v_stride.seq,
+                                   p.v_stride.seq, p.seq_k - n0);
+  cp_async_commit();
+
+  float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) {
+    dk[i][0] = dk[i][1] = dk[i][2] = dk[i][3] = 0.f;
+    dv[i][0] = dv[i][1] = dv[i][2] = dv[i][3] = 0.f;
+  }
+  // Causal: query tiles wholly before the first key see none of them.
+  const int64_t m_begin = p.causal ? n0 / BM * BM : 0;
+
+  for (int hh = 0; hh < group; ++hh) {
+    const int64_t h = hk * group + hh;
+    const T* q = static_cast<const T*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head;
+    const T* dout = static_cast<const T*>(p.dout) + b * p.dout_stride.batch + h * p.dout_stride.head;
+    const int64_t stat = (b * p.heads + h) * p.seq_q;  // row of (b, h, query 0) in lse / delta / dq
+    for (int64_t m0 = m_begin; m0 < p.seq_q; m0 += BM) {
+      __syncthreads();  // the previous tile's shared memory is no longer read
+      load_tile_async<BM, D, kThreads>(qs, P, q + m0 * p.q_stride.seq, p.q_stride.seq, p.seq_q - m0);
+      load_tile_async<BM, D, kThreads>(dos, P, dout + m0 * p.dout_stride.seq, p.dout_stride.seq, p.seq_q - m0);
+      cp_async_commit();
+      for (int i = threadIdx.x; i < BM; i += kThreads) {
+        const bool ok = m0 + i < p.seq_q;
+        lse_s[i] = ok ? p.lse[stat + m0 + i] * kLog2e : INFINITY;  // padding rows: p = 0
+        delta_s[i] = ok ? delta[stat + m0 + i] : 0.f;
+      }
+      cp_async_wait<0>();
+      __syncthreads();
+
+      // S^T = K Q^T (16 keys x BM queries per warp), then P^T.
+      float st[BM / 8][4];
+#pragma unroll
+      for (int nt = 0; nt < BM / 8; ++nt) st[nt][0] = st[nt][1] = st[nt][2] = st[nt][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const T* ka = ks + (warp * 16 + g) * P + kk * 16 + 2 * t;
+        const uint32_t a[4] = {ld32(ka), ld32(ka + 8 * P), ld32(ka + 8), ld32(ka + 8 * P + 8)};
+#pragma unroll
+        for (int nt = 0; nt < BM / 8; ++nt) {
+          const T* qb = qs + (nt * 8 + g) * P + kk * 16 + 2 * t;
+          const uint32_t bf[2] = {ld32(qb), ld32(qb + 8)};
+          mma16816<T>(st[nt], a, bf);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < BM / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int qi = nt * 8 + 2 * t + (e & 1);
+          const int64_t key = e < 2 ? key0 : key1, query = m0 + qi;
+          const bool masked = key >= p.seq_k || (p.causal && key > query);
+          st[nt][e] = masked ? 0.f : exp2f(st[nt][e] * scale_log2 - lse_s[qi]);
+        }
+      }
+      // dV += P^T dO.
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk) {
+        const uint32_t a[4] = {pack2<T>(st[2 * kk][0], st[2 * kk][1]), pack2<T>(st[2 * kk][2], st[2 * kk][3]),
+                               pack2<T>(st[2 * kk + 1][0], st[2 * kk + 1][1]),
+                               pack2<T>(st[2 * kk + 1][2], st[2 * kk + 1][3])};
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) {
+          const T* db = dos + (kk * 16 + 2 * t) * P + i * 8 + g;
+          const uint32_t bf[2] = {pack_raw(db[0], db[P]), pack_raw(db[8 * P], db[9 * P])};
+          mma16816<T>(dv[i], a, bf);
+        }
+      }
+      // dP^T = V dO^T, then dS^T = P^T (dP^T - delta).
+      float dpt[BM / 8][4];
+#pragma unroll
+      for (int nt = 0; nt < BM / 8; ++nt) dpt[nt][0] = dpt[nt][1] = dpt[nt][2] = dpt[nt][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const T* va = vs + (warp * 16 + g) * P + kk * 16 + 2 * t;
+        const uint32_t a[4] = {ld32(va), ld32(va + 8 * P), ld32(va + 8), ld32(va + 8 * P + 8)};
+#pragma unroll
+        for (int nt = 0; nt < BM / 8; ++nt) {
+          const T* db = dos + (nt * 8 + g) * P + kk * 16 + 2 * t;
+          const uint32_t bf[2] = {ld32(db), ld32(db + 8)};
+          mma16816<T>(dpt[nt], a, bf);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < BM / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int qi = nt * 8 + 2 * t + (e & 1);
+          dpt[nt][e] = st[nt][e] * (dpt[nt][e] - delta_s[qi]);
+          dss[qi * PS + warp * 16 + g + (e < 2 ? 0 : 8)] = from_float<T>(dpt[nt][e]);
+        }
+      }
+      // dK += dS^T Q (the softmax scale is applied at the end).
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk) {
+        const uint32_t a[4] = {pack2<T>(dpt[2 * kk][0], dpt[2 * kk][1]), pack2<T>(dpt[2 * kk][2], dpt[2 * kk][3]),
+                               pack2<T>(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
+                               pack2<T>(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) {
+          const T* qb = qs + (kk * 16 + 2 * t) * P + i * 8 + g;
+          const uint32_t bf[2] = {pack_raw(qb[0], qb[P]), pack_raw(qb[8 * P], qb[9 * P])};
+          mma16816<T>(dk[i], a, bf);
+        }
+      }
+      __syncthreads();  // dS complete
+      // dQ += scale dS K: warp w adds query rows [16 w, 16 w + 16) of the tile.
+      const int64_t qrow0 = m0 + warp * 16 + g, qrow1 = qrow0 + 8;
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+          const T* da = dss + (warp * 16 + g) * PS + kk * 16 + 2 * t;
+          const uint32_t a[4] = {ld32(da), ld32(da + 8 * PS), ld32(da + 8), ld32(da + 8 * PS + 8)};
+          const T* kb = ks + (kk * 16 + 2 * t) * P + i * 8 + g;
+          const uint32_t bf[2] = {pack_raw(kb[0], kb[P]), pack_raw(kb[8 * P], kb[9 * P])};
+          mma16816<T>(acc, a, bf);
+        }
+        const int c = i * 8 + 2 * t;
+        if (qrow0 < p.seq_q) {
+          atomicAdd(&dq_accum[(stat + qrow0) * D + c], acc[0] * p.scale);
+          atomicAdd(&dq_accum[(stat + qrow0) * D + c + 1], acc[1] * p.scale);
+        }
+        if (qrow1 < p.seq_q) {
+          atomicAdd(&dq_accum[(stat + qrow1) * D + c], acc[2] * p.scale);
+          atomicAdd(&dq_accum[(stat + qrow1) * D + c + 1], acc[3] * p.scale);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();  // an empty loop leaves the K, V loads in flight
+
+  T* dkp = static_cast<T*>(p.dk) + b * p.dk_stride.batch + hk * p.dk_stride.head;
+  T* dvp = static_cast<T*>(p.dv) + b * p.dv_stride.batch + hk * p.dv_stride.head;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t key = r == 0 ? key0 : key1;
+    if (key >= p.seq_k) continue;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      const int c = i * 8 + 2 * t;
+      *reinterpret_cast<uint32_t*>(dkp + key * p.dk_stride.seq + c) =
+          pack2<T>(dk[i][2 * r] * p.scale, dk[i][2 * r + 1] * p.scale);
+      *reinterpret_cast<uint32_t*>(dvp + key * p.dv_stride.seq + c) = pack2<T>(dv[i][2 * r], dv[i][2 * r + 1]);
+    }
+  }
+}
+
+template <typename T, int D>
+cudaError_t run_flash_bwd(const dtrain_attention_bwd_params& p, cudaStream_t stream) {
+  using C = FlashConfig<D>;
+  float* dq_accum = static_cast<float*>(p.workspace);
+  float* delta = dq_accum + p.batch * p.heads * p.seq_q * D;
+  const int64_t rows = p.batch * p.heads * p.seq_q;
+  auto* prepare = flash_bwd_prepare_kernel<T, D>;
+  DTRAIN_LAUNCH(prepare, static_cast<unsigned>((rows + 7) / 8), 256, 0, stream, p, dq_accum, delta);
+  cudaError_t e = launched();
+  if (e != cudaSuccess) return e;
+
+  const size_t smem = sizeof(T) * (static_cast<size_t>(2 * C::kBlockN + 2 * C::kBlockM) * C::kPitch +
+                                   static_cast<size_t>(C::kBlockM) * C::kPitchS) +
+                      sizeof(float) * 2 * C::kBlockM;
+  auto* kernel = flash_bwd_kernel<T, D>;
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (e != cudaSuccess) return e;
+  const dim3 grid(static_cast<unsigned>((p.seq_k + C::kBlockN - 1) / C::kBlockN), static_cast<unsigned>(p.kv_heads),
+                  static_cast<unsigned>(p.batch));
+  DTRAIN_LAUNCH(kernel, grid, C::kThreads, smem, stream, p, dq_accum, delta);
+  if ((e = launched()) != cudaSuccess) return e;
+
+  const int64_t n = rows * D;
+  const unsigned blocks = static_cast<unsigned>(imin((n + 255) / 256, 65535));
+  auto* convert = flash_bwd_convert_dq_kernel<T, D>;
+  DTRAIN_LAUNCH(convert, blocks, 256, 0, stream, p, dq_accum);
+  return launched();
+}
+
+}  // namespace dtrain_kernels

@@ -1,0 +1,174 @@
+// Flash attention forward (FlashAttention-2's loop order) on mma.sync: a block owns 64
+// query rows (16 per warp) of one (batch, head) and walks the key/value tiles of 64 keys.
+// Q's fragments stay in registers; S = Q K^T goes to registers, is masked and scaled
+// (log2 domain), folded into the running row max and sum, and reused as P in registers
+// (the accumulator layout of two 16 x 8 tiles is the A layout of one 16 x 16) for
+// O += P V. K and V arrive by cp.async: the next K tile loads during softmax and P V, the
+// next V tile during the next Q K^T.
+#pragma once
+
+#include "attention/flash.cuh"
+#include "mma.cuh"
+
+namespace dtrain_kernels {
+
+template <typename T, int D>
+__global__ void __launch_bounds__(FlashConfig<D>::kThreads) flash_fwd_kernel(dtrain_attention_fwd_params p) {
+  using C = FlashConfig<D>;
+  constexpr int BM = C::kBlockM, BN = C::kBlockN, P = C::kPitch, kThreads = C::kThreads;
+  DTRAIN_DYNAMIC_SMEM(T, smem);
+  T* qs = smem;
+  T* ks = qs + BM * P;
+  T* vs = ks + BN * P;
+
+  const int64_t b = blockIdx.z, h = blockIdx.y, m0 = int64_t{blockIdx.x} * BM;
+  const int64_t hk = h / (p.heads / p.kv_heads);
+  const T* q = static_cast<const T*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head + m0 * p.q_stride.seq;
+  const T* k = static_cast<const T*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;
+  const T* v = static_cast<const T*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t row0 = m0 + warp * 16 + g, row1 = row0 + 8;  // rows of c0,c1 and of c2,c3
+
+  // Causal: key tiles past the block's last query row are all masked.
+  const int64_t n_end = p.causal ? imin(p.seq_k, m0 + BM) : p.seq_k;
+  const int n_tiles = static_cast<int>((n_end + BN - 1) / BN);
+
+  load_tile_async<BM, D, kThreads>(qs, P, q, p.q_stride.seq, p.seq_q - m0);
+  load_tile_async<BN, D, kThreads>(ks, P, k, p.k_stride.seq, p.seq_k);
+  cp_async_commit();
+  load_tile_async<BN, D, kThreads>(vs, P, v, p.v_stride.seq, p.seq_k);
+  cp_async_commit();
+
+  float acc[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+  uint32_t qf[D / 16][4];
+  const float scale_log2 = p.scale * kLog2e;
+
+  for (int j = 0; j < n_tiles; ++j) {
+    cp_async_wait<1>();  // Q and K_j
+    __syncthreads();
+    if (j == 0) {
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const T* a = qs + (warp * 16 + g) * P + kk * 16 + 2 * t;
+        qf[kk][0] = ld32(a);
+        qf[kk][1] = ld32(a + 8 * P);
+        qf[kk][2] = ld32(a + 8);
+        qf[kk][3] = ld32(a + 8 * P + 8);
+      }
+    }
+    // S = Q K_j^T: 16 x 64 per warp.
+    float s[BN / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {
+      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const T* kb = ks + (nt * 8 + g) * P + kk * 16 + 2 * t;
+        const uint32_t bf[2] = {ld32(kb), ld32(kb + 8)};
+        mma16816<T>(s[nt], qf[kk], bf);
+      }
+    }
+    __syncthreads();  // every warp is done with K_j
+    const int64_t n0 = int64_t{j} * BN;
+    if (j + 1 < n_tiles) {
+      load_tile_async<BN, D, kThreads>(ks, P, k + (n0 + BN) * p.k_stride.seq, p.k_stride.seq, p.seq_k - n0 - BN);
+      cp_async_commit();
+    }
+    // Mask and scale into the log2 domain.
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t col = n0 + nt * 8 + 2 * t + (e & 1), row = e < 2 ? row0 : row1;
+        const bool masked = col >= p.seq_k || (p.causal && col > row);
+        s[nt][e] = masked ? -INFINITY : s[nt][e] * scale_log2;
+      }
+    }
+    // Online softmax; a row's four threads (one quad) share its max.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = row_max[r];
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float base = mx == -INFINITY ? 0.f : mx;  // no visible key yet: every p is 0
+      const float alpha = exp2f(row_max[r] - base);
+      row_max[r] = mx;
+      row_sum[r] *= alpha;
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i) {
+        acc[i][2 * r] *= alpha;
+        acc[i][2 * r + 1] *= alpha;
+      }
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) {
+        s[nt][2 * r] = exp2f(s[nt][2 * r] - base);
+        s[nt][2 * r + 1] = exp2f(s[nt][2 * r + 1] - base);
+        row_sum[r] += s[nt][2 * r] + s[nt][2 * r + 1];
+      }
+    }
+    if (j + 1 < n_tiles) {
+      cp_async_wait<1>();  // V_j (K_{j+1} may still be in flight)
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    // O += P V_j.
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      const uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                             pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i) {
+        const T* vb = vs + (kk * 16 + 2 * t) * P + i * 8 + g;
+        const uint32_t bf[2] = {pack_raw(vb[0], vb[P]), pack_raw(vb[8 * P], vb[9 * P])};
+        mma16816<T>(acc[i], a, bf);
+      }
+    }
+    __syncthreads();  // every warp is done with V_j
+    if (j + 1 < n_tiles) {
+      load_tile_async<BN, D, kThreads>(vs, P, v + (n0 + BN) * p.v_stride.seq, p.v_stride.seq, p.seq_k - n0 - BN);
+      cp_async_commit();
+    }
+  }
+  cp_async_wait<0>();  // nothing may stay in flight (n_tiles == 0 leaves Q, K, V loads)
+
+  T* o = static_cast<T*>(p.o) + b * p.o_stride.batch + h * p.o_stride.head;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = row_sum[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int64_t row = r == 0 ? row0 : row1;
+    if (row >= p.seq_q) continue;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      *reinterpret_cast<uint32_t*>(o + row * p.o_stride.seq + i * 8 + 2 * t) =
+          pack2<T>(acc[i][2 * r] * inv, acc[i][2 * r + 1] * inv);
+    }
+    if (t == 0) {
+      p.lse[(b * p.heads + h) * p.seq_q + row] = l > 0.f ? (row_max[r] + log2f(l)) / kLog2e : INFINITY;
+    }
+  }
+}
+
+template <typename T, int D>
+cudaError_t run_flash_fwd(const dtrain_attention_fwd_params& p, cudaStream_t stream) {
+  using C = FlashConfig<D>;
+  const size_t smem = sizeof(T) * static_cast<size_t>(C::kBlockM + 2 * C::kBlockN) * C::kPitch;
+  auto* kernel = flash_fwd_kernel<T, D>;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (e != cudaSuccess) return e;
+  const dim3 grid(static_cast<unsigned>((p.seq_q + C::kBlockM - 1) / C::kBlockM), static_cast<unsigned>(p.heads),
+                  static_cast<unsigned>(p.batch));
+  DTRAIN_LAUNCH(kernel, grid, C::kThreads, smem, stream, p);
+  return launched();
+}
+
+}  // namespace dtrain_kernels

@@ -1,0 +1,86 @@
+// Device helpers every kernel shares: element conversion to and from float32, warp and
+// block reductions, and the launch-error convention of the C API.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "dtrain_kernels/common.h"
+
+#ifdef DTRAIN_KERNELS_EMULATE
+#include "emulator/simt.hpp"
+// kernel is a name or a function pointer (template arguments would split the macro).
+#define DTRAIN_LAUNCH(kernel, grid, block, smem, stream, ...) \
+  ::dtrain_emu::launch(dim3(grid), dim3(block), (smem), [&] { kernel(__VA_ARGS__); })
+#define DTRAIN_DYNAMIC_SMEM(type, name) type* name = static_cast<type*>(::dtrain_emu::dynamic_smem())
+#else
+#define DTRAIN_LAUNCH(kernel, grid, block, smem, stream, ...) kernel<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
+#define DTRAIN_DYNAMIC_SMEM(type, name)                     \
+  extern __shared__ __align__(16) unsigned char name##_raw_[]; \
+  type* name = reinterpret_cast<type*>(name##_raw_)
+#endif
+
+namespace dtrain_kernels {
+
+__host__ __device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+__host__ __device__ __forceinline__ int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
+
+// ---- element conversion ------------------------------------------------------------------
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+
+// ---- reductions --------------------------------------------------------------------------
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the
+// result. `scratch` holds 32 floats of shared memory; the call synchronises the block.
+__device__ __forceinline__ float block_sum(float x, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  x = warp_sum(x);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  x = lane < warps ? scratch[lane] : 0.f;
+  return warp_sum(x);
+}
+__device__ __forceinline__ float block_max(float x, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  x = warp_max(x);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  x = lane < warps ? scratch[lane] : -INFINITY;
+  return warp_max(x);
+}
+
+// ---- launch convention -------------------------------------------------------------------
+// The error of the launch just made (configuration errors show here; faults later).
+inline cudaError_t launched() { return cudaGetLastError(); }
+
+inline bool aligned(const void* p, std::uintptr_t bytes) {
+  return (reinterpret_cast<std::uintptr_t>(p) % bytes) == 0;
+}
+
+}  // namespace dtrain_kernels

@@ -1,0 +1,102 @@
+// A CPU emulator of the CUDA execution model, for testing the kernel sources on machines
+// without a GPU: the .cu files compile with the host compiler (DTRAIN_KERNELS_EMULATE),
+// each block's threads run as fibers in one OS thread, switching at __syncthreads, warp
+// shuffles and warp-level MMA, and blocks run one after another. It checks the kernels'
+// logic (indexing, masking, reductions, synchronisation) with the fragment layouts of
+// mma.sync as the PTX ISA documents them; it says nothing about speed, and a layout this
+// file gets wrong would be wrong in the same way here and in the kernels.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <stdexcept>
+
+namespace dtrain_emu {
+
+// ---- the running thread ------------------------------------------------------------------
+extern uint3 thread_idx, block_idx;
+extern dim3 block_dim, grid_dim;
+
+// Runs body once per thread of every block (blocks in order, x fastest). Dynamic shared
+// memory of smem bytes is filled with 0xff (NaN for floats) before each block, so a read
+// of a slot nobody wrote shows. std::runtime_error on a barrier some threads never reach.
+void launch(dim3 grid, dim3 block, std::size_t smem, const std::function<void()>& body);
+void* dynamic_smem();
+
+void sync_threads();
+void sync_warp();
+int lane();
+// Every active lane of the calling warp publishes `bytes` of `mine`; each then copies the
+// value published by lane `src` into `out`.
+void warp_exchange(const void* mine, void* out, int src, std::size_t bytes);
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}: d = a b + c over the warp, with
+// the PTX fragment layout (a: 4 registers of 2 elements, b: 2, c/d: 4 floats).
+void mma_m16n8k16(float d[4], const std::uint32_t a[4], const std::uint32_t b[2], const float c[4], bool bf16);
+
+// What the kernels' launch checks read.
+cudaError_t get_last_error();
+cudaError_t func_set_attribute();
+cudaError_t get_device(int* device);
+cudaError_t device_get_attribute(int* value, cudaDeviceAttr attr, int device);
+
+}  // namespace dtrain_emu
+
+// ---- what device code sees -----------------------------------------------------------------
+// Function qualifiers vanish; a __shared__ variable is a static local, which all fibers
+// of the running block share (blocks run one at a time).
+#undef __device__
+#undef __global__
+#undef __host__
+#undef __shared__
+#define __device__
+#define __global__
+#define __host__
+#define __shared__ static
+#define threadIdx (::dtrain_emu::thread_idx)
+#define blockIdx (::dtrain_emu::block_idx)
+#define blockDim (::dtrain_emu::block_dim)
+#define gridDim (::dtrain_emu::grid_dim)
+#define __syncthreads() ::dtrain_emu::sync_threads()
+#define __syncwarp(...) ::dtrain_emu::sync_warp()
+#define __launch_bounds__(...)
+#define cudaGetLastError ::dtrain_emu::get_last_error
+#define cudaFuncSetAttribute(...) ::dtrain_emu::func_set_attribute()
+#define cudaGetDevice ::dtrain_emu::get_device
+#define cudaDeviceGetAttribute ::dtrain_emu::device_get_attribute
+
+template <typename T>
+inline T __shfl_xor_sync(unsigned, T v, int mask, int = 32) {
+  T out;
+  ::dtrain_emu::warp_exchange(&v, &out, ::dtrain_emu::lane() ^ mask, sizeof(T));
+  return out;
+}
+template <typename T>
+inline T __shfl_sync(unsigned, T v, int src, int = 32) {
+  T out;
+  ::dtrain_emu::warp_exchange(&v, &out, src, sizeof(T));
+  return out;
+}
+inline float __expf(float x) { return std::exp(x); }
+inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+using std::isfinite;
+// Fibers switch only at barriers, so plain read-modify-writes are atomic here.
+inline float atomicAdd(float* p, float v) {
+  const float old = *p;
+  *p = old + v;
+  return old;
+}
+inline int atomicMax(int* p, int v) {
+  const int old = *p;
+  *p = old > v ? old : v;
+  return old;
+}
+#define cudaMemsetAsync(ptr, value, bytes, stream) (std::memset((ptr), (value), (bytes)), cudaSuccess)

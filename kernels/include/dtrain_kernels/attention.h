@@ -1,0 +1,63 @@
+/* Flash attention (FlashAttention-2's algorithm) for bfloat16 / float16 inputs with
+ * float32 accumulation, head dims 64 and 128, causal or not, grouped-query attention
+ * (heads a multiple of kv_heads; query head h reads kv head h / (heads / kv_heads)).
+ * q, o: [batch, heads, seq_q, head_dim]; k, v: [batch, kv_heads, seq_k, head_dim], each
+ * with its own batch/head/seq strides in elements (unit stride along head_dim; strides
+ * multiples of 8 and pointers 16-byte aligned). Causal masking is top-left aligned as in
+ * at::scaled_dot_product_attention: query i sees keys j <= i.
+ * The forward writes o and the log-sum-exp per query row (float32, [batch, heads, seq_q],
+ * contiguous; +inf for a row that sees no key). The backward recomputes the attention
+ * tile by tile from q, k, v and the log-sum-exp (never an seq_q x seq_k matrix), with
+ * a float32 workspace (dtrain_attention_bwd_workspace_bytes) for dq and row statistics. */
+#pragma once
+
+#include "dtrain_kernels/common.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+  int64_t batch, head, seq; /* element strides */
+} dtrain_attention_strides;
+
+typedef struct {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* o;
+  float* lse;
+  dtrain_attention_strides q_stride, k_stride, v_stride, o_stride;
+  int64_t batch, heads, kv_heads, seq_q, seq_k, head_dim;
+  float scale; /* softmax scale, usually 1 / sqrt(head_dim) */
+  int causal;
+  dtrain_kernel_dtype dtype; /* BF16 or F16 */
+} dtrain_attention_fwd_params;
+
+typedef struct {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* o;
+  const void* dout;
+  const float* lse;
+  void* dq;
+  void* dk;
+  void* dv;
+  void* workspace; /* dtrain_attention_bwd_workspace_bytes(params) bytes */
+  dtrain_attention_strides q_stride, k_stride, v_stride, o_stride, dout_stride, dq_stride, dk_stride, dv_stride;
+  int64_t batch, heads, kv_heads, seq_q, seq_k, head_dim;
+  float scale;
+  int causal;
+  dtrain_kernel_dtype dtype;
+} dtrain_attention_bwd_params;
+
+cudaError_t dtrain_attention_fwd(const dtrain_attention_fwd_params* params, cudaStream_t stream);
+cudaError_t dtrain_attention_bwd(const dtrain_attention_bwd_params* params, cudaStream_t stream);
+size_t dtrain_attention_bwd_workspace_bytes(const dtrain_attention_bwd_params* params);
+/* Whether the kernels take this head dim (64, 128). */
+int dtrain_attention_supports_head_dim(int64_t head_dim);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,39 @@
+/* The kernel API's shared vocabulary: element types and the launch convention.
+ * Every launcher takes a params struct of raw device pointers and element strides plus a
+ * cudaStream_t, validates what it can see, launches asynchronously on that stream and
+ * returns cudaSuccess, cudaErrorInvalidValue (a bad or unsupported parameter), or the
+ * launch error. No LibTorch here: src/ops fills the structs from tensors. */
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#ifdef DTRAIN_KERNELS_EMULATE
+/* The CPU-emulated build of the same sources (kernels/emulator, for tests) renames every
+ * entry point, so that it links beside the real kernels. */
+#define dtrain_adamw dtrain_emu_adamw
+#define dtrain_norm_fwd dtrain_emu_norm_fwd
+#define dtrain_norm_bwd dtrain_emu_norm_bwd
+#define dtrain_norm_workspace_bytes dtrain_emu_norm_workspace_bytes
+#define dtrain_norm_max_cols dtrain_emu_norm_max_cols
+#define dtrain_cross_entropy_fwd dtrain_emu_cross_entropy_fwd
+#define dtrain_cross_entropy_bwd dtrain_emu_cross_entropy_bwd
+#define dtrain_attention_fwd dtrain_emu_attention_fwd
+#define dtrain_attention_bwd dtrain_emu_attention_bwd
+#define dtrain_attention_bwd_workspace_bytes dtrain_emu_attention_bwd_workspace_bytes
+#define dtrain_attention_supports_head_dim dtrain_emu_attention_supports_head_dim
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum {
+  DTRAIN_KERNEL_F32 = 0,
+  DTRAIN_KERNEL_BF16 = 1,
+  DTRAIN_KERNEL_F16 = 2,
+} dtrain_kernel_dtype;
+
+#ifdef __cplusplus
+}
+#endif
