@@ -66,6 +66,46 @@ __device__ __forceinline__ void mma16816(float d[4], const uint32_t a[4], const 
 #endif
 }
 
+// ---- warp tiles --------------------------------------------------------------------------------
+// acc[nt] += A B_nt^T for nt < kN: A is 16 x kK (rows at a, pitch a_pitch), B_nt the 8 x kK
+// rows nt*8.. of b (pitch b_pitch); both row-major in shared memory (S = Q K^T shapes).
+template <typename T, int kK, int kN>
+__device__ __forceinline__ void mma_rows_rows(float (&acc)[kN][4], const T* a, int a_pitch, const T* b,
+                                              int b_pitch) {
+  const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    const T* ar = a + g * a_pitch + kk * 16 + 2 * t;
+    const uint32_t af[4] = {ld32(ar), ld32(ar + 8 * a_pitch), ld32(ar + 8), ld32(ar + 8 * a_pitch + 8)};
+#pragma unroll
+    for (int nt = 0; nt < kN; ++nt) {
+      const T* br = b + (nt * 8 + g) * b_pitch + kk * 16 + 2 * t;
+      const uint32_t bf[2] = {ld32(br), ld32(br + 8)};
+      mma16816<T>(acc[nt], af, bf);
+    }
+  }
+}
+
+// acc[i] += P B_i for i < kD: P is the 16 x kK matrix held as accumulators (p[n] the
+// 16 x 8 tile of columns n*8..; two of them form one A fragment), B_i the kK x 8 columns
+// i*8.. of b, row-major in shared memory (pitch; O += P V shapes).
+template <typename T, int kK, int kD>
+__device__ __forceinline__ void mma_acc_cols(float (&acc)[kD][4], const float (&p)[kK / 8][4], const T* b,
+                                             int pitch) {
+  const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    const uint32_t af[4] = {pack2<T>(p[2 * kk][0], p[2 * kk][1]), pack2<T>(p[2 * kk][2], p[2 * kk][3]),
+                            pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+#pragma unroll
+    for (int i = 0; i < kD; ++i) {
+      const T* br = b + (kk * 16 + 2 * t) * pitch + i * 8 + g;
+      const uint32_t bf[2] = {pack_raw(br[0], br[pitch]), pack_raw(br[8 * pitch], br[9 * pitch])};
+      mma16816<T>(acc[i], af, bf);
+    }
+  }
+}
+
 // ---- asynchronous copies -------------------------------------------------------------------
 // 16 bytes from global to shared, or 16 zero bytes when !valid (src is then not read).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {

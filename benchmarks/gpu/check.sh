@@ -4,8 +4,10 @@
 # scripts/carry.sh travels with the tree). Builds without MPI for the local GPU, runs the
 # unit, GPU and CLI tests (NCCL backend at world size 1), trains the tiny model on the GPU
 # (fp32, bf16, fp16, full sharding; one traced run merged by merge_traces), runs pp_bench's
-# runtime with one stage on CUDA, a MoE model in bf16 and moe_bench (ep 1) on CUDA, and runs train_bench for gpt2-124m in fp32 and bf16 over
-# every sharding strategy (batch 8 x 1024), and bf16 at batch 32. Full logs and JSON lines
+# runtime with one stage on CUDA, a MoE model in bf16 and moe_bench (ep 1) on CUDA, trains
+# with dtrain's kernels (flash attention, fused norm / cross-entropy / AdamW) and runs
+# kernel_bench, and runs train_bench for gpt2-124m in fp32 and bf16 over every sharding
+# strategy (batch 8 x 1024; bf16 also with the kernels), and bf16 at batch 32. Full logs and JSON lines
 # go to OUTDIR (default build-gpu/out); a phase that fails is recorded and the next one
 # still runs; a summary table comes last.
 # Exit status: 0 when every phase passed. DTRAIN_CHECK_BENCH overrides train_bench's model
@@ -85,6 +87,14 @@ phase moe_bench 120 "$build/benchmarks/moe_bench" --ep 1 --tokens 16384 --d-mode
 phase pp_bench 120 "$build/benchmarks/pp_bench" --d-model 1024 --seq 256 --schedules gpipe,1f1b \
   --microbatches 4 --json "$out/pp_bench.jsonl"
 
+# The kernels (issue 8): flash attention, norms, cross-entropy and AdamW on the GPU, the
+# tiny model trained with all of them (head dim 64), and the kernel benchmarks against
+# LibTorch's ops (attention at 1k, 4k, 16k; the memory-bound ops against a device copy).
+train train_tiny_fused_bf16 --precision bf16 --n-head 1 --attention flash --fused-norm --fused-ce --fused-adamw
+train train_tiny_fused_full_bf16 --n-head 1 --fsdp full --param-dtype bfloat16 --attention flash --fused-norm \
+  --fused-ce --fused-adamw
+phase kernel_bench 240 "$build/benchmarks/kernel_bench" --json "$out/kernel_bench.jsonl"
+
 # Throughput and memory: dtrain's trainer against a plain LibTorch loop, gpt2-124m.
 for precision in fp32 bf16; do
   # shellcheck disable=SC2086
@@ -92,6 +102,11 @@ for precision in fp32 bf16; do
     ${DTRAIN_CHECK_BENCH:---preset gpt2-124m --batch 8 --seq 1024} --steps 5 --rounds 2 --warmup 2 --precision "$precision" \
     --fsdp none,zero1,zero2,full --json "$out/train_bench.jsonl"
 done
+# The same with dtrain's kernels on the trainer side (the plain loop stays LibTorch's).
+# shellcheck disable=SC2086
+phase train_bench_bf16_fused 300 "$build/benchmarks/train_bench" \
+  ${DTRAIN_CHECK_BENCH:---preset gpt2-124m --batch 8 --seq 1024} --steps 5 --rounds 2 --warmup 2 --precision bf16 \
+  --kernels fused --fsdp none,full --json "$out/train_bench.jsonl"
 # A batch that fills the GPU better, bf16, replicated only.
 # shellcheck disable=SC2086
 phase train_bench_bf16_b32 300 "$build/benchmarks/train_bench" \
@@ -106,7 +121,8 @@ for f in "$out"/train_tiny_*.log; do
   [ -f "$f" ] || continue
   printf '%-22s %s\n' "$(basename "$f" .log)" "$(grep -oE "done: .*" "$f" | tail -1)"
 done
-for run in fp32 bf16 bf16_b32; do
+[ -f "$out/kernel_bench.log" ] && { echo "-- kernel_bench"; grep -vE '^\{' "$out/kernel_bench.log"; }
+for run in fp32 bf16 bf16_fused bf16_b32; do
   f="$out/train_bench_$run.log"
   [ -f "$f" ] && { echo "-- train_bench $run"; grep -E "^(strategy|plain|ddp|zero1|zero2|full) " "$f"; }
 done

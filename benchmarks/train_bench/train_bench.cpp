@@ -40,7 +40,7 @@ double ms_since(Clock::time_point t) {
 }
 
 struct Options {
-  std::string preset = "tiny", json, backend = "auto", precision = "fp32";
+  std::string preset = "tiny", json, backend = "auto", precision = "fp32", kernels = "plain";
   std::int64_t batch = 4, seq = 64, steps = 6, warmup = 2, rounds = 2, comm_reps = 5;
   double bucket_mb = 25;
   std::vector<std::string> strategies = {"none"};
@@ -143,6 +143,8 @@ int main(int argc, char** argv) {
       ->delimiter(',')->check(CLI::IsMember({"none", "zero1", "zero2", "full"}));
   app.add_option("--precision", o.precision, "fp32, or bf16 autocast for both loops")
       ->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_option("--kernels", o.kernels, "plain (LibTorch ops) or fused (the trainer with --attention flash, --fused-norm, --fused-ce, --fused-adamw; the plain loop is unchanged)")
+      ->check(CLI::IsMember({"plain", "fused"}));
   app.add_option("-J,--json", o.json, "append one JSON object per strategy to this file");
   CLI11_PARSE(app, argc, argv);
 
@@ -198,7 +200,13 @@ int main(int argc, char** argv) {
     for (const auto& strategy : o.strategies) {
       to.fsdp = strategy;
       const double before = allocated_bytes(device);
-      dtrain::train::Trainer trainer(ctx, cfg, to);
+      auto tcfg = cfg;
+      if (o.kernels == "fused") {
+        tcfg.attention = dtrain::ops::AttentionBackend::kFlash;
+        tcfg.fused_norm = tcfg.fused_ce = true;
+        to.adamw.fused = true;
+      }
+      dtrain::train::Trainer trainer(ctx, tcfg, to);
       for (std::int64_t i = 0; i < o.warmup; ++i) trainer.train_step();
       Row row{strategy == "none" ? "ddp" : strategy};
       std::vector<double> steps;
@@ -252,11 +260,11 @@ int main(int argc, char** argv) {
       const double tokens = static_cast<double>(o.batch * o.seq * n);
       const double param_bytes = static_cast<double>(cfg.num_parameters()) * 4;
       std::printf("# train_bench: preset %s (%.1fM params), %d rank(s), batch %lld x %lld tokens per rank, "
-                  "%lld rounds x %lld steps, %s, device %s\n",
+                  "%lld rounds x %lld steps, %s, %s kernels, device %s\n",
                   o.preset.c_str(), static_cast<double>(cfg.num_parameters()) / 1e6, n,
                   static_cast<long long>(o.batch), static_cast<long long>(o.seq),
                   static_cast<long long>(o.rounds), static_cast<long long>(o.steps),
-                  o.precision.c_str(), dtrain::train::device_name(device).c_str());
+                  o.precision.c_str(), o.kernels.c_str(), dtrain::train::device_name(device).c_str());
       std::printf("# plain: every rank runs the LibTorch loop alone (no communication); ddp: dtrain Trainer"
                   "; zero1/zero2/full: dtrain Trainer with --fsdp\n");
       const double peak = dtrain::train::known_peak_tflops(dtrain::train::device_name(device));
@@ -289,7 +297,7 @@ int main(int argc, char** argv) {
                     row->state_bytes / (1 << 20), peak_mib, row->comm_bytes / 1e6, comm_ratio, tflops, mfu);
         nlohmann::json j = {{"strategy", row->strategy}, {"nranks", n},
                             {"preset", o.preset},         {"batch", o.batch},
-                            {"seq", o.seq},               {"precision", o.precision},
+                            {"seq", o.seq},               {"precision", o.precision}, {"kernels", o.kernels},
                             {"tokens_per_s", tps},
                             {"step_ms", row->step_ms},    {"forward_ms", row->forward_ms},
                             {"backward_ms", row->backward_ms}, {"optimizer_ms", row->optimizer_ms},

@@ -44,6 +44,9 @@ struct Options {
                d_model = -1, ffn_hidden = -1;
   double bucket_mb = 25;
   std::string export_hf;
+  // Kernels (docs/kernels.md): which implementation of attention, norms and the loss.
+  std::string attention = "sdpa";
+  bool fused_norm = false, fused_ce = false;
   dtrain::train::TrainOptions train;
 };
 
@@ -84,6 +87,12 @@ void define(CLI::App& app, Options& o) {
   app.add_option("--dropout", o.dropout, "dropout on embeddings, attention probabilities and residual branches (training only)")->group(model);
   app.add_option("--activation-checkpointing", o.activation_checkpointing, "none, or full (recompute every block in backward)")
       ->check(CLI::IsMember({"none", "full"}))->group(model);
+
+  const char* kernels = "Kernels";
+  app.add_option("--attention", o.attention, "sdpa (LibTorch's scaled_dot_product_attention) or flash (dtrain's kernel on CUDA: bf16/fp16, head dims 64 and 128, no dropout)")->group(kernels);
+  app.add_flag("--fused-norm", o.fused_norm, "fused RMSNorm/LayerNorm (one kernel each way)")->group(kernels);
+  app.add_flag("--fused-ce", o.fused_ce, "fused softmax cross-entropy from the logits' own dtype (tp 1)")->group(kernels);
+  app.add_flag("--fused-adamw", t.adamw.fused, "one multi-tensor AdamW pass per step (with --fsdp: the 16-bit parameter shard written in the same pass)")->group(kernels);
 
   const char* data = "Data";
   const char* moe = "Mixture of experts";
@@ -211,6 +220,9 @@ dtrain::models::GptConfig model_config(const Options& o) {
   }
   c.activation_checkpointing = o.activation_checkpointing == "full";
   c.dropout = o.dropout;
+  c.attention = dtrain::ops::parse_attention_backend(o.attention);
+  c.fused_norm = o.fused_norm;
+  c.fused_ce = o.fused_ce;
   c.moe = o.moe;
   if (o.moe_dropless) c.moe.capacity_factor = 0;
   c.validate();

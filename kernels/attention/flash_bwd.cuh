@@ -103,17 +103,7 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads)
       float st[BM / 8][4];
 #pragma unroll
       for (int nt = 0; nt < BM / 8; ++nt) st[nt][0] = st[nt][1] = st[nt][2] = st[nt][3] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const T* ka = ks + (warp * 16 + g) * P + kk * 16 + 2 * t;
-        const uint32_t a[4] = {ld32(ka), ld32(ka + 8 * P), ld32(ka + 8), ld32(ka + 8 * P + 8)};
-#pragma unroll
-        for (int nt = 0; nt < BM / 8; ++nt) {
-          const T* qb = qs + (nt * 8 + g) * P + kk * 16 + 2 * t;
-          const uint32_t bf[2] = {ld32(qb), ld32(qb + 8)};
-          mma16816<T>(st[nt], a, bf);
-        }
-      }
+      mma_rows_rows<T, D, BM / 8>(st, ks + warp * 16 * P, P, qs, P);
 #pragma unroll
       for (int nt = 0; nt < BM / 8; ++nt) {
 #pragma unroll
@@ -125,33 +115,12 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads)
         }
       }
       // dV += P^T dO.
-#pragma unroll
-      for (int kk = 0; kk < BM / 16; ++kk) {
-        const uint32_t a[4] = {pack2<T>(st[2 * kk][0], st[2 * kk][1]), pack2<T>(st[2 * kk][2], st[2 * kk][3]),
-                               pack2<T>(st[2 * kk + 1][0], st[2 * kk + 1][1]),
-                               pack2<T>(st[2 * kk + 1][2], st[2 * kk + 1][3])};
-#pragma unroll
-        for (int i = 0; i < D / 8; ++i) {
-          const T* db = dos + (kk * 16 + 2 * t) * P + i * 8 + g;
-          const uint32_t bf[2] = {pack_raw(db[0], db[P]), pack_raw(db[8 * P], db[9 * P])};
-          mma16816<T>(dv[i], a, bf);
-        }
-      }
+      mma_acc_cols<T, BM, D / 8>(dv, st, dos, P);
       // dP^T = V dO^T, then dS^T = P^T (dP^T - delta).
       float dpt[BM / 8][4];
 #pragma unroll
       for (int nt = 0; nt < BM / 8; ++nt) dpt[nt][0] = dpt[nt][1] = dpt[nt][2] = dpt[nt][3] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const T* va = vs + (warp * 16 + g) * P + kk * 16 + 2 * t;
-        const uint32_t a[4] = {ld32(va), ld32(va + 8 * P), ld32(va + 8), ld32(va + 8 * P + 8)};
-#pragma unroll
-        for (int nt = 0; nt < BM / 8; ++nt) {
-          const T* db = dos + (nt * 8 + g) * P + kk * 16 + 2 * t;
-          const uint32_t bf[2] = {ld32(db), ld32(db + 8)};
-          mma16816<T>(dpt[nt], a, bf);
-        }
-      }
+      mma_rows_rows<T, D, BM / 8>(dpt, vs + warp * 16 * P, P, dos, P);
 #pragma unroll
       for (int nt = 0; nt < BM / 8; ++nt) {
 #pragma unroll
@@ -162,18 +131,7 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads)
         }
       }
       // dK += dS^T Q (the softmax scale is applied at the end).
-#pragma unroll
-      for (int kk = 0; kk < BM / 16; ++kk) {
-        const uint32_t a[4] = {pack2<T>(dpt[2 * kk][0], dpt[2 * kk][1]), pack2<T>(dpt[2 * kk][2], dpt[2 * kk][3]),
-                               pack2<T>(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
-                               pack2<T>(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
-#pragma unroll
-        for (int i = 0; i < D / 8; ++i) {
-          const T* qb = qs + (kk * 16 + 2 * t) * P + i * 8 + g;
-          const uint32_t bf[2] = {pack_raw(qb[0], qb[P]), pack_raw(qb[8 * P], qb[9 * P])};
-          mma16816<T>(dk[i], a, bf);
-        }
-      }
+      mma_acc_cols<T, BM, D / 8>(dk, dpt, qs, P);
       __syncthreads();  // dS complete
       // dQ += scale dS K: warp w adds query rows [16 w, 16 w + 16) of the tile.
       const int64_t qrow0 = m0 + warp * 16 + g, qrow1 = qrow0 + 8;

@@ -118,18 +118,7 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads) flash_fwd_kernel(dtr
     }
     __syncthreads();
     // O += P V_j.
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      const uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                             pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                             pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-      for (int i = 0; i < D / 8; ++i) {
-        const T* vb = vs + (kk * 16 + 2 * t) * P + i * 8 + g;
-        const uint32_t bf[2] = {pack_raw(vb[0], vb[P]), pack_raw(vb[8 * P], vb[9 * P])};
-        mma16816<T>(acc[i], a, bf);
-      }
-    }
+    mma_acc_cols<T, BN, D / 8>(acc, s, vs, P);
     __syncthreads();  // every warp is done with V_j
     if (j + 1 < n_tiles) {
       load_tile_async<BN, D, kThreads>(vs, P, v + (n0 + BN) * p.v_stride.seq, p.v_stride.seq, p.seq_k - n0 - BN);

@@ -10,6 +10,8 @@
 
 #include "dtrain/core/error.hpp"
 #include "dtrain/ops/attention.hpp"
+#include "dtrain/ops/cross_entropy.hpp"
+#include "dtrain/ops/norm.hpp"
 
 namespace dtrain::models {
 
@@ -57,6 +59,8 @@ void GptConfig::validate() const {
   DTRAIN_CHECK_ARG(dropout >= 0 && dropout < 1, "dropout=", dropout,
                    " is out of range; allowed: [0, 1)");
   moe.validate();
+  DTRAIN_CHECK_ARG(attention != ops::AttentionBackend::kFlash || dropout == 0, "--attention flash has no dropout "
+                   "(--dropout=", dropout, "); allowed: --dropout 0, or --attention sdpa");
 }
 
 void GptConfig::validate_tp(int tp) const {
@@ -203,6 +207,7 @@ namespace {
 // The family's norm: LayerNorm (weight, bias) for gpt2, RMSNorm (weight) in float32 for llama.
 torch::Tensor apply_norm(const GptConfig& c, const torch::Tensor& x, const torch::Tensor& w,
                          const torch::Tensor& b) {
+  if (c.fused_norm) return c.family == "gpt2" ? ops::layer_norm(x, w, b, c.norm_eps) : ops::rms_norm(x, w, c.norm_eps);
   if (c.family == "gpt2") return torch::layer_norm(x, {c.d_model}, w, b, c.norm_eps);
   auto xf = x.to(torch::kFloat);
   return (xf * torch::rsqrt(xf.pow(2).mean(-1, true) + c.norm_eps)).to(x.scalar_type()) * w;
@@ -279,7 +284,7 @@ torch::Tensor BlockImpl::attention(const torch::Tensor& in, const torch::Tensor&
     const auto fork = tp_.rng->fork(tp::RngTracker::Stream::kSplit);
     y = ops::attention(q, k, v, /*causal=*/true, p);
   } else {
-    y = ops::attention(q, k, v, /*causal=*/true);
+    y = ops::attention(q, k, v, /*causal=*/true, 0.0, config_.attention);
   }
   return y.transpose(1, 2).reshape({B, T, H * D});
 }
@@ -651,6 +656,9 @@ torch::Tensor GptImpl::loss(const torch::Tensor& idx, const torch::Tensor& targe
 torch::Tensor GptImpl::loss_from_hidden(const torch::Tensor& hidden, const torch::Tensor& targets) {
   DTRAIN_CHECK_ARG(stage_.head, "loss_from_hidden needs the stage that holds the head (the last)");
   auto logits = local_logits(hidden);
+  if (tp_.size == 1 && config_.fused_ce) {
+    return ops::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
+  }
   if (tp_.size == 1) {
     return torch::nn::functional::cross_entropy(
         logits.reshape({-1, logits.size(-1)}).to(torch::kFloat), targets.reshape({-1}));

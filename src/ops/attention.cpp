@@ -1,15 +1,259 @@
-// Attention through at::scaled_dot_product_attention, with key/value heads repeated for
-// grouped-query attention.
+// Attention: LibTorch's scaled_dot_product_attention (key/value heads repeated for
+// grouped-query attention) or flash attention as an autograd Function over the CUDA
+// kernel (kernels/attention) and a reference path that computes the same function with
+// ATen ops in float32, chunked over query rows.
 #include "dtrain/ops/attention.hpp"
 
-#include <ATen/ATen.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
 
 #include "dtrain/core/error.hpp"
+#include "ops/kernel_launch.hpp"
+
+#ifdef DTRAIN_WITH_CUDA
+#include "dtrain_kernels/attention.h"
+#endif
 
 namespace dtrain::ops {
 
+AttentionBackend parse_attention_backend(const std::string& name, const char* option) {
+  if (name == "sdpa") return AttentionBackend::kSdpa;
+  if (name == "flash") return AttentionBackend::kFlash;
+  DTRAIN_CHECK_ARG(false, option, "=", name, " is not an attention backend; allowed: sdpa, flash");
+  return AttentionBackend::kSdpa;
+}
+
+const char* to_string(AttentionBackend backend) { return backend == AttentionBackend::kFlash ? "flash" : "sdpa"; }
+
+namespace {
+
+constexpr const char* kOp = "flash_attention";
+constexpr std::int64_t kChunk = 256;  // query rows per step of the reference path
+
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  DTRAIN_OP_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, kOp,
+                  "q, k, v must be [batch, heads, time, head_dim]; got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  DTRAIN_OP_CHECK(k.sizes() == v.sizes(), kOp, "k ", k.sizes(), " and v ", v.sizes(), " must have the same shape");
+  DTRAIN_OP_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3), kOp, "q ", q.sizes(), " and k ", k.sizes(),
+                  " must agree in batch and head_dim");
+  DTRAIN_OP_CHECK(k.size(1) >= 1 && q.size(1) % k.size(1) == 0, kOp, q.size(1),
+                  " query heads are not a multiple of ", k.size(1), " key/value heads");
+  DTRAIN_OP_CHECK(q.size(2) >= 1 && k.size(2) >= 1, kOp, "empty sequence: q ", q.sizes(), ", k ", k.sizes());
+  DTRAIN_OP_CHECK(q.device() == k.device() && q.device() == v.device(), kOp, "q, k, v must be on one device; got ",
+                  q.device(), ", ", k.device(), ", ", v.device());
+  DTRAIN_OP_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), kOp,
+                  "q, k, v must have one dtype; got ", detail::dtype_name(q), ", ", detail::dtype_name(k), ", ",
+                  detail::dtype_name(v));
+}
+
+// ---- reference path --------------------------------------------------------------------
+
+at::ScalarType compute_type(const at::Tensor& q) { return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+
+// Scores of query rows [r0, r0 + n) against every key, scaled and masked: [B, H, n, Sk].
+at::Tensor scores(const at::Tensor& qf, const at::Tensor& kf, std::int64_t r0, std::int64_t n, bool causal,
+                  double scale) {
+  auto s = at::matmul(qf.narrow(2, r0, n), kf.transpose(-2, -1)) * scale;
+  if (causal) {
+    const auto sk = kf.size(2);
+    auto rows = at::arange(r0, r0 + n, s.options().dtype(at::kLong)).unsqueeze(1);
+    auto cols = at::arange(sk, s.options().dtype(at::kLong)).unsqueeze(0);
+    s = s.masked_fill(cols > rows, -std::numeric_limits<double>::infinity());
+  }
+  return s;
+}
+
+std::pair<at::Tensor, at::Tensor> reference_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                    bool causal, double scale) {
+  detail::NoAutocast no_autocast;
+  const auto ct = compute_type(q);
+  const auto group = q.size(1) / k.size(1);
+  auto qf = q.to(ct), kf = k.to(ct).repeat_interleave(group, 1), vf = v.to(ct).repeat_interleave(group, 1);
+  auto o = at::empty(q.sizes(), qf.options());
+  auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, qf.options());
+  for (std::int64_t r0 = 0; r0 < q.size(2); r0 += kChunk) {
+    const auto n = std::min(kChunk, q.size(2) - r0);
+    auto s = scores(qf, kf, r0, n, causal, scale);
+    auto l = s.logsumexp(-1, /*keepdim=*/true);
+    o.narrow(2, r0, n).copy_(at::matmul((s - l).exp(), vf));
+    lse.narrow(2, r0, n).copy_(l.squeeze(-1));
+  }
+  return {o.to(q.scalar_type()), lse};
+}
+
+std::vector<at::Tensor> reference_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                           const at::Tensor& o, const at::Tensor& lse, const at::Tensor& dout,
+                                           bool causal, double scale) {
+  detail::NoAutocast no_autocast;
+  const auto ct = compute_type(q);
+  const auto B = q.size(0), H = q.size(1), Hkv = k.size(1), Sk = k.size(2), D = q.size(3), group = H / Hkv;
+  auto qf = q.to(ct), kf = k.to(ct).repeat_interleave(group, 1), vf = v.to(ct).repeat_interleave(group, 1);
+  auto dof = dout.to(ct);
+  auto delta = (dof * o.to(ct)).sum(-1, /*keepdim=*/true);  // [B, H, Sq, 1]
+  auto lsef = lse.to(ct).unsqueeze(-1);
+  auto dq = at::empty(q.sizes(), qf.options());
+  auto dk = at::zeros({B, H, Sk, D}, qf.options()), dv = at::zeros({B, H, Sk, D}, qf.options());
+  for (std::int64_t r0 = 0; r0 < q.size(2); r0 += kChunk) {
+    const auto n = std::min(kChunk, q.size(2) - r0);
+    auto p = (scores(qf, kf, r0, n, causal, scale) - lsef.narrow(2, r0, n)).exp();
+    auto d = dof.narrow(2, r0, n);
+    dv += at::matmul(p.transpose(-2, -1), d);
+    auto ds = p * (at::matmul(d, vf.transpose(-2, -1)) - delta.narrow(2, r0, n));
+    dq.narrow(2, r0, n).copy_(at::matmul(ds, kf) * scale);
+    dk += at::matmul(ds.transpose(-2, -1), qf.narrow(2, r0, n)) * scale;
+  }
+  // Grouped-query attention: a kv head's gradient sums its query heads'.
+  dk = dk.view({B, Hkv, group, Sk, D}).sum(2);
+  dv = dv.view({B, Hkv, group, Sk, D}).sum(2);
+  return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
+}
+
+// ---- CUDA kernel -------------------------------------------------------------------------
+
+#ifdef DTRAIN_WITH_CUDA
+// The kernel reads rows with 16-byte loads: unit stride along head_dim, other strides in
+// multiples of 8 elements, 16-byte aligned data; anything else is copied to contiguous.
+at::Tensor kernel_layout(const at::Tensor& t) {
+  const bool ok = t.stride(3) == 1 && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0 && t.stride(2) % 8 == 0 &&
+                  reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0;
+  return ok ? t : t.contiguous();
+}
+
+dtrain_attention_strides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+
+void check_kernel_inputs(const at::Tensor& q) {
+  DTRAIN_OP_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, kOp, "q is ",
+                  detail::dtype_name(q),
+                  " on CUDA; the kernel takes bfloat16 or float16 (train with --precision bf16|fp16, or use "
+                  "--attention sdpa)");
+  DTRAIN_OP_CHECK(dtrain_attention_supports_head_dim(q.size(3)), kOp, "head_dim ", q.size(3),
+                  " is not supported by the kernel; allowed: 64, 128 (or use --attention sdpa)");
+}
+
+template <typename Params>
+void fill_shape(Params& p, const at::Tensor& q, const at::Tensor& k, bool causal, double scale) {
+  p.batch = q.size(0);
+  p.heads = q.size(1);
+  p.kv_heads = k.size(1);
+  p.seq_q = q.size(2);
+  p.seq_k = k.size(2);
+  p.head_dim = q.size(3);
+  p.scale = static_cast<float>(scale);
+  p.causal = causal ? 1 : 0;
+  p.dtype = detail::kernel_dtype(q, kOp, "q");
+}
+
+std::pair<at::Tensor, at::Tensor> kernel_forward(at::Tensor q, at::Tensor k, at::Tensor v, bool causal,
+                                                 double scale) {
+  check_kernel_inputs(q);
+  q = kernel_layout(q), k = kernel_layout(k), v = kernel_layout(v);
+  const c10::cuda::CUDAGuard guard(q.device());
+  // o laid out [B, T, H, D]: the model's transpose back to [B, T, H * D] is free.
+  auto o = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options()).transpose(1, 2);
+  auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  dtrain_attention_fwd_params p{};
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.o = o.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.q_stride = strides_of(q);
+  p.k_stride = strides_of(k);
+  p.v_stride = strides_of(v);
+  p.o_stride = strides_of(o);
+  fill_shape(p, q, k, causal, scale);
+  DTRAIN_CUDA_CHECK(dtrain_attention_fwd(&p, detail::current_stream(q)));
+  return {o, lse};
+}
+
+std::vector<at::Tensor> kernel_backward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor o, const at::Tensor& lse,
+                                        at::Tensor dout, bool causal, double scale) {
+  q = kernel_layout(q), k = kernel_layout(k), v = kernel_layout(v), o = kernel_layout(o), dout = kernel_layout(dout);
+  const c10::cuda::CUDAGuard guard(q.device());
+  auto dq = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options()).transpose(1, 2);
+  auto dk = at::empty(k.sizes(), k.options()), dv = at::empty(v.sizes(), v.options());
+  dtrain_attention_bwd_params p{};
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.o = o.data_ptr();
+  p.dout = dout.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.dq = dq.data_ptr();
+  p.dk = dk.data_ptr();
+  p.dv = dv.data_ptr();
+  p.q_stride = strides_of(q);
+  p.k_stride = strides_of(k);
+  p.v_stride = strides_of(v);
+  p.o_stride = strides_of(o);
+  p.dout_stride = strides_of(dout);
+  p.dq_stride = strides_of(dq);
+  p.dk_stride = strides_of(dk);
+  p.dv_stride = strides_of(dv);
+  fill_shape(p, q, k, causal, scale);
+  auto workspace = at::empty({static_cast<std::int64_t>(dtrain_attention_bwd_workspace_bytes(&p) / sizeof(float))},
+                             q.options().dtype(at::kFloat));
+  p.workspace = workspace.data_ptr();
+  DTRAIN_CUDA_CHECK(dtrain_attention_bwd(&p, detail::current_stream(q)));
+  return {dq, dk, dv};
+}
+#endif
+
+class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, bool causal, double scale) {
+    at::Tensor o, lse;
+#ifdef DTRAIN_WITH_CUDA
+    if (detail::on_kernel_device(q)) {
+      std::tie(o, lse) = kernel_forward(q, k, v, causal, scale);
+    } else
+#endif
+    {
+      std::tie(o, lse) = reference_forward(q, k, v, causal, scale);
+    }
+    ctx->save_for_backward({q, k, v, o, lse});
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["scale"] = scale;
+    return o;
+  }
+
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const bool causal = ctx->saved_data["causal"].toBool();
+    const double scale = ctx->saved_data["scale"].toDouble();
+    std::vector<at::Tensor> g;
+#ifdef DTRAIN_WITH_CUDA
+    if (detail::on_kernel_device(saved[0])) {
+      g = kernel_backward(saved[0], saved[1], saved[2], saved[3], saved[4], grads[0], causal, scale);
+    } else
+#endif
+    {
+      g = reference_backward(saved[0], saved[1], saved[2], saved[3], saved[4], grads[0], causal, scale);
+    }
+    return {g[0], g[1], g[2], at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
+                           double scale) {
+  check_inputs(q, k, v);
+  if (scale <= 0) scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+  return FlashAttentionFn::apply(q, k, v, causal, scale);
+}
+
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                     double dropout_p) {
+                     double dropout_p, AttentionBackend backend) {
+  if (backend == AttentionBackend::kFlash) {
+    DTRAIN_CHECK_ARG(dropout_p == 0.0, "attention: the flash backend has no dropout (dropout_p=", dropout_p,
+                     "); use the sdpa backend");
+    return flash_attention(q, k, v, causal);
+  }
   DTRAIN_CHECK_ARG(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
                    "attention: q, k, v must be [batch, heads, time, head_dim]; got ", q.sizes(),
                    ", ", k.sizes(), ", ", v.sizes());

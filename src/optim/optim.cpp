@@ -5,11 +5,66 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 
 #include "dtrain/comm/communicator.hpp"
 #include "dtrain/core/error.hpp"
+#include "dtrain/ops/adamw.hpp"
 
 namespace dtrain {
+
+namespace {
+
+// LibTorch's AdamW with step() as one ops::fused_adamw call per (group, step count): the
+// same AdamWParamState (created on a parameter's first gradient, as LibTorch does), so
+// state_dict, checkpoints and FSDP's state code read it unchanged.
+class FusedAdamW : public torch::optim::AdamW {
+ public:
+  using torch::optim::AdamW::AdamW;
+
+  torch::Tensor step(LossClosure closure = nullptr) override {
+    torch::NoGradGuard no_grad;
+    torch::Tensor loss;
+    if (closure) {
+      torch::AutoGradMode enable_grad(true);
+      loss = closure();
+    }
+    for (auto& group : param_groups_) {
+      const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
+      DTRAIN_CHECK_ARG(!o.amsgrad(), "fused AdamW has no amsgrad");
+      const auto [beta1, beta2] = o.betas();
+      std::map<std::int64_t, std::vector<ops::AdamWSegment>> by_step;
+      for (auto& p : group.params()) {
+        if (!p.grad().defined()) continue;
+        auto& slot = state_[p.unsafeGetTensorImpl()];
+        if (!slot) {
+          auto st = std::make_unique<torch::optim::AdamWParamState>();
+          st->step(0);
+          st->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Contiguous));
+          st->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Contiguous));
+          slot = std::move(st);
+        }
+        auto& st = static_cast<torch::optim::AdamWParamState&>(*slot);
+        st.step(st.step() + 1);
+        auto grad = p.grad().is_contiguous() ? p.grad() : p.grad().contiguous();
+        by_step[st.step()].push_back({p, grad, st.exp_avg(), st.exp_avg_sq(), {}, o.weight_decay()});
+      }
+      for (const auto& [step, segments] : by_step) {
+        ops::AdamWHyper h;
+        h.lr = o.lr();
+        h.beta1 = beta1;
+        h.beta2 = beta2;
+        h.eps = o.eps();
+        h.bias_correction1 = 1 - std::pow(beta1, static_cast<double>(step));
+        h.bias_correction2 = 1 - std::pow(beta2, static_cast<double>(step));
+        ops::fused_adamw(segments, h);
+      }
+    }
+    return loss;
+  }
+};
+
+}  // namespace
 
 bool decays(const std::string& name, const at::Tensor& param, const AdamWOptions& options) {
   if (param.dim() < 2) return false;
@@ -41,6 +96,7 @@ std::unique_ptr<torch::optim::Optimizer> make_adamw(const NamedParameters& param
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(base));
   groups.emplace_back(no_decay, std::move(none));
+  if (o.fused) return std::make_unique<FusedAdamW>(std::move(groups), base);
   return std::make_unique<torch::optim::AdamW>(std::move(groups), base);
 }
 

@@ -13,6 +13,7 @@
 
 #include "dtrain/core/error.hpp"
 #include "dtrain/core/logging.hpp"
+#include "dtrain/ops/adamw.hpp"
 
 namespace dtrain {
 
@@ -95,6 +96,7 @@ struct ShardedDataParallel::Unit {
   bool gathered = true;
   WorkPtr pending;                  // an issued (prefetched) gather
   at::Tensor gather_out;            // alias of flat with its own version counter
+  bool cast_by_step = false;        // the fused step wrote param_shard from master
 };
 
 // Gathers a unit in forward before its use and (through backward of the exit function)
@@ -595,6 +597,11 @@ double ShardedDataParallel::clip_grad_norm(double max_norm, double grad_scale,
 
 void ShardedDataParallel::step(double lr) {
   torch::NoGradGuard no_grad;
+  if (options_.adamw.fused) {
+    fused_step(lr);
+    publish_parameters();
+    return;
+  }
   const double wd = options_.adamw.weight_decay;
   for (auto& u : units_) {
     // AdamW's decoupled decay, p *= 1 - lr * wd, where the element decays.
@@ -606,10 +613,66 @@ void ShardedDataParallel::step(double lr) {
   publish_parameters();
 }
 
+// One fused AdamW pass over every unit's shard: a segment per run of decay and of no
+// decay, with the bfloat16/float16 parameter shard written in the same pass. The moments
+// live in optimizer_'s AdamWParamState, as the unfused step keeps them.
+void ShardedDataParallel::fused_step(double lr) {
+  const auto& o = options_.adamw;
+  std::map<std::pair<std::int64_t, c10::ScalarType>, std::vector<ops::AdamWSegment>> groups;
+  for (auto& u : units_) {
+    u->cast_by_step = false;
+    const auto& grad = u->master.grad();
+    if (!grad.defined()) continue;
+    auto& slot = optimizer_->state()[u->master.unsafeGetTensorImpl()];
+    if (!slot) {
+      auto st = std::make_unique<torch::optim::AdamWParamState>();
+      st->step(0);
+      st->exp_avg(at::zeros_like(u->master));
+      st->exp_avg_sq(at::zeros_like(u->master));
+      slot = std::move(st);
+    }
+    auto& st = static_cast<torch::optim::AdamWParamState&>(*slot);
+    st.step(st.step() + 1);
+    const auto mt = u->param_shard.scalar_type();
+    at::Tensor model;
+    if (!u->param_shard.is_same(u->master) && (mt == at::kBFloat16 || mt == at::kHalf)) {
+      model = u->param_shard;
+      u->cast_by_step = true;
+    }
+    auto g = grad.is_contiguous() ? grad : grad.contiguous();
+    auto& segs = groups[{st.step(), g.scalar_type()}];
+    auto add = [&](std::int64_t at, std::int64_t len, double wd) {
+      if (len <= 0) return;
+      segs.push_back({u->master.narrow(0, at, len), g.narrow(0, at, len), st.exp_avg().narrow(0, at, len),
+                      st.exp_avg_sq().narrow(0, at, len), model.defined() ? model.narrow(0, at, len) : at::Tensor(),
+                      wd});
+    };
+    std::int64_t at = 0;
+    for (const auto& [start, len] : u->decay_runs) {
+      add(at, start - at, 0.0);
+      add(start, len, o.weight_decay);
+      at = start + len;
+    }
+    add(at, u->master.numel() - at, 0.0);
+  }
+  for (const auto& [key, segs] : groups) {
+    ops::AdamWHyper h;
+    h.lr = lr;
+    h.beta1 = o.beta1;
+    h.beta2 = o.beta2;
+    h.eps = o.eps;
+    h.bias_correction1 = 1 - std::pow(o.beta1, static_cast<double>(key.first));
+    h.bias_correction2 = 1 - std::pow(o.beta2, static_cast<double>(key.first));
+    ops::fused_adamw(segs, h);
+  }
+}
+
 void ShardedDataParallel::publish_parameters() {
   torch::NoGradGuard no_grad;
   for (auto& u : units_) {
-    if (!u->param_shard.is_same(u->master)) u->param_shard.copy_(u->master);  // cast
+    // Cast (unless the fused step already wrote the shard in the parameter dtype).
+    if (!u->param_shard.is_same(u->master) && !u->cast_by_step) u->param_shard.copy_(u->master);
+    u->cast_by_step = false;
   }
   if (!full_sharding()) {
     std::vector<WorkPtr> works;

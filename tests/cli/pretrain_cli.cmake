@@ -56,6 +56,11 @@ expect(batch-not-divisible 2 "--global-batch=10 is not divisible by data-paralle
 expect(vocab-too-small 2 "holds token id [0-9]+ but the model's vocabulary is 50" ARGS ${DATA} --vocab-size 50)
 expect(hybrid-without-dp-shard 2 "--fsdp hybrid needs --dp-shard N" ARGS ${DATA} --fsdp hybrid)
 expect(fsdp-unknown 2 "--fsdp 'zero9' is not known; allowed: none, zero1, zero2, full, hybrid" ARGS ${DATA} --fsdp zero9)
+expect(attention-unknown 2 "--attention=fast is not an attention backend; allowed: sdpa, flash" ARGS ${DATA} --attention fast)
+expect(flash-without-dropout 2 "--attention flash has no dropout \\(--dropout=0.1\\)" ARGS ${DATA} --attention flash --dropout 0.1)
+# Every kernel option on the CPU (their reference paths) trains.
+expect(fused-ops-on-cpu 0 "attention.*flash.*done: 5 steps" ARGS ${DATA} --global-batch 8 --steps 5 --warmup-steps 1 --attention flash --fused-norm
+       --fused-ce --fused-adamw --fsdp zero1)
 expect(param-dtype-needs-fsdp 2 "--param-dtype / --reduce-dtype other than float32 need --fsdp"
        ARGS ${DATA} --param-dtype bfloat16)
 expect(param-dtype-unknown 2 "--param-dtype 'fp8' is not known; allowed: float32, bfloat16, float16"

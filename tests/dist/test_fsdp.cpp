@@ -158,6 +158,33 @@ TEST_F(FsdpTest, Bfloat16ParametersMatchSingleProcessBfloat16) {
   }
 }
 
+// The fused AdamW step over the shards (one pass per step: a segment per decay run, the
+// bfloat16 shard written in the same pass) is, on the CPU, the unfused step op for op:
+// losses and parameters bitwise equal, for float32 and bfloat16 parameters.
+TEST_F(FsdpTest, FusedAdamWIsBitwiseTheUnfusedShardedStep) {
+  for (const char* dtype : {"float32", "bfloat16"}) {
+    for (const char* strategy : {"zero1", "full"}) {
+      TestCorpus corpus(std::string("fa") + strategy + dtype + std::to_string(rank()));
+      const auto cfg = models::GptConfig::preset("tiny");
+      auto o = options(corpus);
+      o.fsdp = strategy;
+      o.param_dtype = dtype;
+      o.steps = 5;
+      auto fo = o;
+      fo.adamw.fused = true;
+      Trainer plain(dp_context(), cfg, o), fused(dp_context(), cfg, fo);
+      const auto a = plain.run(), b = fused.run();
+      for (std::size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].loss, b[i].loss) << strategy << " " << dtype << " step " << i + 1;
+      plain.gather_parameters();
+      fused.gather_parameters();
+      const auto pa = plain.model()->parameter_list(), pb = fused.model()->parameter_list();
+      for (std::size_t i = 0; i < pa.size(); ++i) {
+        EXPECT_TRUE(torch::equal(pa[i].second, pb[i].second)) << strategy << " " << dtype << " " << pa[i].first;
+      }
+    }
+  }
+}
+
 // float16 with dynamic loss scaling: autocast (replicated) or float16 parameters (sharded)
 // against the same precision in one process. The default scale (65536) never overflows
 // here, so every step applies on both sides. (Where the threshold lies depends on the

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "dtrain/models/moe.hpp"
+#include "dtrain/ops/attention.hpp"
 #include "dtrain/optim/optim.hpp"
 #include "dtrain/parallel/block_hooks.hpp"
 #include "dtrain/parallel/context.hpp"
@@ -44,6 +45,13 @@ struct GptConfig {
   // Mixture of experts: the MLP of every moe.every-th block (from block 0) becomes
   // moe.experts SwiGLU experts of which the router picks moe.topk per token.
   ep::MoeOptions moe;
+  // Which implementation of each op the model calls (not architecture: a checkpoint loads
+  // under any choice). attention: sdpa (LibTorch) or flash (ops::flash_attention; no
+  // dropout); fused_norm: ops::rms_norm / ops::layer_norm; fused_ce: ops::cross_entropy
+  // (without tensor parallelism; the vocabulary-parallel loss is used with tp > 1).
+  ops::AttentionBackend attention = ops::AttentionBackend::kSdpa;
+  bool fused_norm = false;
+  bool fused_ce = false;
 
   // Raises InvalidArgument listing the known presets.
   static GptConfig preset(const std::string& name);

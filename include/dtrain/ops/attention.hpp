@@ -1,14 +1,34 @@
 // The attention op every model calls: [B, H, T, D] queries, [B, Hkv, T, D] keys/values
-// (grouped-query attention when Hkv < H). For now LibTorch's scaled_dot_product_attention;
-// the kernels issue puts a custom kernel behind this same function.
+// (grouped-query attention when Hkv < H). Two backends: LibTorch's
+// scaled_dot_product_attention ("sdpa"), and dtrain's flash attention ("flash": the CUDA
+// kernel for bfloat16/float16 CUDA tensors with head dims 64 and 128, a reference path
+// computing the same function with ATen ops everywhere else).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
+#include <string>
+
 namespace dtrain::ops {
 
-// dropout_p: dropout on the attention probabilities, drawn from the default generator.
+enum class AttentionBackend { kSdpa, kFlash };
+
+// "sdpa" | "flash"; InvalidArgument naming `option`, the value and the allowed ones.
+AttentionBackend parse_attention_backend(const std::string& name, const char* option = "--attention");
+const char* to_string(AttentionBackend backend);
+
+// dropout_p: dropout on the attention probabilities, drawn from the default generator
+// (sdpa only: flash raises InvalidArgument for dropout_p > 0).
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                     double dropout_p = 0.0);
+                     double dropout_p = 0.0, AttentionBackend backend = AttentionBackend::kSdpa);
+
+// Flash attention with autograd: softmax(q k^T scale) v, causal masks top-left aligned as
+// in sdpa (query i sees keys j <= i); scale <= 0 means 1 / sqrt(D). The forward keeps the
+// row log-sum-exp, the backward recomputes the probabilities from it (the kernel tile by
+// tile; the reference path in chunks of query rows). On CUDA: InvalidArgument naming the
+// input for a dtype other than bfloat16/float16, an unsupported head dim, or mismatched
+// shapes and devices.
+at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
+                           double scale = 0.0);
 
 }  // namespace dtrain::ops

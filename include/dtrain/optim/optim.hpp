@@ -28,6 +28,10 @@ struct AdamWOptions {
   // Parameters whose name contains one of these get no weight decay, besides every
   // parameter with fewer than 2 dims (biases, norm weights).
   std::vector<std::string> no_decay_name_parts = {"emb"};
+  // One fused multi-tensor pass per step (ops::fused_adamw: the CUDA kernel on GPUs)
+  // instead of LibTorch's per-tensor ops; same state (AdamWParamState), so checkpoints and
+  // everything that reads optimizer state see no difference.
+  bool fused = false;
 };
 
 using NamedParameters = std::vector<std::pair<std::string, at::Tensor>>;
@@ -35,7 +39,8 @@ using NamedParameters = std::vector<std::pair<std::string, at::Tensor>>;
 // True when the parameter gets weight decay under `options`.
 bool decays(const std::string& name, const at::Tensor& param, const AdamWOptions& options);
 
-// LibTorch's AdamW over two groups: group 0 decays, group 1 has weight_decay 0.
+// LibTorch's AdamW over two groups: group 0 decays, group 1 has weight_decay 0 (with
+// options.fused, a torch::optim::AdamW whose step() is ops::fused_adamw).
 // Raises InvalidArgument naming any option out of range.
 std::unique_ptr<torch::optim::Optimizer> make_adamw(const NamedParameters& params,
                                                     const AdamWOptions& options);

@@ -180,6 +180,7 @@ class ShardedDataParallel {
   // After the masters changed (step, load): cast into the parameter-dtype shards and
   // all-gather (zero1/zero2) or mark gathered units stale and regather (full).
   void publish_parameters();
+  void fused_step(double lr);
   // Full sharding around block forward/backward (called from autograd functions).
   static void before_forward(std::int64_t owner, std::int64_t position);
   static void after_forward(std::int64_t owner, std::int64_t position);

@@ -1,0 +1,301 @@
+// kernel_bench: dtrain's ops against LibTorch's on the same device in the same run.
+// Attention forward and forward+backward TFLOP/s (4 B H S^2 D forward, 2.5x that for the
+// backward, halved when causal) against at::scaled_dot_product_attention's flash and
+// cuDNN backends (CUDA) or its default (CPU); fused AdamW GB/s against at::_fused_adamw_
+// (CUDA) or torch::optim::AdamW (CPU) and against a device copy of the same bytes; RMSNorm,
+// LayerNorm and cross-entropy GB/s (forward, backward) against at::rms_norm,
+// at::layer_norm and at::cross_entropy_loss and the same copy. On CUDA the dtrain side is
+// the kernels of kernels/; elsewhere it is their reference paths (a sanity run, not a
+// performance claim). Prints a table and JSON lines (--json appends them to a file).
+//
+//   build/benchmarks/kernel_bench                          (CUDA when present)
+//   build/benchmarks/kernel_bench --only attention --seq 1024,4096,16384 --json out.jsonl
+#include <torch/torch.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <optional>
+
+#include "common/bench_util.hpp"
+#include "dtrain/dtrain.hpp"
+
+namespace {
+
+struct Options {
+  std::string device = "auto", json, only = "all";
+  std::vector<std::int64_t> seq;  // default: 1k, 4k, 16k on CUDA; 256, 512 on CPU
+  std::vector<std::int64_t> dims = {64, 128};
+  std::int64_t tokens = 0;        // attention: batch x seq (0: 16384 on CUDA, 1024 on CPU)
+  std::int64_t hidden = 2048;     // attention: heads x head_dim
+  int iters = 0, rounds = 3;      // iters 0: 20 on CUDA, 3 on CPU
+};
+
+bool cuda(const c10::Device& d) { return d.is_cuda(); }
+
+void sync(const c10::Device& d) {
+  if (cuda(d)) torch::cuda::synchronize();
+}
+
+// Median over rounds of the mean time of `iters` calls, in ms.
+double time_ms(const c10::Device& d, int iters, int rounds, const std::function<void()>& f) {
+  f();  // warm-up (and kernel selection)
+  sync(d);
+  std::vector<double> v;
+  for (int r = 0; r < rounds; ++r) {
+    sync(d);
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < iters; ++i) f();
+    sync(d);
+    v.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / iters);
+  }
+  return dtrain::bench::median(v);
+}
+
+// A timing that may not exist (a backend LibTorch does not offer for this shape).
+std::optional<double> try_time(const c10::Device& d, int iters, int rounds, const std::function<void()>& f) {
+  try {
+    return time_ms(d, iters, rounds, f);
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
+struct Out {
+  std::ofstream file;
+  void line(const nlohmann::json& j) {
+    std::printf("%s\n", j.dump().c_str());
+    if (file.is_open()) file << j.dump() << '\n';
+  }
+};
+
+nlohmann::json opt(const std::optional<double>& v) { return v ? nlohmann::json(*v) : nlohmann::json(nullptr); }
+
+// ---- attention -------------------------------------------------------------------------
+
+void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
+  const auto dtype = cuda(dev) ? torch::kBFloat16 : torch::kFloat;
+  std::printf("# attention (%s, %s): TFLOP/s, fwd and fwd+bwd; ratio = dtrain / best LibTorch backend\n",
+              cuda(dev) ? "cuda" : "cpu", c10::toString(dtype));
+  std::printf("%6s %4s %6s %4s %5s %10s %10s %10s %10s %10s %10s %8s %8s\n", "seq", "dim", "causal", "B", "H",
+              "dtrain_f", "flash_f", "cudnn_f", "dtrain_fb", "flash_fb", "cudnn_fb", "ratio_f", "ratio_fb");
+  std::vector<std::int64_t> seqs = o.seq;
+  if (seqs.empty()) seqs = cuda(dev) ? std::vector<std::int64_t>{1024, 4096, 16384} : std::vector<std::int64_t>{256, 512};
+  const std::int64_t tokens = o.tokens > 0 ? o.tokens : (cuda(dev) ? 16384 : 1024);
+  for (auto s : seqs) {
+    for (auto d : o.dims) {
+      for (bool causal : {true, false}) {
+        const auto b = std::max<std::int64_t>(1, tokens / s), h = std::max<std::int64_t>(1, o.hidden / d);
+        auto opts = torch::TensorOptions().device(dev).dtype(dtype);
+        auto q = torch::randn({b, h, s, d}, opts).requires_grad_(), k = torch::randn({b, h, s, d}, opts).requires_grad_(),
+             v = torch::randn({b, h, s, d}, opts).requires_grad_();
+        auto dout = torch::randn({b, h, s, d}, opts);
+        const double fwd_flops = 4.0 * b * h * s * s * d / (causal ? 2 : 1);
+        auto fwd = [&](const std::function<at::Tensor()>& f) {
+          return [&, f] {
+            torch::NoGradGuard no_grad;
+            f();
+          };
+        };
+        auto fwdbwd = [&](const std::function<at::Tensor()>& f) {
+          return [&, f] {
+            q.mutable_grad().reset(), k.mutable_grad().reset(), v.mutable_grad().reset();
+            f().backward(dout);
+          };
+        };
+        auto ours = [&] { return dtrain::ops::flash_attention(q, k, v, causal); };
+        std::function<at::Tensor()> flash, cudnn;
+        if (cuda(dev)) {
+          flash = [&] { return std::get<0>(at::_scaled_dot_product_flash_attention(q, k, v, 0.0, causal)); };
+          cudnn = [&] { return std::get<0>(at::_scaled_dot_product_cudnn_attention(q, k, v, {}, true, 0.0, causal)); };
+        } else {
+          flash = [&] { return at::scaled_dot_product_attention(q, k, v, {}, 0.0, causal); };  // CPU default
+        }
+        const int it = std::max(1, s >= 16384 ? iters / 4 : iters);
+        auto tf = [&](std::optional<double> ms, double flops) -> std::optional<double> {
+          if (!ms) return std::nullopt;
+          return flops / (*ms * 1e-3) / 1e12;
+        };
+        const auto f_ours = tf(try_time(dev, it, o.rounds, fwd(ours)), fwd_flops);
+        const auto f_flash = tf(try_time(dev, it, o.rounds, fwd(flash)), fwd_flops);
+        const auto f_cudnn = cudnn ? tf(try_time(dev, it, o.rounds, fwd(cudnn)), fwd_flops) : std::nullopt;
+        const auto fb_ours = tf(try_time(dev, it, o.rounds, fwdbwd(ours)), 3.5 * fwd_flops);
+        const auto fb_flash = tf(try_time(dev, it, o.rounds, fwdbwd(flash)), 3.5 * fwd_flops);
+        const auto fb_cudnn = cudnn ? tf(try_time(dev, it, o.rounds, fwdbwd(cudnn)), 3.5 * fwd_flops) : std::nullopt;
+        auto best = [](std::optional<double> a, std::optional<double> b) {
+          return std::max(a.value_or(0), b.value_or(0));
+        };
+        const double rf = f_ours && best(f_flash, f_cudnn) > 0 ? *f_ours / best(f_flash, f_cudnn) : 0;
+        const double rfb = fb_ours && best(fb_flash, fb_cudnn) > 0 ? *fb_ours / best(fb_flash, fb_cudnn) : 0;
+        auto cell = [](std::optional<double> v) { return v ? *v : -1.0; };
+        std::printf("%6lld %4lld %6d %4lld %5lld %10.2f %10.2f %10.2f %10.2f %10.2f %10.2f %8.2f %8.2f\n",
+                    static_cast<long long>(s), static_cast<long long>(d), causal ? 1 : 0, static_cast<long long>(b),
+                    static_cast<long long>(h), cell(f_ours), cell(f_flash), cell(f_cudnn), cell(fb_ours),
+                    cell(fb_flash), cell(fb_cudnn), rf, rfb);
+        out.line({{"bench", "kernel"}, {"op", "attention"}, {"device", cuda(dev) ? "cuda" : "cpu"},
+                  {"dtype", c10::toString(dtype)}, {"seq", s}, {"head_dim", d}, {"causal", causal}, {"batch", b},
+                  {"heads", h}, {"fwd_tflops", opt(f_ours)}, {"fwd_tflops_sdpa_flash", opt(f_flash)},
+                  {"fwd_tflops_sdpa_cudnn", opt(f_cudnn)}, {"fwdbwd_tflops", opt(fb_ours)},
+                  {"fwdbwd_tflops_sdpa_flash", opt(fb_flash)}, {"fwdbwd_tflops_sdpa_cudnn", opt(fb_cudnn)},
+                  {"fwd_ratio", rf}, {"fwdbwd_ratio", rfb}});
+      }
+    }
+  }
+}
+
+// ---- memory-bound ops --------------------------------------------------------------------
+
+// GB/s of a device copy moving `bytes` (read + write) in all.
+double copy_gbps(const c10::Device& dev, int iters, int rounds, double bytes) {
+  auto src = torch::empty({static_cast<std::int64_t>(bytes / 2)}, torch::TensorOptions().device(dev).dtype(torch::kByte));
+  auto dst = torch::empty_like(src);
+  const double ms = time_ms(dev, iters, rounds, [&] { dst.copy_(src); });
+  return bytes / (ms * 1e-3) / 1e9;
+}
+
+void row(Out& out, const c10::Device& dev, const std::string& op, const std::string& pass, double bytes,
+         double ours_ms, std::optional<double> base_ms, const std::string& base_name, double copy) {
+  const double ours = bytes / (ours_ms * 1e-3) / 1e9;
+  const double base = base_ms ? bytes / (*base_ms * 1e-3) / 1e9 : -1;
+  std::printf("%-14s %-5s %10.1f %10.1f %-22s %8.2f %8.2f\n", op.c_str(), pass.c_str(), ours, base,
+              base_name.c_str(), base > 0 ? ours / base : 0.0, ours / copy);
+  out.line({{"bench", "kernel"}, {"op", op}, {"pass", pass}, {"device", cuda(dev) ? "cuda" : "cpu"},
+            {"bytes", bytes}, {"gbps", ours}, {"baseline", base_name}, {"baseline_gbps", base > 0 ? nlohmann::json(base) : nlohmann::json(nullptr)},
+            {"ratio", base > 0 ? ours / base : 0.0}, {"copy_gbps", copy}, {"fraction_of_copy", ours / copy}});
+}
+
+void memory_bound(const Options& o, const c10::Device& dev, int iters, Out& out) {
+  const auto act = cuda(dev) ? torch::kBFloat16 : torch::kFloat;
+  auto opts = torch::TensorOptions().device(dev);
+  std::printf("# memory-bound ops (%s): GB/s of the bytes each must move; ratio = dtrain / baseline; "
+              "copy = fraction of a device copy of the same bytes\n", cuda(dev) ? "cuda" : "cpu");
+  std::printf("%-14s %-5s %10s %10s %-22s %8s %8s\n", "op", "pass", "dtrain", "baseline", "(baseline)", "ratio", "copy");
+  const bool all = o.only == "all";
+  if (all || o.only == "adamw") {
+    // AdamW over 100 tensors: p, m, v read and written, g read (float32): 28 bytes/element.
+    const std::int64_t total = cuda(dev) ? (64 << 20) : (4 << 20);
+    std::vector<at::Tensor> p, g, m, v, steps;
+    for (int i = 0; i < 100; ++i) {
+      const auto n = total / 100 + (i % 7) * 1031;
+      p.push_back(torch::randn({n}, opts));
+      g.push_back(torch::randn({n}, opts));
+      m.push_back(torch::zeros({n}, opts));
+      v.push_back(torch::zeros({n}, opts));
+      steps.push_back(torch::ones({}, opts));
+    }
+    double n_all = 0;
+    for (const auto& t : p) n_all += static_cast<double>(t.numel());
+    const double bytes = 28 * n_all;
+    std::vector<dtrain::ops::AdamWSegment> segs;
+    for (std::size_t i = 0; i < p.size(); ++i) segs.push_back({p[i], g[i], m[i], v[i], {}, 0.1});
+    dtrain::ops::AdamWHyper h;
+    h.lr = 1e-4, h.beta2 = 0.95, h.bias_correction1 = 0.1, h.bias_correction2 = 0.05;
+    const double ours = time_ms(dev, iters, o.rounds, [&] { dtrain::ops::fused_adamw(segs, h); });
+    std::optional<double> base;
+    std::string base_name;
+    if (cuda(dev)) {
+      base_name = "at::_fused_adamw_";
+      base = try_time(dev, iters, o.rounds, [&] {
+        at::_fused_adamw_(p, g, m, v, {}, steps, 1e-4, 0.9, 0.95, 0.1, 1e-8, false, false);
+      });
+    } else {
+      base_name = "torch::optim::AdamW";
+      std::vector<at::Tensor> params;
+      for (std::size_t i = 0; i < p.size(); ++i) {
+        params.push_back(p[i].clone().requires_grad_());
+        params.back().mutable_grad() = g[i];
+      }
+      torch::optim::AdamW adam(params, torch::optim::AdamWOptions(1e-4).betas({0.9, 0.95}).weight_decay(0.1));
+      base = time_ms(dev, iters, o.rounds, [&] { adam.step(); });
+    }
+    row(out, dev, "adamw", "step", bytes, ours, base, base_name, copy_gbps(dev, iters, o.rounds, bytes));
+  }
+  if (all || o.only == "norm") {
+    const std::int64_t rows = cuda(dev) ? 16384 : 2048, cols = cuda(dev) ? 4096 : 1024;
+    auto x = torch::randn({rows, cols}, opts.dtype(act)).requires_grad_();
+    auto w = torch::randn({cols}, opts).requires_grad_(), b = torch::randn({cols}, opts).requires_grad_();
+    auto dy = torch::randn({rows, cols}, opts.dtype(act));
+    const double elt = static_cast<double>(rows * cols) * static_cast<double>(x.element_size());
+    const double copy = copy_gbps(dev, iters, o.rounds, 2 * elt);
+    for (bool layer : {false, true}) {
+      const std::string name = layer ? "layer_norm" : "rms_norm";
+      auto ours = [&] { return layer ? dtrain::ops::layer_norm(x, w, b, 1e-5) : dtrain::ops::rms_norm(x, w, 1e-5); };
+      auto theirs = [&] { return layer ? at::layer_norm(x, {cols}, w, b, 1e-5) : at::rms_norm(x, {cols}, w, 1e-5); };
+      auto fwd = [](const std::function<at::Tensor()>& f) {
+        return [f] {
+          torch::NoGradGuard no_grad;
+          f();
+        };
+      };
+      // Backward alone: forward once, then backward with retained graph.
+      auto bwd = [&](const std::function<at::Tensor()>& f) {
+        auto y = std::make_shared<at::Tensor>(f());
+        return [&, y] { torch::autograd::grad({*y}, {x, w}, {dy}, /*retain_graph=*/true); };
+      };
+      row(out, dev, name, "fwd", 2 * elt, time_ms(dev, iters, o.rounds, fwd(ours)),
+          try_time(dev, iters, o.rounds, fwd(theirs)), "at::" + name, copy);
+      row(out, dev, name, "bwd", 3 * elt, time_ms(dev, iters, o.rounds, bwd(ours)),
+          try_time(dev, iters, o.rounds, bwd(theirs)), "at::" + name, copy_gbps(dev, iters, o.rounds, 3 * elt));
+    }
+  }
+  if (all || o.only == "ce") {
+    const std::int64_t rows = cuda(dev) ? 8192 : 512, vocab = cuda(dev) ? 50304 : 8192;
+    auto logits = torch::randn({rows, vocab}, opts.dtype(act)).requires_grad_();
+    auto target = torch::randint(0, vocab, {rows}, opts.dtype(torch::kLong));
+    const double elt = static_cast<double>(rows * vocab) * static_cast<double>(logits.element_size());
+    auto ours = [&] { return dtrain::ops::cross_entropy(logits, target); };
+    auto theirs = [&] { return at::cross_entropy_loss(logits, target); };
+    auto fwd = [](const std::function<at::Tensor()>& f) {
+      return [f] {
+        torch::NoGradGuard no_grad;
+        f();
+      };
+    };
+    auto fwdbwd = [&](const std::function<at::Tensor()>& f) {
+      return [&, f] { torch::autograd::grad({f()}, {logits}); };
+    };
+    row(out, dev, "cross_entropy", "fwd", elt, time_ms(dev, iters, o.rounds, fwd(ours)),
+        try_time(dev, iters, o.rounds, fwd(theirs)), "at::cross_entropy_loss", copy_gbps(dev, iters, o.rounds, 2 * elt));
+    // Forward + backward: the logits read twice and the gradient written once.
+    row(out, dev, "cross_entropy", "fwdbwd", 3 * elt, time_ms(dev, iters, o.rounds, fwdbwd(ours)),
+        try_time(dev, iters, o.rounds, fwdbwd(theirs)), "at::cross_entropy_loss",
+        copy_gbps(dev, iters, o.rounds, 3 * elt));
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  CLI::App app{"kernel_bench: dtrain's attention, AdamW, norm and cross-entropy ops against LibTorch's"};
+  app.add_option("--device", o.device, "auto (cuda when available), cuda or cpu")->check(CLI::IsMember({"auto", "cuda", "cpu"}));
+  app.add_option("--only", o.only, "all, attention, adamw, norm or ce")
+      ->check(CLI::IsMember({"all", "attention", "adamw", "norm", "ce"}));
+  app.add_option("--seq", o.seq, "attention sequence lengths")->delimiter(',');
+  app.add_option("--dims", o.dims, "attention head dims (64, 128)")->delimiter(',');
+  app.add_option("--tokens", o.tokens, "attention: batch x seq (0: 16384 on CUDA, 1024 on CPU)");
+  app.add_option("--hidden", o.hidden, "attention: heads x head_dim");
+  app.add_option("--iters", o.iters, "calls per timing (0: 20 on CUDA, 3 on CPU)");
+  app.add_option("--rounds", o.rounds, "timings per case (the median is reported)");
+  app.add_option("--json", o.json, "also append the JSON lines to this file");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    const bool has_cuda = torch::cuda::is_available();
+    DTRAIN_CHECK_ARG(o.device != "cuda" || has_cuda, "--device cuda: no CUDA device is visible");
+    const c10::Device dev = (o.device == "cuda" || (o.device == "auto" && has_cuda)) ? c10::Device(c10::kCUDA, 0)
+                                                                                       : c10::Device(c10::kCPU);
+    const int iters = o.iters > 0 ? o.iters : (cuda(dev) ? 20 : 3);
+    torch::manual_seed(0);
+    Out out;
+    if (!o.json.empty()) out.file.open(o.json, std::ios::app);
+    if (o.only == "all" || o.only == "attention") attention(o, dev, iters, out);
+    if (o.only != "attention") memory_bound(o, dev, iters, out);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kernel_bench: error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

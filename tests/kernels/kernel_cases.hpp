@@ -1,0 +1,436 @@
+// The kernels' test cases, compiled twice: against the CPU emulator of the same sources
+// (test_kernels_emulated.cpp: DTRAIN_KERNELS_EMULATE, host tensors, runs everywhere) and
+// against the compiled kernels on a GPU (test_kernels_gpu.cpp: CUDA tensors, skipped
+// without a device). Fused AdamW, RMSNorm/LayerNorm, cross-entropy and flash attention
+// forward and backward against float64 references on random inputs (never zeros), every
+// output poisoned with NaN before the call, sizes that are not multiples of the tiles;
+// attention within twice the error of a naive implementation in the same dtype.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+#include "dtrain_kernels/adamw.h"
+#include "dtrain_kernels/attention.h"
+#include "dtrain_kernels/cross_entropy.h"
+#include "dtrain_kernels/norm.h"
+
+#ifdef DTRAIN_KERNELS_EMULATE
+#define KERNEL_SUITE(name) Emulated##name
+inline at::Device kernel_device() { return at::kCPU; }
+inline void kernel_sync() {}
+#define KERNEL_DEVICE_OR_SKIP()
+constexpr bool kLargeCases = false;  // the emulator runs a block in milliseconds, not microseconds
+#else
+#define KERNEL_SUITE(name) Gpu##name
+inline at::Device kernel_device() { return at::kCUDA; }
+inline void kernel_sync() { ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess); }
+#define KERNEL_DEVICE_OR_SKIP()                                                   \
+  do {                                                                            \
+    if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device here";      \
+  } while (0)
+constexpr bool kLargeCases = true;
+#endif
+
+namespace {
+
+dtrain_kernel_dtype kernel_dtype(const at::Tensor& t) {
+  if (t.scalar_type() == at::kBFloat16) return DTRAIN_KERNEL_BF16;
+  if (t.scalar_type() == at::kHalf) return DTRAIN_KERNEL_F16;
+  return DTRAIN_KERNEL_F32;
+}
+
+// On the kernels' device (a copy; the host tensor stays the reference's input).
+at::Tensor dev(const at::Tensor& t) { return t.to(kernel_device()); }
+// An output buffer full of NaN (of an integer type: all ones bits) on the kernels' device.
+at::Tensor poisoned(at::IntArrayRef sizes, at::ScalarType type) {
+  return torch::full(sizes, std::nan(""), torch::TensorOptions().dtype(type).device(kernel_device()));
+}
+
+double max_abs(const at::Tensor& a, const at::Tensor& b) {
+  return (a.cpu().to(at::kDouble) - b.cpu().to(at::kDouble)).abs().max().item<double>();
+}
+
+// ---- AdamW --------------------------------------------------------------------------------
+
+struct AdamState {
+  at::Tensor p, g, m, v, model;
+  float wd;
+};
+
+// One AdamW step in float64 on host copies (LibTorch's AdamW formula).
+AdamState adamw_reference(const AdamState& s, double lr, double b1, double b2, double eps, double bc1, double bc2,
+                          double grad_scale) {
+  auto p = s.p.cpu().to(at::kDouble), g = s.g.cpu().to(at::kDouble) * grad_scale;
+  auto m = s.m.cpu().to(at::kDouble) * b1 + g * (1 - b1);
+  auto v = s.v.cpu().to(at::kDouble) * b2 + g * g * (1 - b2);
+  p = p * (1 - lr * s.wd) - (lr / bc1) * m / (v.sqrt() / std::sqrt(bc2) + eps);
+  return {p, g, m, v, {}, s.wd};
+}
+
+std::vector<AdamState> adam_states(const std::vector<std::int64_t>& sizes, at::ScalarType grad_type, bool model) {
+  std::vector<AdamState> out;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    AdamState s;
+    s.p = dev(torch::randn({sizes[i]}));
+    s.g = dev(torch::randn({sizes[i]}).to(grad_type));
+    s.m = dev(torch::randn({sizes[i]}) * 0.1);
+    s.v = dev(torch::rand({sizes[i]}) * 0.01);
+    if (model) s.model = poisoned({sizes[i]}, at::kBFloat16);
+    s.wd = i % 2 == 0 ? 0.1f : 0.f;
+    out.push_back(s);
+  }
+  return out;
+}
+
+cudaError_t run_adamw(std::vector<AdamState>& states, const dtrain_adamw_params& p) {
+  std::vector<dtrain_adamw_segment> segs;
+  for (auto& s : states) {
+    segs.push_back({s.p.data_ptr<float>(), s.g.data_ptr(), s.m.data_ptr<float>(), s.v.data_ptr<float>(),
+                    s.model.defined() ? s.model.data_ptr() : nullptr, s.p.numel(), s.wd});
+  }
+  return dtrain_adamw(segs.data(), static_cast<int>(segs.size()), &p, nullptr);
+}
+
+dtrain_adamw_params adam_params(at::ScalarType grad_type, float grad_scale) {
+  dtrain_adamw_params p{};
+  p.lr = 1e-2f;
+  p.beta1 = 0.9f;
+  p.beta2 = 0.95f;
+  p.eps = 1e-8f;
+  p.bias_correction1 = 1 - std::pow(0.9f, 3);
+  p.bias_correction2 = 1 - std::pow(0.95f, 3);
+  p.grad_scale = grad_scale;
+  p.grad_dtype = grad_type == at::kBFloat16 ? DTRAIN_KERNEL_BF16 : DTRAIN_KERNEL_F32;
+  p.model_dtype = DTRAIN_KERNEL_BF16;
+  return p;
+}
+
+TEST(KERNEL_SUITE(AdamW), ManySegmentsAndChunksMatchFloat64) {
+  KERNEL_DEVICE_OR_SKIP();
+  torch::manual_seed(1);
+  // 40 segments (more than one launch holds) with one of 330 chunks (more than 320 blocks).
+  std::vector<std::int64_t> sizes(40, 17);
+  sizes[3] = 330 * 16384 + 5;
+  sizes[7] = 1;
+  for (auto grad_type : {at::kFloat, at::kBFloat16}) {
+    auto states = adam_states(sizes, grad_type, grad_type == at::kBFloat16);
+    std::vector<AdamState> before;
+    for (const auto& s : states) before.push_back({s.p.clone(), s.g.clone(), s.m.clone(), s.v.clone(), {}, s.wd});
+    const auto p = adam_params(grad_type, 0.5f);
+    ASSERT_EQ(run_adamw(states, p), cudaSuccess);
+    kernel_sync();
+    for (std::size_t i = 0; i < states.size(); ++i) {
+      const auto want =
+          adamw_reference(before[i], p.lr, p.beta1, p.beta2, p.eps, p.bias_correction1, p.bias_correction2, 0.5);
+      EXPECT_LT(max_abs(states[i].p, want.p), 1e-5) << "segment " << i;
+      EXPECT_LT(max_abs(states[i].m, want.m), 1e-6) << "segment " << i;
+      EXPECT_LT(max_abs(states[i].v, want.v), 1e-6) << "segment " << i;
+      if (states[i].model.defined()) {
+        EXPECT_TRUE(torch::equal(states[i].model.cpu(), states[i].p.cpu().to(at::kBFloat16))) << "segment " << i;
+      }
+    }
+  }
+}
+
+TEST(KERNEL_SUITE(AdamW), NonFiniteGradientsAreFlaggedAndSkipStopsEverything) {
+  KERNEL_DEVICE_OR_SKIP();
+  torch::manual_seed(2);
+  auto states = adam_states({1000, 33}, at::kFloat, false);
+  states[1].g[5] = std::numeric_limits<float>::infinity();
+  const auto before = states[1].p.cpu().clone();  // .cpu() of a host tensor is the tensor
+  auto found = dev(torch::zeros({1}, torch::kInt)), skip = dev(torch::zeros({1}, torch::kInt));
+  auto p = adam_params(at::kFloat, 1.f);
+  p.found_inf = found.data_ptr<int>();
+  p.skip = skip.data_ptr<int>();
+  ASSERT_EQ(run_adamw(states, p), cudaSuccess);
+  kernel_sync();
+  EXPECT_EQ(found.item<int>(), 1);
+  const auto after = states[1].p.cpu();
+  EXPECT_EQ(after[5].item<float>(), before[5].item<float>()) << "a non-finite g leaves its element";
+  EXPECT_NE(after[6].item<float>(), before[6].item<float>());
+  skip.fill_(1);
+  const auto frozen = states[0].p.cpu().clone();
+  ASSERT_EQ(run_adamw(states, p), cudaSuccess);
+  kernel_sync();
+  EXPECT_TRUE(torch::equal(states[0].p.cpu(), frozen)) << "skip set: nothing is updated";
+  p.bias_correction1 = 0;
+  EXPECT_EQ(run_adamw(states, p), cudaErrorInvalidValue);
+}
+
+// ---- norms --------------------------------------------------------------------------------
+
+TEST(KERNEL_SUITE(Norm), ForwardAndBackwardMatchFloat64) {
+  KERNEL_DEVICE_OR_SKIP();
+  torch::manual_seed(3);
+  std::vector<std::pair<std::int64_t, std::int64_t>> shapes = {{37, 96}, {37, 1000}};
+  if (kLargeCases) shapes.insert(shapes.end(), {{4099, 768}, {1000, 4096}, {70, 16384}});
+  for (bool layer : {false, true}) {
+    for (auto type : {at::kFloat, at::kBFloat16}) {
+      for (const auto& [rows, cols] : shapes) {
+        SCOPED_TRACE((layer ? "layer_norm " : "rms_norm ") + std::string(c10::toString(type)) + " " +
+                     std::to_string(rows) + "x" + std::to_string(cols));
+        auto x = (torch::randn({rows, cols}) * 2 + 0.5).to(type);
+        auto w = torch::randn({cols}) * 0.5 + 1;
+        auto b = torch::randn({cols});
+        auto dy = torch::randn({rows, cols}).to(type);
+        // float64 reference through autograd.
+        auto xr = x.to(at::kDouble).requires_grad_();
+        auto wr = w.to(at::kDouble).requires_grad_();
+        auto br = b.to(at::kDouble).requires_grad_();
+        auto yr = layer ? at::layer_norm(xr, {cols}, wr, br, 1e-5) : at::rms_norm(xr, {cols}, wr, 1e-5);
+        yr.backward(dy.to(at::kDouble));
+
+        auto xd = dev(x), wd = dev(w), bd = dev(b), dyd = dev(dy);
+        auto y = poisoned({rows, cols}, type);
+        auto mean = poisoned({rows}, at::kFloat), rstd = poisoned({rows}, at::kFloat);
+        dtrain_norm_fwd_params f{};
+        f.x = xd.data_ptr();
+        f.weight = wd.data_ptr();
+        f.bias = layer ? bd.data_ptr() : nullptr;
+        f.y = y.data_ptr();
+        f.mean = layer ? mean.data_ptr<float>() : nullptr;
+        f.rstd = rstd.data_ptr<float>();
+        f.rows = rows;
+        f.cols = f.x_stride = f.y_stride = cols;
+        f.eps = 1e-5f;
+        f.layer_norm = layer;
+        f.dtype = kernel_dtype(x);
+        f.weight_dtype = DTRAIN_KERNEL_F32;
+        ASSERT_EQ(dtrain_norm_fwd(&f, nullptr), cudaSuccess);
+        kernel_sync();
+        const double tol = type == at::kFloat ? 1e-4 : 0.05;
+        EXPECT_LT(max_abs(y, yr), tol);
+
+        auto dx = poisoned({rows, cols}, type), dw = poisoned({cols}, at::kFloat), db = poisoned({cols}, at::kFloat);
+        auto ws = poisoned({static_cast<std::int64_t>(dtrain_norm_workspace_bytes(rows, cols) / 4)}, at::kFloat);
+        dtrain_norm_bwd_params g{};
+        g.dy = dyd.data_ptr();
+        g.x = xd.data_ptr();
+        g.weight = wd.data_ptr();
+        g.mean = f.mean;
+        g.rstd = f.rstd;
+        g.dx = dx.data_ptr();
+        g.dweight = dw.data_ptr();
+        g.dbias = layer ? db.data_ptr() : nullptr;
+        g.workspace = ws.data_ptr();
+        g.rows = rows;
+        g.cols = g.dy_stride = g.x_stride = g.dx_stride = cols;
+        g.layer_norm = layer;
+        g.dtype = f.dtype;
+        g.weight_dtype = DTRAIN_KERNEL_F32;
+        ASSERT_EQ(dtrain_norm_bwd(&g, nullptr), cudaSuccess);
+        kernel_sync();
+        EXPECT_LT(max_abs(dx, xr.grad()), tol);
+        // Sums over rows of float32 products of the same (rounded) inputs as the reference.
+        const double wtol = 1e-4 + 2e-6 * static_cast<double>(rows);
+        EXPECT_LT(max_abs(dw, wr.grad()), wtol);
+        if (layer) {
+          EXPECT_LT(max_abs(db, br.grad()), wtol);
+        }
+      }
+    }
+  }
+}
+
+// ---- cross-entropy -----------------------------------------------------------------------
+
+TEST(KERNEL_SUITE(CrossEntropy), LossAndGradientsMatchFloat64WithIgnoredRows) {
+  KERNEL_DEVICE_OR_SKIP();
+  torch::manual_seed(4);
+  std::vector<std::pair<std::int64_t, std::int64_t>> shapes = {{20, 5003}};
+  if (kLargeCases) shapes.push_back({517, 50304});
+  for (const auto& [rows, vocab] : shapes) {
+    for (auto type : {at::kFloat, at::kBFloat16}) {
+      SCOPED_TRACE(std::string(c10::toString(type)) + " " + std::to_string(rows) + "x" + std::to_string(vocab));
+      auto logits = (torch::randn({rows, vocab}) * 3).to(type);
+      auto target = torch::randint(0, vocab, {rows}, torch::kLong);
+      target[3] = -100;
+      target[11] = -100;
+      auto ref = logits.to(at::kDouble).requires_grad_();
+      auto loss_ref = at::cross_entropy_loss(ref, target, {}, at::Reduction::Mean, -100);
+      (loss_ref * 0.5).backward();
+
+      auto ld = dev(logits), td = dev(target);
+      auto loss = poisoned({rows}, at::kFloat), lse = poisoned({rows}, at::kFloat);
+      dtrain_cross_entropy_fwd_params f{ld.data_ptr(), td.data_ptr<std::int64_t>(), loss.data_ptr<float>(),
+                                        lse.data_ptr<float>(), rows, vocab, vocab, -100, kernel_dtype(logits)};
+      ASSERT_EQ(dtrain_cross_entropy_fwd(&f, nullptr), cudaSuccess);
+      kernel_sync();
+      const auto count = (target != -100).sum();
+      EXPECT_NEAR(loss.sum().item<double>() / count.item<double>(), loss_ref.item<double>(), 1e-4);
+      EXPECT_EQ(loss[3].item<float>(), 0.f);
+      EXPECT_LT(max_abs(lse, ref.detach().logsumexp(1)), 1e-4);
+
+      auto dlogits = poisoned({rows, vocab}, type);
+      auto scale = dev(torch::full({1}, 0.5f)), countd = dev(count.reshape({1}));
+      dtrain_cross_entropy_bwd_params g{ld.data_ptr(), td.data_ptr<std::int64_t>(), lse.data_ptr<float>(),
+                                        scale.data_ptr<float>(), countd.data_ptr<std::int64_t>(), dlogits.data_ptr(),
+                                        rows, vocab, vocab, vocab, -100, kernel_dtype(logits)};
+      ASSERT_EQ(dtrain_cross_entropy_bwd(&g, nullptr), cudaSuccess);
+      kernel_sync();
+      EXPECT_LT(max_abs(dlogits, ref.grad()), type == at::kFloat ? 1e-6 : 1e-4);
+      EXPECT_EQ(dlogits[3].abs().sum().item<float>(), 0.f);
+    }
+  }
+}
+
+// ---- flash attention ----------------------------------------------------------------------
+
+struct AttnCase {
+  std::int64_t batch, heads, kv_heads, seq_q, seq_k, dim;
+  bool causal;
+  at::ScalarType type;
+};
+
+std::string name(const AttnCase& c) {
+  return "b" + std::to_string(c.batch) + " h" + std::to_string(c.heads) + "/" + std::to_string(c.kv_heads) + " s" +
+         std::to_string(c.seq_q) + "x" + std::to_string(c.seq_k) + " d" + std::to_string(c.dim) +
+         (c.causal ? " causal " : " ") + c10::toString(c.type);
+}
+
+dtrain_attention_strides strides(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+
+// softmax(q k^T scale) v in the inputs' arithmetic (a naive implementation for 16-bit
+// inputs, softmax in float32; the reference for float64); kv heads repeated for GQA.
+at::Tensor attention_math(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale) {
+  const auto group = q.size(1) / k.size(1);
+  auto kk = k.repeat_interleave(group, 1), vv = v.repeat_interleave(group, 1);
+  auto s = at::matmul(q, kk.transpose(-2, -1)) * scale;
+  if (causal) {
+    auto mask = torch::ones({q.size(2), k.size(2)}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).tril();
+    s = s.masked_fill(mask.logical_not(), -std::numeric_limits<double>::infinity());
+  }
+  auto sf = q.scalar_type() == at::kDouble ? s : s.to(at::kFloat);
+  return at::matmul(at::softmax(sf, -1).to(q.scalar_type()), vv);
+}
+
+TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
+  KERNEL_DEVICE_OR_SKIP();
+  torch::manual_seed(5);
+  std::vector<AttnCase> cases = {
+      {2, 4, 2, 100, 100, 64, true, at::kBFloat16},  {2, 4, 2, 100, 100, 64, false, at::kBFloat16},
+      {1, 2, 1, 70, 130, 64, false, at::kHalf},      {1, 2, 2, 130, 70, 64, true, at::kHalf},
+      {1, 2, 1, 80, 80, 128, true, at::kBFloat16},   {1, 1, 1, 65, 65, 128, false, at::kHalf},
+  };
+  if (kLargeCases) {
+    cases.insert(cases.end(), {{2, 8, 2, 1000, 1000, 128, true, at::kBFloat16},
+                               {1, 6, 6, 777, 777, 64, false, at::kBFloat16},
+                               {1, 4, 1, 2049, 2049, 128, true, at::kHalf},
+                               {3, 2, 2, 1, 257, 64, false, at::kBFloat16}});
+  }
+  for (const auto& c : cases) {
+    SCOPED_TRACE(name(c));
+    const double scale = 1.0 / std::sqrt(static_cast<double>(c.dim));
+    // q laid out [batch, seq, heads, dim] and viewed [batch, heads, seq, dim]: strided.
+    auto q = torch::randn({c.batch, c.seq_q, c.heads, c.dim}).to(c.type).transpose(1, 2);
+    auto k = torch::randn({c.batch, c.kv_heads, c.seq_k, c.dim}).to(c.type);
+    auto v = torch::randn({c.batch, c.kv_heads, c.seq_k, c.dim}).to(c.type);
+    auto dout = torch::randn({c.batch, c.heads, c.seq_q, c.dim}).to(c.type);
+
+    auto qr = q.to(at::kDouble).requires_grad_(), kr = k.to(at::kDouble).requires_grad_(),
+         vr = v.to(at::kDouble).requires_grad_();
+    auto want = attention_math(qr, kr, vr, c.causal, scale);
+    want.backward(dout.to(at::kDouble));
+    // The naive 16-bit implementation, on the kernels' device (CPU matmuls in float16 are
+    // not what a GPU user would compare against).
+    auto qn = dev(q).detach().requires_grad_(), kn = dev(k).detach().requires_grad_(),
+         vn = dev(v).detach().requires_grad_();
+    auto naive = attention_math(qn, kn, vn, c.causal, scale);
+    naive.backward(dev(dout));
+
+    auto qd = dev(q.transpose(1, 2).contiguous()).transpose(1, 2);  // keep the strided layout
+    auto kd = dev(k), vd = dev(v), dod = dev(dout);
+    auto o = poisoned({c.batch, c.heads, c.seq_q, c.dim}, c.type);
+    auto lse = poisoned({c.batch, c.heads, c.seq_q}, at::kFloat);
+    dtrain_attention_fwd_params f{};
+    f.q = qd.data_ptr();
+    f.k = kd.data_ptr();
+    f.v = vd.data_ptr();
+    f.o = o.data_ptr();
+    f.lse = lse.data_ptr<float>();
+    f.q_stride = strides(qd);
+    f.k_stride = strides(kd);
+    f.v_stride = strides(vd);
+    f.o_stride = strides(o);
+    f.batch = c.batch;
+    f.heads = c.heads;
+    f.kv_heads = c.kv_heads;
+    f.seq_q = c.seq_q;
+    f.seq_k = c.seq_k;
+    f.head_dim = c.dim;
+    f.scale = static_cast<float>(scale);
+    f.causal = c.causal;
+    f.dtype = kernel_dtype(q);
+    ASSERT_EQ(dtrain_attention_fwd(&f, nullptr), cudaSuccess);
+    kernel_sync();
+    EXPECT_FALSE(o.isnan().any().item<bool>());
+    const double err = max_abs(o, want), naive_err = max_abs(naive, want);
+    EXPECT_LE(err, 2 * naive_err + 1e-3) << "kernel " << err << ", naive " << naive_err;
+    {  // The log-sum-exp of the scaled scores (every row sees at least key 0).
+      auto s = at::matmul(q.to(at::kDouble), k.to(at::kDouble).repeat_interleave(c.heads / c.kv_heads, 1)
+                                                 .transpose(-2, -1)) * scale;
+      if (c.causal) {
+        auto mask = torch::ones({c.seq_q, c.seq_k}, torch::kBool).tril();
+        s = s.masked_fill(mask.logical_not(), -std::numeric_limits<double>::infinity());
+      }
+      EXPECT_LT(max_abs(lse, s.logsumexp(-1)), 1e-3);
+    }
+
+    auto dq = poisoned({c.batch, c.heads, c.seq_q, c.dim}, c.type);
+    auto dk = poisoned(k.sizes(), c.type), dv = poisoned(v.sizes(), c.type);
+    dtrain_attention_bwd_params g{};
+    g.q = f.q;
+    g.k = f.k;
+    g.v = f.v;
+    g.o = o.data_ptr();
+    g.dout = dod.data_ptr();
+    g.lse = f.lse;
+    g.dq = dq.data_ptr();
+    g.dk = dk.data_ptr();
+    g.dv = dv.data_ptr();
+    g.q_stride = f.q_stride;
+    g.k_stride = f.k_stride;
+    g.v_stride = f.v_stride;
+    g.o_stride = f.o_stride;
+    g.dout_stride = strides(dod);
+    g.dq_stride = strides(dq);
+    g.dk_stride = strides(dk);
+    g.dv_stride = strides(dv);
+    g.batch = c.batch;
+    g.heads = c.heads;
+    g.kv_heads = c.kv_heads;
+    g.seq_q = c.seq_q;
+    g.seq_k = c.seq_k;
+    g.head_dim = c.dim;
+    g.scale = f.scale;
+    g.causal = c.causal;
+    g.dtype = f.dtype;
+    auto ws = poisoned({static_cast<std::int64_t>(dtrain_attention_bwd_workspace_bytes(&g) / sizeof(float))},
+                       at::kFloat);
+    g.workspace = ws.data_ptr();
+    ASSERT_EQ(dtrain_attention_bwd(&g, nullptr), cudaSuccess);
+    kernel_sync();
+    for (const auto& [what, got, ref, nv] : {std::make_tuple("dq", dq, qr.grad(), qn.grad()),
+                                            std::make_tuple("dk", dk, kr.grad(), kn.grad()),
+                                            std::make_tuple("dv", dv, vr.grad(), vn.grad())}) {
+      EXPECT_FALSE(got.isnan().any().item<bool>()) << what;
+      const double e = max_abs(got, ref), ne = max_abs(nv, ref);
+      EXPECT_LE(e, 2 * ne + 1e-3) << what << ": kernel " << e << ", naive " << ne;
+    }
+  }
+}
+
+TEST(KERNEL_SUITE(FlashAttention), RefusesWhatItDoesNotTake) {
+  dtrain_attention_fwd_params f{};
+  EXPECT_EQ(dtrain_attention_fwd(&f, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(dtrain_attention_supports_head_dim(96), 0);
+  EXPECT_EQ(dtrain_attention_supports_head_dim(128), 1);
+}
+
+}  // namespace

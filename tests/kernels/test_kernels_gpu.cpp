@@ -1,0 +1,145 @@
+// The kernel cases (kernel_cases.hpp) on the compiled kernels and a CUDA device, plus the
+// ops (src/ops) on CUDA against their reference paths; every test skips without a GPU.
+#include "kernel_cases.hpp"
+
+#include "common/corpus.hpp"
+#include "dtrain/core/error.hpp"
+#include "dtrain/ops/adamw.hpp"
+#include "dtrain/ops/attention.hpp"
+#include "dtrain/ops/cross_entropy.hpp"
+#include "dtrain/ops/norm.hpp"
+#include "dtrain/parallel/context.hpp"
+#include "dtrain/train/trainer.hpp"
+
+namespace dtrain {
+namespace {
+
+#define SKIP_WITHOUT_GPU() KERNEL_DEVICE_OR_SKIP()
+
+// The autograd op on CUDA against the same op's reference path in float64 on the host:
+// within twice the error of the reference path run in the same 16-bit dtype on the GPU.
+TEST(GpuOps, FlashAttentionAutogradMatchesTheReferencePath) {
+  SKIP_WITHOUT_GPU();
+  torch::manual_seed(11);
+  for (bool causal : {true, false}) {
+    for (std::int64_t d : {64, 128}) {
+      auto q = torch::randn({2, 8, 300, d}), k = torch::randn({2, 2, 300, d}), v = torch::randn({2, 2, 300, d});
+      auto dout = torch::randn({2, 8, 300, d});
+      auto run = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, const at::Tensor& g,
+                     bool sdpa) -> std::vector<at::Tensor> {
+        auto qa = a.detach().requires_grad_(), kb = b.detach().requires_grad_(), vc = c.detach().requires_grad_();
+        auto o = sdpa ? ops::attention(qa, kb, vc, causal) : ops::flash_attention(qa, kb, vc, causal);
+        o.backward(g);
+        return {o.cpu().to(at::kDouble), qa.grad().cpu().to(at::kDouble), kb.grad().cpu().to(at::kDouble),
+                vc.grad().cpu().to(at::kDouble)};
+      };
+      const auto want = run(q.to(at::kDouble), k.to(at::kDouble), v.to(at::kDouble), dout.to(at::kDouble), false);
+      auto cu = [](const at::Tensor& t) { return t.to(torch::kCUDA, at::kBFloat16); };
+      const auto got = run(cu(q), cu(k), cu(v), cu(dout), false);
+      const auto sdpa = run(cu(q), cu(k), cu(v), cu(dout), true);  // LibTorch's own bf16 attention
+      for (int i = 0; i < 4; ++i) {
+        const double e = (got[i] - want[i]).abs().max().item<double>();
+        const double base = (sdpa[i] - want[i]).abs().max().item<double>();
+        EXPECT_LE(e, 2 * base + 1e-3) << "output " << i << " d " << d << (causal ? " causal" : "") << ": flash " << e
+                                      << ", sdpa " << base;
+      }
+    }
+  }
+  auto q = torch::randn({1, 2, 8, 96}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16));
+  EXPECT_THROW(ops::flash_attention(q, q, q, true), InvalidArgument);  // head dim 96
+  auto f = torch::randn({1, 2, 8, 64}, torch::kCUDA);
+  EXPECT_THROW(ops::flash_attention(f, f, f, true), InvalidArgument);  // float32 on CUDA
+}
+
+TEST(GpuOps, NormsAndCrossEntropyMatchTheReferencePath) {
+  SKIP_WITHOUT_GPU();
+  torch::manual_seed(12);
+  for (bool layer : {false, true}) {
+    auto x = torch::randn({4, 129, 768}).to(at::kBFloat16), w = torch::randn({768}), b = torch::randn({768});
+    auto dy = torch::randn({4, 129, 768}).to(at::kBFloat16);
+    auto run = [&](const at::Device& device) {
+      auto xx = x.to(device).requires_grad_(), ww = w.to(device).requires_grad_(), bb = b.to(device).requires_grad_();
+      auto y = layer ? ops::layer_norm(xx, ww, bb, 1e-5) : ops::rms_norm(xx, ww, 1e-5);
+      y.backward(dy.to(device));
+      return std::vector<at::Tensor>{y.cpu().to(at::kDouble), xx.grad().cpu().to(at::kDouble),
+                                     ww.grad().cpu().to(at::kDouble),
+                                     layer ? bb.grad().cpu().to(at::kDouble) : torch::zeros({1}, at::kDouble)};
+    };
+    const auto want = run(at::kCPU), got = run(at::kCUDA);
+    for (int i = 0; i < 4; ++i) {
+      const double scale = want[i].abs().max().item<double>() + 1;
+      EXPECT_LT((got[i] - want[i]).abs().max().item<double>(), 1e-2 * scale) << (layer ? "layer " : "rms ") << i;
+    }
+  }
+  auto logits = (torch::randn({257, 50304}) * 2).to(at::kBFloat16);
+  auto target = torch::randint(0, 50304, {257}, torch::kLong);
+  target[0] = -100;
+  auto run = [&](const at::Device& device) {
+    auto l = logits.to(device).requires_grad_();
+    auto loss = ops::cross_entropy(l, target.to(device));
+    (loss * 2).backward();
+    return std::make_pair(loss.item<double>(), l.grad().cpu().to(at::kDouble));
+  };
+  const auto want = run(at::kCPU), got = run(at::kCUDA);
+  EXPECT_NEAR(got.first, want.first, 1e-4 * want.first);
+  EXPECT_LT((got.second - want.second).abs().max().item<double>(), 1e-4);
+}
+
+TEST(GpuOps, FusedAdamWMatchesTheReferencePath) {
+  SKIP_WITHOUT_GPU();
+  torch::manual_seed(13);
+  std::vector<ops::AdamWSegment> host, gpu;
+  for (std::int64_t n : {1, 1000, 123457}) {
+    ops::AdamWSegment s{torch::randn({n}), torch::randn({n}).to(at::kBFloat16), torch::randn({n}) * 0.1,
+                        torch::rand({n}) * 0.01, torch::zeros({n}, at::kBFloat16), n == 1000 ? 0.1 : 0.0};
+    host.push_back(s);
+    gpu.push_back({s.param.cuda(), s.grad.cuda(), s.exp_avg.cuda(), s.exp_avg_sq.cuda(), s.model_param.cuda(),
+                   s.weight_decay});
+  }
+  ops::AdamWHyper h;
+  h.lr = 1e-3;
+  h.beta2 = 0.95;
+  h.bias_correction1 = 0.1;
+  h.bias_correction2 = 0.05;
+  h.grad_scale = 1.0 / 1024;
+  for (int step = 0; step < 3; ++step) {
+    ops::fused_adamw(host, h);
+    ops::fused_adamw(gpu, h);
+  }
+  for (std::size_t i = 0; i < host.size(); ++i) {
+    EXPECT_LT((gpu[i].param.cpu() - host[i].param).abs().max().item<double>(), 1e-6) << i;
+    EXPECT_TRUE(torch::equal(gpu[i].model_param.cpu(), gpu[i].param.cpu().to(at::kBFloat16))) << i;
+  }
+}
+
+// The tiny model in bf16 on the GPU with every fused option against the unfused run.
+TEST(GpuOps, TrainerWithFusedOpsTracksTheUnfusedRun) {
+  SKIP_WITHOUT_GPU();
+  testing::TestCorpus corpus("gpufused");
+  auto cfg = models::GptConfig::preset("tiny");
+  cfg.family = "llama";
+  cfg.n_head = 2;  // head dim 64
+  cfg.n_kv_head = 1;
+  train::TrainOptions o;
+  o.train_data = corpus.train();
+  o.steps = 30;
+  o.warmup_steps = 2;
+  o.seq_len = 64;
+  o.global_batch = 8;
+  o.precision = "bf16";
+  o.progress = "off";
+  auto ctx = ParallelContext::single_process(c10::Device(c10::kCUDA, 0));
+  train::Trainer plain(ctx, cfg, o);
+  auto fcfg = cfg;
+  fcfg.attention = ops::AttentionBackend::kFlash;
+  fcfg.fused_norm = fcfg.fused_ce = true;
+  auto fo = o;
+  fo.adamw.fused = true;
+  train::Trainer fused(ctx, fcfg, fo);
+  const auto a = plain.run(), b = fused.run();
+  for (std::size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i].loss, b[i].loss, 2e-2 * a[i].loss) << "step " << i + 1;
+  EXPECT_LT(b.back().loss, b.front().loss - 0.5) << "the fused run must learn";
+}
+
+}  // namespace
+}  // namespace dtrain

@@ -1,0 +1,260 @@
+// The ops' reference paths (what runs off CUDA, and the reference of the GPU tests)
+// against LibTorch's own ops: flash attention against scaled_dot_product_attention, the
+// norms against at::rms_norm / at::layer_norm, cross-entropy against at::cross_entropy,
+// forward and backward; fused AdamW bitwise against torch::optim::AdamW; the named input
+// checks; and the trainer with every fused option against the plain one.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
+#include <set>
+
+#include "common/corpus.hpp"
+#include "common/errors.hpp"
+#include "dtrain/ops/adamw.hpp"
+#include "dtrain/ops/attention.hpp"
+#include "dtrain/ops/cross_entropy.hpp"
+#include "dtrain/ops/norm.hpp"
+#include "dtrain/optim/optim.hpp"
+#include "dtrain/parallel/context.hpp"
+#include "dtrain/train/trainer.hpp"
+
+namespace dtrain {
+namespace {
+
+using testing::error_message;
+
+double max_abs(const at::Tensor& a, const at::Tensor& b) {
+  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+}
+
+void expect_has(const std::string& msg, const std::vector<std::string>& parts) {
+  for (const auto& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
+}
+
+// ---- attention ---------------------------------------------------------------------------
+
+TEST(FlashAttentionReference, MatchesSdpaForwardAndBackward) {
+  torch::manual_seed(0);
+  struct Case {
+    std::int64_t b, h, hkv, sq, sk, d;
+    bool causal;
+  };
+  for (const auto& c : {Case{2, 4, 4, 33, 33, 16, true}, Case{1, 4, 2, 300, 300, 8, true},
+                        Case{2, 2, 1, 20, 45, 8, false}, Case{1, 2, 2, 45, 20, 8, true}}) {
+    SCOPED_TRACE("sq " + std::to_string(c.sq) + " sk " + std::to_string(c.sk) + (c.causal ? " causal" : ""));
+    auto q = torch::randn({c.b, c.h, c.sq, c.d}, torch::kDouble).requires_grad_();
+    auto k = torch::randn({c.b, c.hkv, c.sk, c.d}, torch::kDouble).requires_grad_();
+    auto v = torch::randn({c.b, c.hkv, c.sk, c.d}, torch::kDouble).requires_grad_();
+    auto dout = torch::randn({c.b, c.h, c.sq, c.d}, torch::kDouble);
+    auto got = ops::flash_attention(q, k, v, c.causal);
+    got.backward(dout);
+    const auto dq = q.grad().clone(), dk = k.grad().clone(), dv = v.grad().clone();
+    q.mutable_grad().reset(), k.mutable_grad().reset(), v.mutable_grad().reset();
+    auto want = ops::attention(q, k, v, c.causal, 0.0, ops::AttentionBackend::kSdpa);
+    want.backward(dout);
+    EXPECT_LT(max_abs(got, want), 1e-10);
+    EXPECT_LT(max_abs(dq, q.grad()), 1e-10);
+    EXPECT_LT(max_abs(dk, k.grad()), 1e-10);
+    EXPECT_LT(max_abs(dv, v.grad()), 1e-10);
+  }
+  // float32 inputs stay float32 and agree with sdpa to float32 rounding.
+  auto q = torch::randn({1, 2, 70, 16}), k = torch::randn({1, 2, 70, 16}), v = torch::randn({1, 2, 70, 16});
+  auto o = ops::flash_attention(q, k, v, true);
+  EXPECT_EQ(o.scalar_type(), at::kFloat);
+  EXPECT_LT(max_abs(o, at::scaled_dot_product_attention(q, k, v, {}, 0.0, true)), 1e-5);
+}
+
+TEST(FlashAttentionReference, NamedInputChecks) {
+  auto q = torch::randn({1, 4, 8, 16}), k = torch::randn({1, 3, 8, 16});
+  expect_has(error_message([&] { ops::flash_attention(q, k, k, true); }),
+             {"flash_attention", "4 query heads are not a multiple of 3"});
+  expect_has(error_message([&] { ops::flash_attention(q, q.to(at::kDouble), q, true); }),
+             {"flash_attention", "one dtype", "Double"});
+  expect_has(error_message([&] { ops::flash_attention(q.view({4, 8, 16}), q, q, true); }),
+             {"[batch, heads, time, head_dim]"});
+  expect_has(error_message([&] { ops::attention(q, q, q, true, 0.1, ops::AttentionBackend::kFlash); }),
+             {"no dropout"});
+  expect_has(error_message([&] { ops::parse_attention_backend("fast"); }), {"--attention=fast", "sdpa, flash"});
+}
+
+// ---- norms -------------------------------------------------------------------------------
+
+TEST(NormReference, MatchesLibTorchForwardAndBackward) {
+  torch::manual_seed(1);
+  for (bool layer : {false, true}) {
+    for (auto type : {at::kDouble, at::kFloat, at::kBFloat16}) {
+      SCOPED_TRACE(std::string(layer ? "layer_norm " : "rms_norm ") + c10::toString(type));
+      auto x = (torch::randn({3, 5, 40}, torch::kDouble) * 3 + 1).to(type).requires_grad_();
+      auto w = torch::randn({40}, torch::kDouble).requires_grad_();
+      auto b = torch::randn({40}, torch::kDouble).requires_grad_();
+      auto dy = torch::randn({3, 5, 40}, torch::kDouble).to(type);
+      auto y = layer ? ops::layer_norm(x, w.to(at::kFloat), b.to(at::kFloat), 1e-5)
+                     : ops::rms_norm(x, w.to(at::kFloat), 1e-5);
+      EXPECT_EQ(y.scalar_type(), type) << "the output keeps x's dtype";
+      y.backward(dy);
+      auto xr = x.detach().to(at::kDouble).requires_grad_();
+      auto wr = w.detach().clone().requires_grad_(), br = b.detach().clone().requires_grad_();
+      auto yr = layer ? at::layer_norm(xr, {40}, wr, br, 1e-5) : at::rms_norm(xr, {40}, wr, 1e-5);
+      yr.backward(dy.to(at::kDouble));
+      const double tol = type == at::kBFloat16 ? 0.05 : 1e-4;
+      EXPECT_LT(max_abs(y, yr), tol);
+      EXPECT_LT(max_abs(x.grad(), xr.grad()), tol);
+      EXPECT_LT(max_abs(w.grad(), wr.grad()), type == at::kBFloat16 ? 0.2 : 1e-3);
+      if (layer) {
+        EXPECT_LT(max_abs(b.grad(), br.grad()), type == at::kBFloat16 ? 0.2 : 1e-3);
+      }
+    }
+  }
+  auto x = torch::randn({2, 8});
+  expect_has(error_message([&] { ops::rms_norm(x, torch::ones({7}), 1e-5); }),
+             {"rms_norm", "weight is [7]", "needs [8]"});
+  expect_has(error_message([&] { ops::layer_norm(x, torch::ones({8}), torch::ones({8}, torch::kDouble), 1e-5); }),
+             {"layer_norm", "must match"});
+}
+
+// ---- cross-entropy -----------------------------------------------------------------------
+
+TEST(CrossEntropyReference, MatchesLibTorchWithIgnoredRows) {
+  torch::manual_seed(2);
+  for (auto type : {at::kFloat, at::kBFloat16}) {
+    auto logits = (torch::randn({30, 101}) * 4).to(type).requires_grad_();
+    auto target = torch::randint(0, 101, {30}, torch::kLong);
+    target[2] = -100;
+    target[17] = -100;
+    auto loss = ops::cross_entropy(logits, target);
+    (loss * 3).backward();
+    auto ref = logits.detach().to(at::kDouble).requires_grad_();
+    auto want = at::cross_entropy_loss(ref, target, {}, at::Reduction::Mean, -100);
+    (want * 3).backward();
+    EXPECT_NEAR(loss.item<double>(), want.item<double>(), 1e-5);
+    EXPECT_LT(max_abs(logits.grad(), ref.grad()), type == at::kFloat ? 1e-6 : 1e-3);
+    EXPECT_EQ(logits.grad()[2].abs().sum().item<double>(), 0.0);
+  }
+  auto all_ignored = torch::full({4}, -100, torch::kLong);
+  EXPECT_EQ(ops::cross_entropy(torch::randn({4, 7}), all_ignored).item<double>(), 0.0);
+  expect_has(error_message([&] { ops::cross_entropy(torch::randn({4, 7}), torch::full({4}, 7, torch::kLong)); }),
+             {"cross_entropy", "outside [0, 7)"});
+  expect_has(error_message([&] { ops::cross_entropy(torch::randn({4, 7}), torch::zeros({4}, torch::kInt)); }),
+             {"cross_entropy", "target is Int", "int64"});
+}
+
+// ---- fused AdamW ---------------------------------------------------------------------------
+
+TEST(FusedAdamW, ReferencePathIsBitwiseLibTorchAdamW) {
+  torch::manual_seed(3);
+  NamedParameters a, b;
+  for (auto shape : {std::vector<std::int64_t>{7, 3}, {5}, {4, 4}}) {
+    auto p = torch::randn(shape, torch::requires_grad());
+    a.emplace_back("w" + std::to_string(a.size()), p);
+    b.emplace_back("w" + std::to_string(b.size()), p.detach().clone().requires_grad_());
+  }
+  AdamWOptions o;
+  o.lr = 1e-2;
+  auto plain = make_adamw(a, o);
+  o.fused = true;
+  auto fused = make_adamw(b, o);
+  for (int step = 0; step < 5; ++step) {
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      auto g = torch::randn(a[i].second.sizes());
+      a[i].second.mutable_grad() = g;
+      b[i].second.mutable_grad() = g.clone();
+    }
+    plain->step();
+    fused->step();
+  }
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(torch::equal(a[i].second, b[i].second)) << a[i].first;
+    const auto& sa = static_cast<const torch::optim::AdamWParamState&>(*plain->state().at(a[i].second.unsafeGetTensorImpl()));
+    const auto& sb = static_cast<const torch::optim::AdamWParamState&>(*fused->state().at(b[i].second.unsafeGetTensorImpl()));
+    EXPECT_EQ(sa.step(), sb.step());
+    EXPECT_TRUE(torch::equal(sa.exp_avg_sq(), sb.exp_avg_sq())) << a[i].first;
+  }
+}
+
+TEST(FusedAdamW, FlagsModelCopyAndChecks) {
+  auto p = torch::randn({10}), g = torch::randn({10}), m = torch::zeros({10}), v = torch::zeros({10});
+  auto model = torch::zeros({10}, torch::kBFloat16);
+  g[4] = std::numeric_limits<float>::quiet_NaN();
+  const auto before = p.clone();
+  ops::AdamWHyper h;
+  h.lr = 0.1;
+  h.bias_correction1 = 0.1;
+  h.bias_correction2 = 0.001;
+  h.found_inf = torch::zeros({1}, torch::kInt);
+  ops::fused_adamw({{p, g, m, v, model, 0.1}}, h);
+  EXPECT_EQ(h.found_inf.item<int>(), 1);
+  EXPECT_EQ(p[4].item<float>(), before[4].item<float>());
+  EXPECT_EQ(m[4].item<float>(), 0.f);
+  EXPECT_NE(p[3].item<float>(), before[3].item<float>());
+  EXPECT_TRUE(torch::equal(model, p.to(at::kBFloat16)));
+  h.skip = torch::ones({1}, torch::kInt);
+  const auto frozen = p.clone();
+  ops::fused_adamw({{p, g, m, v, model, 0.1}}, h);
+  EXPECT_TRUE(torch::equal(p, frozen));
+  h.skip = at::Tensor();
+  expect_has(error_message([&] { ops::fused_adamw({{p, g, m, torch::zeros({9}), {}, 0}}, h); }),
+             {"fused_adamw", "segment 0 exp_avg_sq", "10 elements"});
+  expect_has(error_message([&] { ops::fused_adamw({{p.to(at::kDouble), g, m, v, {}, 0}}, h); }),
+             {"segment 0 param", "float32"});
+  expect_has(error_message([&] { ops::fused_adamw({{p, g.to(at::kDouble), m, v, {}, 0}}, h); }),
+             {"segment 0 grad", "Double", "allowed: float32, bfloat16, float16"});
+}
+
+// ---- the trainer with every fused option -------------------------------------------------
+
+TEST(FusedOps, TrainerMatchesThePlainRun) {
+  testing::TestCorpus corpus("fusedops");
+  for (const std::string family : {"gpt2", "llama"}) {
+    SCOPED_TRACE(family);
+    auto cfg = models::GptConfig::preset("tiny");
+    cfg.family = family;
+    if (family == "llama") cfg.n_kv_head = cfg.n_head / 2;
+    train::TrainOptions o;
+    o.train_data = corpus.train();
+    o.progress = "off";
+    o.steps = 6;
+    o.warmup_steps = 1;
+    o.seq_len = 32;
+    o.global_batch = 4;
+    train::Trainer plain(ParallelContext::single_process(), cfg, o);
+    auto fused_cfg = cfg;
+    fused_cfg.attention = ops::AttentionBackend::kFlash;
+    fused_cfg.fused_norm = fused_cfg.fused_ce = true;
+    auto fo = o;
+    fo.adamw.fused = true;
+    train::Trainer fused(ParallelContext::single_process(), fused_cfg, fo);
+    for (int s = 0; s < o.steps; ++s) {
+      const auto a = plain.train_step(), b = fused.train_step();
+      EXPECT_NEAR(a.loss, b.loss, 1e-4 * std::abs(a.loss)) << "step " << s;
+      EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-3 * a.grad_norm) << "step " << s;
+    }
+    // The fused run's graph is made of the ops' Functions (a run ignoring the options
+    // would match the plain one too).
+    auto idx = torch::randint(0, cfg.vocab_size, {2, 16}, torch::kLong);
+    auto loss = fused.model()->loss(idx, idx);
+    std::set<std::string> names;
+    std::vector<torch::autograd::Node*> todo{loss.grad_fn().get()};
+    while (!todo.empty()) {
+      auto* node = todo.back();
+      todo.pop_back();
+      if (node == nullptr || !names.insert(node->name() + "@" + std::to_string(reinterpret_cast<std::uintptr_t>(node))).second) continue;
+      for (const auto& e : node->next_edges()) todo.push_back(e.function.get());
+    }
+    std::string all;
+    for (const auto& n : names) all += n + "\n";
+    for (const char* fn : {"FlashAttentionFn", "NormFn", "CrossEntropyFn"}) {
+      EXPECT_NE(all.find(fn), std::string::npos) << fn << " is not in the fused model's graph";
+    }
+    const auto pa = plain.full_parameters(), pb = fused.full_parameters();
+    for (std::size_t i = 0; i < pa.size(); ++i) EXPECT_LT(max_abs(pa[i].second, pb[i].second), 1e-4) << pa[i].first;
+  }
+  auto cfg = models::GptConfig::preset("tiny");
+  cfg.attention = ops::AttentionBackend::kFlash;
+  cfg.dropout = 0.1;
+  expect_has(error_message([&] { cfg.validate(); }), {"--attention flash has no dropout", "--dropout=0.1"});
+}
+
+}  // namespace
+}  // namespace dtrain
