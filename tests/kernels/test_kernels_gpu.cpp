@@ -118,7 +118,8 @@ TEST(GpuOps, TrainerWithFusedOpsTracksTheUnfusedRun) {
   testing::TestCorpus corpus("gpufused");
   auto cfg = models::GptConfig::preset("tiny");
   cfg.family = "llama";
-  cfg.n_head = 2;  // head dim 64
+  cfg.d_model = 128;  // head dim 64, the smallest the kernel takes
+  cfg.n_head = 2;
   cfg.n_kv_head = 1;
   train::TrainOptions o;
   o.train_data = corpus.train();
