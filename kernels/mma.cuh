@@ -67,6 +67,12 @@ __device__ __forceinline__ void mma16816(float d[4], const uint32_t a[4], const 
 }
 
 // ---- warp tiles --------------------------------------------------------------------------------
+template <int kN>
+__device__ __forceinline__ void zero_tiles(float (&acc)[kN][4]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+}
+
 // acc[nt] += A B_nt^T for nt < kN: A is 16 x kK (rows at a, pitch a_pitch), B_nt the 8 x kK
 // rows nt*8.. of b (pitch b_pitch); both row-major in shared memory (S = Q K^T shapes).
 template <typename T, int kK, int kN>

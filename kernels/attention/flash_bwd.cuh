@@ -73,11 +73,8 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads)
   cp_async_commit();
 
   float dk[D / 8][4], dv[D / 8][4];
-#pragma unroll
-  for (int i = 0; i < D / 8; ++i) {
-    dk[i][0] = dk[i][1] = dk[i][2] = dk[i][3] = 0.f;
-    dv[i][0] = dv[i][1] = dv[i][2] = dv[i][3] = 0.f;
-  }
+  zero_tiles(dk);
+  zero_tiles(dv);
   // Causal: query tiles wholly before the first key see none of them.
   const int64_t m_begin = p.causal ? n0 / BM * BM : 0;
 
@@ -101,8 +98,7 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads)
 
       // S^T = K Q^T (16 keys x BM queries per warp), then P^T.
       float st[BM / 8][4];
-#pragma unroll
-      for (int nt = 0; nt < BM / 8; ++nt) st[nt][0] = st[nt][1] = st[nt][2] = st[nt][3] = 0.f;
+      zero_tiles(st);
       mma_rows_rows<T, D, BM / 8>(st, ks + warp * 16 * P, P, qs, P);
 #pragma unroll
       for (int nt = 0; nt < BM / 8; ++nt) {
@@ -118,8 +114,7 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads)
       mma_acc_cols<T, BM, D / 8>(dv, st, dos, P);
       // dP^T = V dO^T, then dS^T = P^T (dP^T - delta).
       float dpt[BM / 8][4];
-#pragma unroll
-      for (int nt = 0; nt < BM / 8; ++nt) dpt[nt][0] = dpt[nt][1] = dpt[nt][2] = dpt[nt][3] = 0.f;
+      zero_tiles(dpt);
       mma_rows_rows<T, D, BM / 8>(dpt, vs + warp * 16 * P, P, dos, P);
 #pragma unroll
       for (int nt = 0; nt < BM / 8; ++nt) {

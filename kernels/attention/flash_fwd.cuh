@@ -40,8 +40,7 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads) flash_fwd_kernel(dtr
   cp_async_commit();
 
   float acc[D / 8][4];
-#pragma unroll
-  for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  zero_tiles(acc);
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
   uint32_t qf[D / 16][4];
   const float scale_log2 = p.scale * kLog2e;
@@ -61,9 +60,9 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads) flash_fwd_kernel(dtr
     }
     // S = Q K_j^T: 16 x 64 per warp.
     float s[BN / 8][4];
+    zero_tiles(s);
 #pragma unroll
     for (int nt = 0; nt < BN / 8; ++nt) {
-      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         const T* kb = ks + (nt * 8 + g) * P + kk * 16 + 2 * t;

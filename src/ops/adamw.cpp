@@ -129,6 +129,17 @@ void kernel(const std::vector<AdamWSegment>& segments, const AdamWHyper& h) {
 
 }  // namespace
 
+AdamWHyper adamw_hyper(double lr, double beta1, double beta2, double eps, std::int64_t step) {
+  AdamWHyper h;
+  h.lr = lr;
+  h.beta1 = beta1;
+  h.beta2 = beta2;
+  h.eps = eps;
+  h.bias_correction1 = 1 - std::pow(beta1, static_cast<double>(step));
+  h.bias_correction2 = 1 - std::pow(beta2, static_cast<double>(step));
+  return h;
+}
+
 void fused_adamw(const std::vector<AdamWSegment>& segments, const AdamWHyper& hyper) {
   if (segments.empty()) return;
   check(segments, hyper);

@@ -36,28 +36,12 @@ class FusedAdamW : public torch::optim::AdamW {
       std::map<std::int64_t, std::vector<ops::AdamWSegment>> by_step;
       for (auto& p : group.params()) {
         if (!p.grad().defined()) continue;
-        auto& slot = state_[p.unsafeGetTensorImpl()];
-        if (!slot) {
-          auto st = std::make_unique<torch::optim::AdamWParamState>();
-          st->step(0);
-          st->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Contiguous));
-          st->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Contiguous));
-          slot = std::move(st);
-        }
-        auto& st = static_cast<torch::optim::AdamWParamState&>(*slot);
-        st.step(st.step() + 1);
+        auto& st = advance_adamw_state(*this, p);
         auto grad = p.grad().is_contiguous() ? p.grad() : p.grad().contiguous();
         by_step[st.step()].push_back({p, grad, st.exp_avg(), st.exp_avg_sq(), {}, o.weight_decay()});
       }
       for (const auto& [step, segments] : by_step) {
-        ops::AdamWHyper h;
-        h.lr = o.lr();
-        h.beta1 = beta1;
-        h.beta2 = beta2;
-        h.eps = o.eps();
-        h.bias_correction1 = 1 - std::pow(beta1, static_cast<double>(step));
-        h.bias_correction2 = 1 - std::pow(beta2, static_cast<double>(step));
-        ops::fused_adamw(segments, h);
+        ops::fused_adamw(segments, ops::adamw_hyper(o.lr(), beta1, beta2, o.eps(), step));
       }
     }
     return loss;
@@ -98,6 +82,20 @@ std::unique_ptr<torch::optim::Optimizer> make_adamw(const NamedParameters& param
   groups.emplace_back(no_decay, std::move(none));
   if (o.fused) return std::make_unique<FusedAdamW>(std::move(groups), base);
   return std::make_unique<torch::optim::AdamW>(std::move(groups), base);
+}
+
+torch::optim::AdamWParamState& advance_adamw_state(torch::optim::Optimizer& optimizer, const at::Tensor& param) {
+  auto& slot = optimizer.state()[param.unsafeGetTensorImpl()];
+  if (!slot) {
+    auto st = std::make_unique<torch::optim::AdamWParamState>();
+    st->step(0);
+    st->exp_avg(torch::zeros_like(param, torch::MemoryFormat::Contiguous));
+    st->exp_avg_sq(torch::zeros_like(param, torch::MemoryFormat::Contiguous));
+    slot = std::move(st);
+  }
+  auto& st = static_cast<torch::optim::AdamWParamState&>(*slot);
+  st.step(st.step() + 1);
+  return st;
 }
 
 void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {

@@ -623,16 +623,7 @@ void ShardedDataParallel::fused_step(double lr) {
     u->cast_by_step = false;
     const auto& grad = u->master.grad();
     if (!grad.defined()) continue;
-    auto& slot = optimizer_->state()[u->master.unsafeGetTensorImpl()];
-    if (!slot) {
-      auto st = std::make_unique<torch::optim::AdamWParamState>();
-      st->step(0);
-      st->exp_avg(at::zeros_like(u->master));
-      st->exp_avg_sq(at::zeros_like(u->master));
-      slot = std::move(st);
-    }
-    auto& st = static_cast<torch::optim::AdamWParamState&>(*slot);
-    st.step(st.step() + 1);
+    auto& st = advance_adamw_state(*optimizer_, u->master);
     const auto mt = u->param_shard.scalar_type();
     at::Tensor model;
     if (!u->param_shard.is_same(u->master) && (mt == at::kBFloat16 || mt == at::kHalf)) {
@@ -655,16 +646,7 @@ void ShardedDataParallel::fused_step(double lr) {
     }
     add(at, u->master.numel() - at, 0.0);
   }
-  for (const auto& [key, segs] : groups) {
-    ops::AdamWHyper h;
-    h.lr = lr;
-    h.beta1 = o.beta1;
-    h.beta2 = o.beta2;
-    h.eps = o.eps;
-    h.bias_correction1 = 1 - std::pow(o.beta1, static_cast<double>(key.first));
-    h.bias_correction2 = 1 - std::pow(o.beta2, static_cast<double>(key.first));
-    ops::fused_adamw(segs, h);
-  }
+  for (const auto& [key, segs] : groups) ops::fused_adamw(segs, ops::adamw_hyper(lr, o.beta1, o.beta2, o.eps, key.first));
 }
 
 void ShardedDataParallel::publish_parameters() {

@@ -7,6 +7,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <vector>
 
 namespace dtrain::ops {
@@ -29,6 +30,9 @@ struct AdamWHyper {
   // leaves every tensor untouched (a flag computed earlier on the device).
   at::Tensor found_inf, skip;
 };
+
+// The hyperparameters of AdamW step `step` (1 for the first): bias corrections 1 - beta^step.
+AdamWHyper adamw_hyper(double lr, double beta1, double beta2, double eps, std::int64_t step);
 
 // InvalidArgument naming the segment and tensor when shapes, dtypes, devices or layouts
 // do not fit.

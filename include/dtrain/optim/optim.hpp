@@ -13,6 +13,7 @@
 
 namespace torch::optim {
 class Optimizer;
+struct AdamWParamState;
 }
 
 namespace dtrain {
@@ -44,6 +45,10 @@ bool decays(const std::string& name, const at::Tensor& param, const AdamWOptions
 // Raises InvalidArgument naming any option out of range.
 std::unique_ptr<torch::optim::Optimizer> make_adamw(const NamedParameters& params,
                                                     const AdamWOptions& options);
+
+// The AdamW state of `param` in `optimizer` (created with zero moments on first use, as
+// LibTorch's AdamW does) with its step count advanced by one: what a fused step updates.
+torch::optim::AdamWParamState& advance_adamw_state(torch::optim::Optimizer& optimizer, const at::Tensor& param);
 
 // Sets the learning rate of every parameter group.
 void set_learning_rate(torch::optim::Optimizer& optimizer, double lr);
