@@ -42,6 +42,19 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 
+// 2^x on the special-function unit (ex2.approx.ftz: about 2 ulp; results below 2^-126
+// flush to 0, and 2^-inf = 0), as the softmax of the attention kernels uses it.
+__device__ __forceinline__ float fast_exp2(float x) {
+#ifdef DTRAIN_KERNELS_EMULATE
+  const float y = std::exp2(x);
+  return y < 1.17549435e-38f ? 0.f : y;
+#else
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+
 // ---- reductions --------------------------------------------------------------------------
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll

@@ -1,7 +1,8 @@
 // Tensor-core and asynchronous-copy pieces for sm_80 and later: mma.sync m16n8k16 with
 // float32 accumulation (bf16 or f16 inputs), packing two values into one 32-bit fragment
 // register (the lower column index in the low half, as the PTX fragment layouts expect),
-// and 16-byte cp.async global -> shared copies with zero fill.
+// fragments loaded from shared memory by ldmatrix, and 16-byte cp.async global -> shared
+// copies with zero fill.
 #pragma once
 
 #include <cstring>
@@ -29,21 +30,6 @@ __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
   return u;
 }
 
-// Two 16-bit elements from anywhere (a column of a row-major tile).
-template <typename T>
-__device__ __forceinline__ uint32_t pack_raw(T lo, T hi) {
-  uint16_t a, b;
-  memcpy(&a, &lo, 2);
-  memcpy(&b, &hi, 2);
-  return static_cast<uint32_t>(a) | (static_cast<uint32_t>(b) << 16);
-}
-
-// Two consecutive 16-bit elements (4-byte aligned) as one register.
-template <typename T>
-__device__ __forceinline__ uint32_t ld32(const T* p) {
-  return *reinterpret_cast<const uint32_t*>(p);
-}
-
 // d += a b for one 16 x 8 x 16 tile; a: 4 registers, b: 2, d: 4 floats (PTX layouts).
 template <typename T>
 __device__ __forceinline__ void mma16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {
@@ -66,6 +52,52 @@ __device__ __forceinline__ void mma16816(float d[4], const uint32_t a[4], const 
 #endif
 }
 
+// ---- shared-memory fragments (ldmatrix) -------------------------------------------------------
+// Four 8 x 8 matrices of 16-bit elements from shared memory: lane l gives the address of
+// row l % 8 of matrix l / 8 (16 bytes, 16-byte aligned); r[i] gets this lane's fragment
+// of matrix i: row lane / 4, columns 2 (lane % 4) + {0, 1}, or with kTrans that column and
+// those rows (the fragment of the transposed matrix).
+template <bool kTrans>
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* row) {
+#ifdef DTRAIN_KERNELS_EMULATE
+  ::dtrain_emu::ldmatrix_x4(r, row, kTrans);
+#else
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  if constexpr (kTrans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+  }
+#endif
+}
+
+// The A fragment of the 16 x 16 tile at `tile` (row-major, `pitch` elements).
+template <typename T>
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const T* tile, int pitch) {
+  const int l = threadIdx.x % 32, m = l / 8;
+  ldsm_x4<false>(a, tile + ((m % 2) * 8 + l % 8) * pitch + (m / 2) * 8);
+}
+
+// The B fragments of two 16 x 8 tiles from a row-major [n][k] tile of 16 n rows by 16 k
+// columns (K as stored, for Q K^T): b[0..1] for n rows 0..7, b[2..3] for rows 8..15.
+template <typename T>
+__device__ __forceinline__ void load_b2_nk(uint32_t (&b)[4], const T* tile, int pitch) {
+  const int l = threadIdx.x % 32, m = l / 8;
+  ldsm_x4<false>(b, tile + ((m / 2) * 8 + l % 8) * pitch + (m % 2) * 8);
+}
+
+// The same from a row-major [k][n] tile of 16 k rows by 16 n columns (V as stored, for
+// P V): b[0..1] for n columns 0..7, b[2..3] for columns 8..15.
+template <typename T>
+__device__ __forceinline__ void load_b2_kn(uint32_t (&b)[4], const T* tile, int pitch) {
+  const int l = threadIdx.x % 32, m = l / 8;
+  ldsm_x4<true>(b, tile + ((m % 2) * 8 + l % 8) * pitch + (m / 2) * 8);
+}
+
 // ---- warp tiles --------------------------------------------------------------------------------
 template <int kN>
 __device__ __forceinline__ void zero_tiles(float (&acc)[kN][4]) {
@@ -73,22 +105,30 @@ __device__ __forceinline__ void zero_tiles(float (&acc)[kN][4]) {
   for (int i = 0; i < kN; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 }
 
+// One 16-deep step of acc[nt] += A B_nt^T for nt < kN: A's fragment in registers, B_nt the
+// 8 x 16 rows nt*8.. of b (row-major, pitch; the k columns already offset).
+template <typename T, int kN>
+__device__ __forceinline__ void mma_frag_rows(float (&acc)[kN][4], const uint32_t (&af)[4], const T* b, int pitch) {
+  static_assert(kN % 2 == 0, "B tiles come in pairs");
+#pragma unroll
+  for (int nt = 0; nt < kN; nt += 2) {
+    uint32_t bf[4];
+    load_b2_nk(bf, b + nt * 8 * pitch, pitch);
+    mma16816<T>(acc[nt], af, bf);
+    mma16816<T>(acc[nt + 1], af, bf + 2);
+  }
+}
+
 // acc[nt] += A B_nt^T for nt < kN: A is 16 x kK (rows at a, pitch a_pitch), B_nt the 8 x kK
 // rows nt*8.. of b (pitch b_pitch); both row-major in shared memory (S = Q K^T shapes).
 template <typename T, int kK, int kN>
 __device__ __forceinline__ void mma_rows_rows(float (&acc)[kN][4], const T* a, int a_pitch, const T* b,
                                               int b_pitch) {
-  const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
-    const T* ar = a + g * a_pitch + kk * 16 + 2 * t;
-    const uint32_t af[4] = {ld32(ar), ld32(ar + 8 * a_pitch), ld32(ar + 8), ld32(ar + 8 * a_pitch + 8)};
-#pragma unroll
-    for (int nt = 0; nt < kN; ++nt) {
-      const T* br = b + (nt * 8 + g) * b_pitch + kk * 16 + 2 * t;
-      const uint32_t bf[2] = {ld32(br), ld32(br + 8)};
-      mma16816<T>(acc[nt], af, bf);
-    }
+    uint32_t af[4];
+    load_a(af, a + kk * 16, a_pitch);
+    mma_frag_rows<T, kN>(acc, af, b + kk * 16, b_pitch);
   }
 }
 
@@ -98,16 +138,17 @@ __device__ __forceinline__ void mma_rows_rows(float (&acc)[kN][4], const T* a, i
 template <typename T, int kK, int kD>
 __device__ __forceinline__ void mma_acc_cols(float (&acc)[kD][4], const float (&p)[kK / 8][4], const T* b,
                                              int pitch) {
-  const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+  static_assert(kD % 2 == 0, "B tiles come in pairs");
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
     const uint32_t af[4] = {pack2<T>(p[2 * kk][0], p[2 * kk][1]), pack2<T>(p[2 * kk][2], p[2 * kk][3]),
                             pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3])};
 #pragma unroll
-    for (int i = 0; i < kD; ++i) {
-      const T* br = b + (kk * 16 + 2 * t) * pitch + i * 8 + g;
-      const uint32_t bf[2] = {pack_raw(br[0], br[pitch]), pack_raw(br[8 * pitch], br[9 * pitch])};
+    for (int i = 0; i < kD; i += 2) {
+      uint32_t bf[4];
+      load_b2_kn(bf, b + kk * 16 * pitch + i * 8, pitch);
       mma16816<T>(acc[i], af, bf);
+      mma16816<T>(acc[i + 1], af, bf + 2);
     }
   }
 }
@@ -144,14 +185,20 @@ __device__ __forceinline__ void cp_async_wait() {
 
 // A [rows, D] tile (row stride `stride` elements in global memory) into shared memory
 // with a row pitch of `pitch` elements; rows at and after `valid` are zero-filled.
+// Thread i copies the 16 bytes at column (i % per_row) of rows i / per_row + n * step.
 template <int kRows, int D, int kThreads, typename T>
 __device__ __forceinline__ void load_tile_async(T* dst, int pitch, const T* src, int64_t stride, int64_t valid) {
   constexpr int kVec = 16 / sizeof(T);
   constexpr int kPerRow = D / kVec;
-  for (int i = threadIdx.x; i < kRows * kPerRow; i += kThreads) {
-    const int r = i / kPerRow, c = (i % kPerRow) * kVec;
-    const bool ok = r < valid;
-    cp_async16(dst + r * pitch + c, ok ? src + r * stride + c : src, ok);
+  static_assert(kThreads % kPerRow == 0 && kRows % (kThreads / kPerRow) == 0, "whole rows per pass");
+  constexpr int kStep = kThreads / kPerRow;  // rows one pass of the block covers
+  const int r0 = threadIdx.x / kPerRow, c = (threadIdx.x % kPerRow) * kVec;
+  const T* s = src + r0 * stride + c;
+  T* d = dst + r0 * pitch + c;
+#pragma unroll
+  for (int n = 0; n < kRows / kStep; ++n) {
+    const bool ok = r0 + n * kStep < valid;
+    cp_async16(d + n * kStep * pitch, ok ? s + n * kStep * stride : src, ok);
   }
 }
 

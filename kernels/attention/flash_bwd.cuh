@@ -5,7 +5,10 @@
 // S^T = K Q^T for its keys, P^T = exp(S^T - lse), dV += P^T dO, dP^T = V dO^T,
 // dS^T = P^T (dP^T - delta) and dK += dS^T Q; dS goes through shared memory so that every
 // warp can add its 16 query rows of dQ = dS K into a float32 buffer with atomics.
-// delta = rowsum(dO * O) comes from a small kernel first; a last one converts dQ.
+// Operand fragments come from shared memory by ldmatrix (transposed where the reduction
+// runs over the rows of the stored tile); only tiles across the causal diagonal or the end
+// of the keys are masked. delta = rowsum(dO * O) comes from a small kernel first; a last
+// one converts dQ.
 #pragma once
 
 #include "attention/flash.cuh"
@@ -100,14 +103,23 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads)
       float st[BM / 8][4];
       zero_tiles(st);
       mma_rows_rows<T, D, BM / 8>(st, ks + warp * 16 * P, P, qs, P);
+      // Mask only a tile past the end of the keys or across the causal diagonal; padding
+      // query rows have lse = inf, so their p is 0 without one.
+      if (n0 + BN > p.seq_k || (p.causal && n0 + BN - 1 > m0)) {
+#pragma unroll
+        for (int nt = 0; nt < BM / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int64_t key = e < 2 ? key0 : key1, query = m0 + nt * 8 + 2 * t + (e & 1);
+            if (key >= p.seq_k || (p.causal && key > query)) st[nt][e] = -INFINITY;
+          }
+        }
+      }
 #pragma unroll
       for (int nt = 0; nt < BM / 8; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int qi = nt * 8 + 2 * t + (e & 1);
-          const int64_t key = e < 2 ? key0 : key1, query = m0 + qi;
-          const bool masked = key >= p.seq_k || (p.causal && key > query);
-          st[nt][e] = masked ? 0.f : exp2f(st[nt][e] * scale_log2 - lse_s[qi]);
+          st[nt][e] = fast_exp2(fmaf(st[nt][e], scale_log2, -lse_s[nt * 8 + 2 * t + (e & 1)]));
         }
       }
       // dV += P^T dO.
@@ -130,25 +142,31 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads)
       __syncthreads();  // dS complete
       // dQ += scale dS K: warp w adds query rows [16 w, 16 w + 16) of the tile.
       const int64_t qrow0 = m0 + warp * 16 + g, qrow1 = qrow0 + 8;
+      uint32_t dsf[BN / 16][4];
 #pragma unroll
-      for (int i = 0; i < D / 8; ++i) {
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int kk = 0; kk < BN / 16; ++kk) load_a(dsf[kk], dss + warp * 16 * PS + kk * 16, PS);
+#pragma unroll
+      for (int i = 0; i < D / 8; i += 2) {
+        float acc[2][4];
+        zero_tiles(acc);
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
-          const T* da = dss + (warp * 16 + g) * PS + kk * 16 + 2 * t;
-          const uint32_t a[4] = {ld32(da), ld32(da + 8 * PS), ld32(da + 8), ld32(da + 8 * PS + 8)};
-          const T* kb = ks + (kk * 16 + 2 * t) * P + i * 8 + g;
-          const uint32_t bf[2] = {pack_raw(kb[0], kb[P]), pack_raw(kb[8 * P], kb[9 * P])};
-          mma16816<T>(acc, a, bf);
+          uint32_t bf[4];
+          load_b2_kn(bf, ks + kk * 16 * P + i * 8, P);
+          mma16816<T>(acc[0], dsf[kk], bf);
+          mma16816<T>(acc[1], dsf[kk], bf + 2);
         }
-        const int c = i * 8 + 2 * t;
-        if (qrow0 < p.seq_q) {
-          atomicAdd(&dq_accum[(stat + qrow0) * D + c], acc[0] * p.scale);
-          atomicAdd(&dq_accum[(stat + qrow0) * D + c + 1], acc[1] * p.scale);
-        }
-        if (qrow1 < p.seq_q) {
-          atomicAdd(&dq_accum[(stat + qrow1) * D + c], acc[2] * p.scale);
-          atomicAdd(&dq_accum[(stat + qrow1) * D + c + 1], acc[3] * p.scale);
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const int c = (i + h2) * 8 + 2 * t;
+          if (qrow0 < p.seq_q) {
+            atomicAdd(&dq_accum[(stat + qrow0) * D + c], acc[h2][0] * p.scale);
+            atomicAdd(&dq_accum[(stat + qrow0) * D + c + 1], acc[h2][1] * p.scale);
+          }
+          if (qrow1 < p.seq_q) {
+            atomicAdd(&dq_accum[(stat + qrow1) * D + c], acc[h2][2] * p.scale);
+            atomicAdd(&dq_accum[(stat + qrow1) * D + c + 1], acc[h2][3] * p.scale);
+          }
         }
       }
     }

@@ -1,10 +1,12 @@
 // Flash attention forward (FlashAttention-2's loop order) on mma.sync: a block owns 64
 // query rows (16 per warp) of one (batch, head) and walks the key/value tiles of 64 keys.
-// Q's fragments stay in registers; S = Q K^T goes to registers, is masked and scaled
-// (log2 domain), folded into the running row max and sum, and reused as P in registers
-// (the accumulator layout of two 16 x 8 tiles is the A layout of one 16 x 16) for
-// O += P V. K and V arrive by cp.async: the next K tile loads during softmax and P V, the
-// next V tile during the next Q K^T.
+// Q's fragments stay in registers; K and V fragments come by ldmatrix (V transposed).
+// S = Q K^T goes to registers, is masked (only tiles that cross the diagonal or the end of
+// the keys), folded into the running row max and sum with the scale in one FFMA (log2
+// domain), and reused as P in registers (the accumulator layout of two 16 x 8 tiles is the
+// A layout of one 16 x 16) for O += P V. K and V arrive by cp.async: the next K tile loads
+// during softmax and P V, the next V tile during the next Q K^T. Causal grids start with
+// the last query blocks, which have the most key tiles, so that the short ones fill the tail.
 #pragma once
 
 #include "attention/flash.cuh"
@@ -21,7 +23,8 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads) flash_fwd_kernel(dtr
   T* ks = qs + BM * P;
   T* vs = ks + BN * P;
 
-  const int64_t b = blockIdx.z, h = blockIdx.y, m0 = int64_t{blockIdx.x} * BM;
+  const int64_t m_block = p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int64_t b = blockIdx.z, h = blockIdx.y, m0 = m_block * BM;
   const int64_t hk = h / (p.heads / p.kv_heads);
   const T* q = static_cast<const T*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head + m0 * p.q_stride.seq;
   const T* k = static_cast<const T*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;
@@ -50,52 +53,43 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads) flash_fwd_kernel(dtr
     __syncthreads();
     if (j == 0) {
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const T* a = qs + (warp * 16 + g) * P + kk * 16 + 2 * t;
-        qf[kk][0] = ld32(a);
-        qf[kk][1] = ld32(a + 8 * P);
-        qf[kk][2] = ld32(a + 8);
-        qf[kk][3] = ld32(a + 8 * P + 8);
-      }
+      for (int kk = 0; kk < D / 16; ++kk) load_a(qf[kk], qs + warp * 16 * P + kk * 16, P);
     }
-    // S = Q K_j^T: 16 x 64 per warp.
+    // S = Q K_j^T: 16 x 64 per warp (unscaled).
     float s[BN / 8][4];
     zero_tiles(s);
 #pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) {
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const T* kb = ks + (nt * 8 + g) * P + kk * 16 + 2 * t;
-        const uint32_t bf[2] = {ld32(kb), ld32(kb + 8)};
-        mma16816<T>(s[nt], qf[kk], bf);
-      }
-    }
+    for (int kk = 0; kk < D / 16; ++kk) mma_frag_rows<T, BN / 8>(s, qf[kk], ks + kk * 16, P);
     __syncthreads();  // every warp is done with K_j
     const int64_t n0 = int64_t{j} * BN;
     if (j + 1 < n_tiles) {
       load_tile_async<BN, D, kThreads>(ks, P, k + (n0 + BN) * p.k_stride.seq, p.k_stride.seq, p.seq_k - n0 - BN);
       cp_async_commit();
     }
-    // Mask and scale into the log2 domain.
+    // Mask: only a tile past the end of the keys or across the causal diagonal (a key
+    // after the block's first query) has masked entries.
+    if (n0 + BN > p.seq_k || (p.causal && n0 + BN - 1 > m0)) {
 #pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) {
+      for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int64_t col = n0 + nt * 8 + 2 * t + (e & 1), row = e < 2 ? row0 : row1;
-        const bool masked = col >= p.seq_k || (p.causal && col > row);
-        s[nt][e] = masked ? -INFINITY : s[nt][e] * scale_log2;
+        for (int e = 0; e < 4; ++e) {
+          const int64_t col = n0 + nt * 8 + 2 * t + (e & 1), row = e < 2 ? row0 : row1;
+          if (col >= p.seq_k || (p.causal && col > row)) s[nt][e] = -INFINITY;
+        }
       }
     }
-    // Online softmax; a row's four threads (one quad) share its max.
+    // Online softmax in the log2 domain (row_max holds max(s) * scale * log2(e); scale > 0
+    // so the max commutes with it); a row's four threads (one quad) share its max.
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float mx = row_max[r];
+      float mx = -INFINITY;
 #pragma unroll
       for (int nt = 0; nt < BN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      mx = fmaxf(row_max[r], mx * scale_log2);
       const float base = mx == -INFINITY ? 0.f : mx;  // no visible key yet: every p is 0
-      const float alpha = exp2f(row_max[r] - base);
+      const float alpha = fast_exp2(row_max[r] - base);
       row_max[r] = mx;
       row_sum[r] *= alpha;
 #pragma unroll
@@ -105,8 +99,8 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads) flash_fwd_kernel(dtr
       }
 #pragma unroll
       for (int nt = 0; nt < BN / 8; ++nt) {
-        s[nt][2 * r] = exp2f(s[nt][2 * r] - base);
-        s[nt][2 * r + 1] = exp2f(s[nt][2 * r + 1] - base);
+        s[nt][2 * r] = fast_exp2(fmaf(s[nt][2 * r], scale_log2, -base));
+        s[nt][2 * r + 1] = fast_exp2(fmaf(s[nt][2 * r + 1], scale_log2, -base));
         row_sum[r] += s[nt][2 * r] + s[nt][2 * r + 1];
       }
     }

@@ -248,6 +248,30 @@ void mma_m16n8k16(float d[4], const std::uint32_t a[4], const std::uint32_t b[2]
   }
 }
 
+void ldmatrix_x4(std::uint32_t out[4], const void* row, bool trans) {
+  const auto* addr = static_cast<const unsigned char*>(row);
+  if ((reinterpret_cast<std::uintptr_t>(addr) & 15) != 0) {
+    throw std::runtime_error("emulator: ldmatrix row not 16-byte aligned");
+  }
+  if (addr < s.smem.data() || addr + 16 > s.smem.data() + s.smem.size()) {
+    throw std::runtime_error("emulator: ldmatrix row outside the dynamic shared memory");
+  }
+  const int base = s.current / 32 * 32, l = s.current - base, g = l / 4, t = l % 4;
+  std::memcpy(&s.slots[static_cast<std::size_t>(s.current) * kSlot], &row, sizeof(row));
+  sync_warp();
+  auto row_of = [&](int m, int r) {  // the 8 elements of row r of matrix m
+    const unsigned char* p;
+    std::memcpy(&p, &s.slots[static_cast<std::size_t>(base + 8 * m + r) * kSlot], sizeof(p));
+    return reinterpret_cast<const std::uint16_t*>(p);
+  };
+  for (int m = 0; m < 4; ++m) {
+    const std::uint16_t lo = trans ? row_of(m, 2 * t)[g] : row_of(m, g)[2 * t];
+    const std::uint16_t hi = trans ? row_of(m, 2 * t + 1)[g] : row_of(m, g)[2 * t + 1];
+    out[m] = static_cast<std::uint32_t>(lo) | (static_cast<std::uint32_t>(hi) << 16);
+  }
+  sync_warp();
+}
+
 cudaError_t get_last_error() { return cudaSuccess; }
 cudaError_t func_set_attribute() { return cudaSuccess; }
 cudaError_t get_device(int* device) {

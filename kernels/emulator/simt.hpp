@@ -41,6 +41,11 @@ void warp_exchange(const void* mine, void* out, int src, std::size_t bytes);
 // the PTX fragment layout (a: 4 registers of 2 elements, b: 2, c/d: 4 floats).
 void mma_m16n8k16(float d[4], const std::uint32_t a[4], const std::uint32_t b[2], const float c[4], bool bf16);
 
+// ldmatrix.sync.aligned.m8n8.x4{.trans}.shared.b16: lanes 8 i .. 8 i + 7 give the row
+// addresses (16 bytes each) of matrix i; out[i] gets this lane's two elements of matrix i,
+// row lane / 4 and columns 2 (lane % 4) + {0, 1} (transposed: that column, those rows).
+void ldmatrix_x4(std::uint32_t out[4], const void* row, bool trans);
+
 // What the kernels' launch checks read.
 cudaError_t get_last_error();
 cudaError_t func_set_attribute();

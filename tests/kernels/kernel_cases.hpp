@@ -317,6 +317,7 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
       {2, 4, 2, 100, 100, 64, true, at::kBFloat16},  {2, 4, 2, 100, 100, 64, false, at::kBFloat16},
       {1, 2, 1, 70, 130, 64, false, at::kHalf},      {1, 2, 2, 130, 70, 64, true, at::kHalf},
       {1, 2, 1, 80, 80, 128, true, at::kBFloat16},   {1, 1, 1, 65, 65, 128, false, at::kHalf},
+      {1, 2, 1, 150, 200, 128, true, at::kBFloat16},
   };
   if (kLargeCases) {
     cases.insert(cases.end(), {{2, 8, 2, 1000, 1000, 128, true, at::kBFloat16},
