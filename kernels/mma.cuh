@@ -99,56 +99,78 @@ __device__ __forceinline__ void load_b2_kn(uint32_t (&b)[4], const T* tile, int 
 }
 
 // ---- warp tiles --------------------------------------------------------------------------------
+// A warp's operands are kM 16-row tiles (acc[m] for rows 16 m .. 16 m + 15 of its block);
+// each B fragment read from shared memory feeds all kM of them.
 template <int kN>
 __device__ __forceinline__ void zero_tiles(float (&acc)[kN][4]) {
 #pragma unroll
   for (int i = 0; i < kN; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 }
+template <int kM, int kN>
+__device__ __forceinline__ void zero_tiles(float (&acc)[kM][kN][4]) {
+#pragma unroll
+  for (int m = 0; m < kM; ++m) zero_tiles(acc[m]);
+}
 
-// One 16-deep step of acc[nt] += A B_nt^T for nt < kN: A's fragment in registers, B_nt the
-// 8 x 16 rows nt*8.. of b (row-major, pitch; the k columns already offset).
-template <typename T, int kN>
-__device__ __forceinline__ void mma_frag_rows(float (&acc)[kN][4], const uint32_t (&af)[4], const T* b, int pitch) {
+// One 16-deep step of acc[m][nt] += A_m B_nt^T for nt < kN: A_m's fragment in registers,
+// B_nt the 8 x 16 rows nt*8.. of b (row-major, pitch; the k columns already offset).
+template <typename T, int kM, int kN>
+__device__ __forceinline__ void mma_frag_rows(float (&acc)[kM][kN][4], const uint32_t (&af)[kM][4], const T* b,
+                                              int pitch) {
   static_assert(kN % 2 == 0, "B tiles come in pairs");
 #pragma unroll
   for (int nt = 0; nt < kN; nt += 2) {
     uint32_t bf[4];
     load_b2_nk(bf, b + nt * 8 * pitch, pitch);
-    mma16816<T>(acc[nt], af, bf);
-    mma16816<T>(acc[nt + 1], af, bf + 2);
+#pragma unroll
+    for (int m = 0; m < kM; ++m) {
+      mma16816<T>(acc[m][nt], af[m], bf);
+      mma16816<T>(acc[m][nt + 1], af[m], bf + 2);
+    }
   }
 }
 
-// acc[nt] += A B_nt^T for nt < kN: A is 16 x kK (rows at a, pitch a_pitch), B_nt the 8 x kK
-// rows nt*8.. of b (pitch b_pitch); both row-major in shared memory (S = Q K^T shapes).
-template <typename T, int kK, int kN>
-__device__ __forceinline__ void mma_rows_rows(float (&acc)[kN][4], const T* a, int a_pitch, const T* b,
+// acc[m][nt] += A_m B_nt^T for nt < kN: A_m the 16 x kK rows 16 m.. of a (pitch a_pitch),
+// B_nt the 8 x kK rows nt*8.. of b (pitch b_pitch); both row-major in shared memory
+// (S = Q K^T shapes).
+template <typename T, int kM, int kK, int kN>
+__device__ __forceinline__ void mma_rows_rows(float (&acc)[kM][kN][4], const T* a, int a_pitch, const T* b,
                                               int b_pitch) {
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
-    uint32_t af[4];
-    load_a(af, a + kk * 16, a_pitch);
-    mma_frag_rows<T, kN>(acc, af, b + kk * 16, b_pitch);
+    uint32_t af[kM][4];
+#pragma unroll
+    for (int m = 0; m < kM; ++m) load_a(af[m], a + m * 16 * a_pitch + kk * 16, a_pitch);
+    mma_frag_rows<T, kM, kN>(acc, af, b + kk * 16, b_pitch);
   }
 }
 
-// acc[i] += P B_i for i < kD: P is the 16 x kK matrix held as accumulators (p[n] the
-// 16 x 8 tile of columns n*8..; two of them form one A fragment), B_i the kK x 8 columns
-// i*8.. of b, row-major in shared memory (pitch; O += P V shapes).
-template <typename T, int kK, int kD>
-__device__ __forceinline__ void mma_acc_cols(float (&acc)[kD][4], const float (&p)[kK / 8][4], const T* b,
+// acc[m][i] += P_m B_i for i < kD: P_m is a 16 x kK matrix held as accumulators (p[m][n]
+// the 16 x 8 tile of columns n*8..; two of them form one A fragment), B_i the kK x 8
+// columns i*8.. of b, row-major in shared memory (pitch; O += P V shapes).
+template <typename T, int kM, int kK, int kD>
+__device__ __forceinline__ void mma_acc_cols(float (&acc)[kM][kD][4], const float (&p)[kM][kK / 8][4], const T* b,
                                              int pitch) {
   static_assert(kD % 2 == 0, "B tiles come in pairs");
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
-    const uint32_t af[4] = {pack2<T>(p[2 * kk][0], p[2 * kk][1]), pack2<T>(p[2 * kk][2], p[2 * kk][3]),
-                            pack2<T>(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack2<T>(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+    uint32_t af[kM][4];
+#pragma unroll
+    for (int m = 0; m < kM; ++m) {
+      af[m][0] = pack2<T>(p[m][2 * kk][0], p[m][2 * kk][1]);
+      af[m][1] = pack2<T>(p[m][2 * kk][2], p[m][2 * kk][3]);
+      af[m][2] = pack2<T>(p[m][2 * kk + 1][0], p[m][2 * kk + 1][1]);
+      af[m][3] = pack2<T>(p[m][2 * kk + 1][2], p[m][2 * kk + 1][3]);
+    }
 #pragma unroll
     for (int i = 0; i < kD; i += 2) {
       uint32_t bf[4];
       load_b2_kn(bf, b + kk * 16 * pitch + i * 8, pitch);
-      mma16816<T>(acc[i], af, bf);
-      mma16816<T>(acc[i + 1], af, bf + 2);
+#pragma unroll
+      for (int m = 0; m < kM; ++m) {
+        mma16816<T>(acc[m][i], af[m], bf);
+        mma16816<T>(acc[m][i + 1], af[m], bf + 2);
+      }
     }
   }
 }

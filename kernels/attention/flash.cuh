@@ -11,12 +11,18 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 template <int D>
 struct FlashConfig {
-  static constexpr int kBlockM = 64;  // query rows per tile (16 per warp in the forward)
-  static constexpr int kBlockN = 64;  // keys per tile (16 per warp in the backward)
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kPitch = D + 8;          // shared-memory row pitch: no bank conflicts
-  static constexpr int kPitchS = kBlockN + 8;   // the backward's dS tile [query][key]
+  static constexpr int kPitch = D + 8;  // shared-memory row pitch (elements): no bank conflicts
+  // Forward: a warp owns kFwdRowTiles x 16 query rows, so that each K or V fragment read
+  // from shared memory feeds that many MMAs; key tiles of kFwdBlockN.
+  static constexpr int kFwdRowTiles = 2;
+  static constexpr int kFwdBlockM = 16 * kFwdRowTiles * kWarps;
+  static constexpr int kFwdBlockN = 64;
+  // Backward: a warp owns 16 keys; query tiles of kBwdBlockM.
+  static constexpr int kBwdBlockN = 16 * kWarps;
+  static constexpr int kBwdBlockM = 64;
+  static constexpr int kPitchS = kBwdBlockN + 8;  // the backward's dS tile [query][key]
 };
 
 template <typename T, int D>

@@ -51,7 +51,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(FlashConfig<D>::kThreads)
     flash_bwd_kernel(dtrain_attention_bwd_params p, float* dq_accum, const float* delta) {
   using C = FlashConfig<D>;
-  constexpr int BM = C::kBlockM, BN = C::kBlockN, P = C::kPitch, PS = C::kPitchS, kThreads = C::kThreads;
+  constexpr int BM = C::kBwdBlockM, BN = C::kBwdBlockN, P = C::kPitch, PS = C::kPitchS, kThreads = C::kThreads;
   DTRAIN_DYNAMIC_SMEM(T, smem);
   T* ks = smem;
   T* vs = ks + BN * P;
@@ -75,9 +75,12 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads)
                                    p.v_stride.seq, p.seq_k - n0);
   cp_async_commit();
 
-  float dk[D / 8][4], dv[D / 8][4];
-  zero_tiles(dk);
-  zero_tiles(dv);
+  // One 16-row tile per warp: the [1][..] arrays are what the warp-tile helpers take.
+  float dk_tiles[1][D / 8][4], dv_tiles[1][D / 8][4];
+  zero_tiles(dk_tiles);
+  zero_tiles(dv_tiles);
+  auto& dk = dk_tiles[0];
+  auto& dv = dv_tiles[0];
   // Causal: query tiles wholly before the first key see none of them.
   const int64_t m_begin = p.causal ? n0 / BM * BM : 0;
 
@@ -100,9 +103,10 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads)
       __syncthreads();
 
       // S^T = K Q^T (16 keys x BM queries per warp), then P^T.
-      float st[BM / 8][4];
+      float st_tiles[1][BM / 8][4];
+      auto& st = st_tiles[0];
       zero_tiles(st);
-      mma_rows_rows<T, D, BM / 8>(st, ks + warp * 16 * P, P, qs, P);
+      mma_rows_rows<T, 1, D, BM / 8>(st_tiles, ks + warp * 16 * P, P, qs, P);
       // Mask only a tile past the end of the keys or across the causal diagonal; padding
       // query rows have lse = inf, so their p is 0 without one.
       if (n0 + BN > p.seq_k || (p.causal && n0 + BN - 1 > m0)) {
@@ -123,11 +127,12 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads)
         }
       }
       // dV += P^T dO.
-      mma_acc_cols<T, BM, D / 8>(dv, st, dos, P);
+      mma_acc_cols<T, 1, BM, D / 8>(dv_tiles, st_tiles, dos, P);
       // dP^T = V dO^T, then dS^T = P^T (dP^T - delta).
-      float dpt[BM / 8][4];
+      float dpt_tiles[1][BM / 8][4];
+      auto& dpt = dpt_tiles[0];
       zero_tiles(dpt);
-      mma_rows_rows<T, D, BM / 8>(dpt, vs + warp * 16 * P, P, dos, P);
+      mma_rows_rows<T, 1, D, BM / 8>(dpt_tiles, vs + warp * 16 * P, P, dos, P);
 #pragma unroll
       for (int nt = 0; nt < BM / 8; ++nt) {
 #pragma unroll
@@ -138,7 +143,7 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads)
         }
       }
       // dK += dS^T Q (the softmax scale is applied at the end).
-      mma_acc_cols<T, BM, D / 8>(dk, dpt, qs, P);
+      mma_acc_cols<T, 1, BM, D / 8>(dk_tiles, dpt_tiles, qs, P);
       __syncthreads();  // dS complete
       // dQ += scale dS K: warp w adds query rows [16 w, 16 w + 16) of the tile.
       const int64_t qrow0 = m0 + warp * 16 + g, qrow1 = qrow0 + 8;
@@ -200,13 +205,13 @@ cudaError_t run_flash_bwd(const dtrain_attention_bwd_params& p, cudaStream_t str
   cudaError_t e = launched();
   if (e != cudaSuccess) return e;
 
-  const size_t smem = sizeof(T) * (static_cast<size_t>(2 * C::kBlockN + 2 * C::kBlockM) * C::kPitch +
-                                   static_cast<size_t>(C::kBlockM) * C::kPitchS) +
-                      sizeof(float) * 2 * C::kBlockM;
+  const size_t smem = sizeof(T) * (static_cast<size_t>(2 * C::kBwdBlockN + 2 * C::kBwdBlockM) * C::kPitch +
+                                   static_cast<size_t>(C::kBwdBlockM) * C::kPitchS) +
+                      sizeof(float) * 2 * C::kBwdBlockM;
   auto* kernel = flash_bwd_kernel<T, D>;
   e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (e != cudaSuccess) return e;
-  const dim3 grid(static_cast<unsigned>((p.seq_k + C::kBlockN - 1) / C::kBlockN), static_cast<unsigned>(p.kv_heads),
+  const dim3 grid(static_cast<unsigned>((p.seq_k + C::kBwdBlockN - 1) / C::kBwdBlockN), static_cast<unsigned>(p.kv_heads),
                   static_cast<unsigned>(p.batch));
   DTRAIN_LAUNCH(kernel, grid, C::kThreads, smem, stream, p, dq_accum, delta);
   if ((e = launched()) != cudaSuccess) return e;

@@ -1,6 +1,7 @@
-// Flash attention forward (FlashAttention-2's loop order) on mma.sync: a block owns 64
-// query rows (16 per warp) of one (batch, head) and walks the key/value tiles of 64 keys.
-// Q's fragments stay in registers; K and V fragments come by ldmatrix (V transposed).
+// Flash attention forward (FlashAttention-2's loop order) on mma.sync: a block owns 128
+// query rows (two 16-row tiles per warp, so that every K or V fragment read from shared
+// memory feeds two MMAs) of one (batch, head) and walks the key/value tiles of 64 keys.
+// Q, K and V fragments come from shared memory by ldmatrix (V transposed).
 // S = Q K^T goes to registers, is masked (only tiles that cross the diagonal or the end of
 // the keys), folded into the running row max and sum with the scale in one FFMA (log2
 // domain), and reused as P in registers (the accumulator layout of two 16 x 8 tiles is the
@@ -17,7 +18,8 @@ namespace dtrain_kernels {
 template <typename T, int D>
 __global__ void __launch_bounds__(FlashConfig<D>::kThreads) flash_fwd_kernel(dtrain_attention_fwd_params p) {
   using C = FlashConfig<D>;
-  constexpr int BM = C::kBlockM, BN = C::kBlockN, P = C::kPitch, kThreads = C::kThreads;
+  constexpr int BM = C::kFwdBlockM, BN = C::kFwdBlockN, P = C::kPitch, kThreads = C::kThreads;
+  constexpr int kM = C::kFwdRowTiles;  // 16-row tiles per warp
   DTRAIN_DYNAMIC_SMEM(T, smem);
   T* qs = smem;
   T* ks = qs + BM * P;
@@ -30,7 +32,9 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads) flash_fwd_kernel(dtr
   const T* k = static_cast<const T*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;
   const T* v = static_cast<const T*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t row0 = m0 + warp * 16 + g, row1 = row0 + 8;  // rows of c0,c1 and of c2,c3
+  // Accumulator element e of tile m holds row row_of(m, e / 2) of the block.
+  const int64_t warp_row0 = m0 + warp * 16 * kM + g;
+  auto row_of = [&](int m, int r) { return warp_row0 + m * 16 + r * 8; };
 
   // Causal: key tiles past the block's last query row are all masked.
   const int64_t n_end = p.causal ? imin(p.seq_k, m0 + BM) : p.seq_k;
@@ -42,24 +46,21 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads) flash_fwd_kernel(dtr
   load_tile_async<BN, D, kThreads>(vs, P, v, p.v_stride.seq, p.seq_k);
   cp_async_commit();
 
-  float acc[D / 8][4];
+  float acc[kM][D / 8][4];
   zero_tiles(acc);
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
-  uint32_t qf[D / 16][4];
+  float row_max[kM][2], row_sum[kM][2];
+#pragma unroll
+  for (int m = 0; m < kM; ++m) row_max[m][0] = row_max[m][1] = -INFINITY, row_sum[m][0] = row_sum[m][1] = 0.f;
   const float scale_log2 = p.scale * kLog2e;
 
   for (int j = 0; j < n_tiles; ++j) {
     cp_async_wait<1>();  // Q and K_j
     __syncthreads();
-    if (j == 0) {
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) load_a(qf[kk], qs + warp * 16 * P + kk * 16, P);
-    }
-    // S = Q K_j^T: 16 x 64 per warp (unscaled).
-    float s[BN / 8][4];
+    // S = Q K_j^T: 16 kM x 64 per warp (unscaled); Q's fragments come from shared memory
+    // each tile (registers hold the accumulators).
+    float s[kM][BN / 8][4];
     zero_tiles(s);
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) mma_frag_rows<T, BN / 8>(s, qf[kk], ks + kk * 16, P);
+    mma_rows_rows<T, kM, D, BN / 8>(s, qs + warp * 16 * kM * P, P, ks, P);
     __syncthreads();  // every warp is done with K_j
     const int64_t n0 = int64_t{j} * BN;
     if (j + 1 < n_tiles) {
@@ -70,38 +71,44 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads) flash_fwd_kernel(dtr
     // after the block's first query) has masked entries.
     if (n0 + BN > p.seq_k || (p.causal && n0 + BN - 1 > m0)) {
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
+      for (int m = 0; m < kM; ++m) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int64_t col = n0 + nt * 8 + 2 * t + (e & 1), row = e < 2 ? row0 : row1;
-          if (col >= p.seq_k || (p.causal && col > row)) s[nt][e] = -INFINITY;
+        for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int64_t col = n0 + nt * 8 + 2 * t + (e & 1), row = row_of(m, e / 2);
+            if (col >= p.seq_k || (p.causal && col > row)) s[m][nt][e] = -INFINITY;
+          }
         }
       }
     }
     // Online softmax in the log2 domain (row_max holds max(s) * scale * log2(e); scale > 0
     // so the max commutes with it); a row's four threads (one quad) share its max.
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = -INFINITY;
+    for (int m = 0; m < kM; ++m) {
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      mx = fmaxf(row_max[r], mx * scale_log2);
-      const float base = mx == -INFINITY ? 0.f : mx;  // no visible key yet: every p is 0
-      const float alpha = fast_exp2(row_max[r] - base);
-      row_max[r] = mx;
-      row_sum[r] *= alpha;
+      for (int r = 0; r < 2; ++r) {
+        float mx = -INFINITY;
 #pragma unroll
-      for (int i = 0; i < D / 8; ++i) {
-        acc[i][2 * r] *= alpha;
-        acc[i][2 * r + 1] *= alpha;
-      }
+        for (int nt = 0; nt < BN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[m][nt][2 * r], s[m][nt][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        mx = fmaxf(row_max[m][r], mx * scale_log2);
+        const float base = mx == -INFINITY ? 0.f : mx;  // no visible key yet: every p is 0
+        const float alpha = fast_exp2(row_max[m][r] - base);
+        row_max[m][r] = mx;
+        row_sum[m][r] *= alpha;
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
-        s[nt][2 * r] = fast_exp2(fmaf(s[nt][2 * r], scale_log2, -base));
-        s[nt][2 * r + 1] = fast_exp2(fmaf(s[nt][2 * r + 1], scale_log2, -base));
-        row_sum[r] += s[nt][2 * r] + s[nt][2 * r + 1];
+        for (int i = 0; i < D / 8; ++i) {
+          acc[m][i][2 * r] *= alpha;
+          acc[m][i][2 * r + 1] *= alpha;
+        }
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) {
+          s[m][nt][2 * r] = fast_exp2(fmaf(s[m][nt][2 * r], scale_log2, -base));
+          s[m][nt][2 * r + 1] = fast_exp2(fmaf(s[m][nt][2 * r + 1], scale_log2, -base));
+          row_sum[m][r] += s[m][nt][2 * r] + s[m][nt][2 * r + 1];
+        }
       }
     }
     if (j + 1 < n_tiles) {
@@ -111,7 +118,7 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads) flash_fwd_kernel(dtr
     }
     __syncthreads();
     // O += P V_j.
-    mma_acc_cols<T, BN, D / 8>(acc, s, vs, P);
+    mma_acc_cols<T, kM, BN, D / 8>(acc, s, vs, P);
     __syncthreads();  // every warp is done with V_j
     if (j + 1 < n_tiles) {
       load_tile_async<BN, D, kThreads>(vs, P, v + (n0 + BN) * p.v_stride.seq, p.v_stride.seq, p.seq_k - n0 - BN);
@@ -122,20 +129,23 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads) flash_fwd_kernel(dtr
 
   T* o = static_cast<T*>(p.o) + b * p.o_stride.batch + h * p.o_stride.head;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = row_sum[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const int64_t row = r == 0 ? row0 : row1;
-    if (row >= p.seq_q) continue;
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+  for (int m = 0; m < kM; ++m) {
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      *reinterpret_cast<uint32_t*>(o + row * p.o_stride.seq + i * 8 + 2 * t) =
-          pack2<T>(acc[i][2 * r] * inv, acc[i][2 * r + 1] * inv);
-    }
-    if (t == 0) {
-      p.lse[(b * p.heads + h) * p.seq_q + row] = l > 0.f ? (row_max[r] + log2f(l)) / kLog2e : INFINITY;
+    for (int r = 0; r < 2; ++r) {
+      float l = row_sum[m][r];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const int64_t row = row_of(m, r);
+      if (row >= p.seq_q) continue;
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i) {
+        *reinterpret_cast<uint32_t*>(o + row * p.o_stride.seq + i * 8 + 2 * t) =
+            pack2<T>(acc[m][i][2 * r] * inv, acc[m][i][2 * r + 1] * inv);
+      }
+      if (t == 0) {
+        p.lse[(b * p.heads + h) * p.seq_q + row] = l > 0.f ? (row_max[m][r] + log2f(l)) / kLog2e : INFINITY;
+      }
     }
   }
 }
@@ -143,11 +153,11 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads) flash_fwd_kernel(dtr
 template <typename T, int D>
 cudaError_t run_flash_fwd(const dtrain_attention_fwd_params& p, cudaStream_t stream) {
   using C = FlashConfig<D>;
-  const size_t smem = sizeof(T) * static_cast<size_t>(C::kBlockM + 2 * C::kBlockN) * C::kPitch;
+  const size_t smem = sizeof(T) * static_cast<size_t>(C::kFwdBlockM + 2 * C::kFwdBlockN) * C::kPitch;
   auto* kernel = flash_fwd_kernel<T, D>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (e != cudaSuccess) return e;
-  const dim3 grid(static_cast<unsigned>((p.seq_q + C::kBlockM - 1) / C::kBlockM), static_cast<unsigned>(p.heads),
+  const dim3 grid(static_cast<unsigned>((p.seq_q + C::kFwdBlockM - 1) / C::kFwdBlockM), static_cast<unsigned>(p.heads),
                   static_cast<unsigned>(p.batch));
   DTRAIN_LAUNCH(kernel, grid, C::kThreads, smem, stream, p);
   return launched();
