@@ -1,8 +1,9 @@
 // Expert parallelism over the world (1-4 ranks): the uneven all-to-all (ranks and experts
 // that receive nothing included) and its backward, the dispatch/combine round trip, and
-// the Trainer with --ep against the single-process MoE model for 10 steps (the train
-// harness's tolerances, parameters atol 2e-4: see expect_moe_equivalent; the reference takes the same micro-batches one after another, so
-// every micro-batch routes, balances and drops as on its rank), composed with dp, FSDP,
+// the Trainer with --ep against the single-process MoE model for 10 steps in lockstep (the
+// train harness's tolerances and identical routing: see expect_moe_equivalent; the
+// reference takes the same micro-batches one after another, so every micro-batch routes,
+// balances and drops as on its rank), composed with dp, FSDP,
 // tp (with sequence parallelism), pp and activation checkpointing; the step telemetry.
 #include <torch/torch.h>
 
