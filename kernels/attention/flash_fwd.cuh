@@ -1,7 +1,8 @@
 // Flash attention forward (FlashAttention-2's loop order) on mma.sync: a block owns 128
 // query rows (two 16-row tiles per warp, so that every K or V fragment read from shared
 // memory feeds two MMAs) of one (batch, head) and walks the key/value tiles of 64 keys.
-// Q, K and V fragments come from shared memory by ldmatrix (V transposed).
+// Q, K and V fragments come from shared memory by ldmatrix (V transposed); at head dim 64
+// Q's stay in registers after the first tile.
 // S = Q K^T goes to registers, is masked (only tiles that cross the diagonal or the end of
 // the keys), folded into the running row max and sum with the scale in one FFMA (log2
 // domain), and reused as P in registers (the accumulator layout of two 16 x 8 tiles is the
@@ -20,6 +21,9 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads) flash_fwd_kernel(dtr
   using C = FlashConfig<D>;
   constexpr int BM = C::kFwdBlockM, BN = C::kFwdBlockN, P = C::kPitch, kThreads = C::kThreads;
   constexpr int kM = C::kFwdRowTiles;  // 16-row tiles per warp
+  // At head dim 64 Q's fragments fit in registers for the whole kernel (32 of them); at
+  // 128 the accumulators leave no room and Q is read from shared memory every key tile.
+  constexpr bool kQInRegs = D <= 64;
   DTRAIN_DYNAMIC_SMEM(T, smem);
   T* qs = smem;
   T* ks = qs + BM * P;
@@ -52,15 +56,27 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads) flash_fwd_kernel(dtr
 #pragma unroll
   for (int m = 0; m < kM; ++m) row_max[m][0] = row_max[m][1] = -INFINITY, row_sum[m][0] = row_sum[m][1] = 0.f;
   const float scale_log2 = p.scale * kLog2e;
+  uint32_t qf[kQInRegs ? D / 16 : 1][kM][4];
 
   for (int j = 0; j < n_tiles; ++j) {
     cp_async_wait<1>();  // Q and K_j
     __syncthreads();
-    // S = Q K_j^T: 16 kM x 64 per warp (unscaled); Q's fragments come from shared memory
-    // each tile (registers hold the accumulators).
+    // S = Q K_j^T: 16 kM x 64 per warp (unscaled).
     float s[kM][BN / 8][4];
     zero_tiles(s);
-    mma_rows_rows<T, kM, D, BN / 8>(s, qs + warp * 16 * kM * P, P, ks, P);
+    if constexpr (kQInRegs) {
+      if (j == 0) {
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+          for (int m = 0; m < kM; ++m) load_a(qf[kk][m], qs + (warp * kM + m) * 16 * P + kk * 16, P);
+        }
+      }
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) mma_frag_rows<T, kM, BN / 8>(s, qf[kk], ks + kk * 16, P);
+    } else {
+      mma_rows_rows<T, kM, D, BN / 8>(s, qs + warp * 16 * kM * P, P, ks, P);
+    }
     __syncthreads();  // every warp is done with K_j
     const int64_t n0 = int64_t{j} * BN;
     if (j + 1 < n_tiles) {
