@@ -208,12 +208,7 @@ TEST_F(CheckpointTest, LoadsIntoAnyLayoutAndContinuesAsTheUninterruptedRun) {
       for (std::size_t s = 0; s < got.size(); ++s) {
         EXPECT_NEAR(got[s].loss, want[s + 5].loss, 1e-5 * want[s + 5].loss) << "step " << s + 6;
       }
-      const auto pa = t.full_parameters(), pb = ref.model()->parameter_list();
-      ASSERT_EQ(pa.size(), pb.size());
-      for (std::size_t i = 0; i < pa.size(); ++i) {
-        EXPECT_TRUE(torch::allclose(pa[i].second, pb[i].second, 1e-5, c.param_atol))
-            << pa[i].first << " max diff " << (pa[i].second - pb[i].second).abs().max().item<float>();
-      }
+      expect_same_parameters(t.full_parameters(), ref.model()->parameter_list(), c.param_atol);
     };
     auto o = batched(options(corpus), c);
     o.resume = checkpoint::step_dir(dir, 5);
