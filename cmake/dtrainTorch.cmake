@@ -1,8 +1,17 @@
 # Finds LibTorch. Order: an explicit Torch_DIR / CMAKE_PREFIX_PATH, then the torch wheel
 # importable by python3 (torch.utils.cmake_prefix_path). Torch headers become system
 # includes so our warnings stay on without drowning in theirs.
-if(NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST})
-  set(ENV{TORCH_CUDA_ARCH_LIST} "8.0;9.0")  # matches CMAKE_CUDA_ARCHITECTURES 80;90
+# The CUDA code compiles for DTRAIN_CUDA_ARCHITECTURES (CMAKE_CUDA_ARCHITECTURES as given),
+# in LibTorch's spelling: 80 -> 8.0, 90a -> 9.0a.
+if(NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST} AND DTRAIN_CUDA_ARCHITECTURES)
+  set(_dtrain_archs)
+  foreach(_a IN LISTS DTRAIN_CUDA_ARCHITECTURES)
+    string(REGEX REPLACE "-(real|virtual)$" "" _a "${_a}")
+    string(REGEX REPLACE "^([0-9]+)([0-9])([a-z]?)$" "\\1.\\2\\3" _a "${_a}")
+    list(APPEND _dtrain_archs "${_a}")
+  endforeach()
+  set(ENV{TORCH_CUDA_ARCH_LIST} "${_dtrain_archs}")
+  message(STATUS "dtrain: CUDA architectures ${DTRAIN_CUDA_ARCHITECTURES} (TORCH_CUDA_ARCH_LIST ${_dtrain_archs})")
 endif()
 if(NOT TARGET torch)
   find_package(Torch QUIET CONFIG)

@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Static figures of the compiled CUDA kernels, for machines without a GPU.
 
-scripts/kernel_sass.py [--build DIR] [--arch sm_90] [--filter REGEX] [--json FILE]
+scripts/kernel_sass.py [--build DIR] [--arch sm_90a] [--filter REGEX] [--json FILE]
 
 Reads the kernel objects of a build (DIR/kernels/**/*.o), disassembles the SASS of one
 architecture and prints, per kernel: registers, local-memory stack (spills), the
-instruction count of the whole function, tensor-core MMAs (HMMA), shared-memory
+instruction count of the whole function, tensor-core MMAs (HMMA: mma.sync; HGMMA:
+Hopper's wgmma, each 64 x N x 16 where an HMMA is 16 x 8 x 16), shared-memory
 fragment loads (LDSM) and plain shared loads (LDS), async copies (LDGSTS), spill
 traffic (STL/LDL) and instructions per MMA. These are counts of the code, not of its
 execution: they say where a kernel spends instructions, never how fast it runs.
@@ -51,7 +52,7 @@ INSN = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--build", default="build")
-    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--filter", default=".")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -71,7 +72,8 @@ def main():
             ops = collections.Counter(INSN.findall(part))
             regs, stack = usage.get(name, (0, 0))
             rows.append({"object": os.path.basename(obj), "kernel": name, "registers": regs, "stack_bytes": stack,
-                         "instructions": sum(ops.values()), "hmma": ops["HMMA"], "ldsm": ops["LDSM"],
+                         "instructions": sum(ops.values()), "hmma": ops["HMMA"], "hgmma": ops["HGMMA"],
+                         "ldsm": ops["LDSM"],
                          "lds": ops["LDS"], "ldgsts": ops["LDGSTS"], "stl_ldl": ops["STL"] + ops["LDL"]})
     names = demangle([r["kernel"] for r in rows])
     pattern = re.compile(args.filter)
@@ -81,12 +83,12 @@ def main():
 
     rows = [dict(r, kernel=short(r["kernel"])) for r in rows]
     rows = [r for r in rows if pattern.search(r["kernel"])]
-    print(f"{'kernel':58} {'regs':>4} {'stack':>5} {'insns':>6} {'HMMA':>5} {'LDSM':>5} {'LDS':>4} "
+    print(f"{'kernel':58} {'regs':>4} {'stack':>5} {'insns':>6} {'HMMA':>5} {'HGMMA':>5} {'LDSM':>5} {'LDS':>4} "
           f"{'LDGSTS':>6} {'STL+LDL':>7} {'insn/HMMA':>9}")
     for r in rows:
         per = f"{r['instructions'] / r['hmma']:.1f}" if r["hmma"] else "-"
         print(f"{r['kernel'][:58]:58} {r['registers']:>4} {r['stack_bytes']:>5} {r['instructions']:>6} "
-              f"{r['hmma']:>5} {r['ldsm']:>5} {r['lds']:>4} {r['ldgsts']:>6} {r['stl_ldl']:>7} {per:>9}")
+              f"{r['hmma']:>5} {r['hgmma']:>5} {r['ldsm']:>5} {r['lds']:>4} {r['ldgsts']:>6} {r['stl_ldl']:>7} {per:>9}")
     if args.json:
         with open(args.json, "a") as f:
             for r in rows:

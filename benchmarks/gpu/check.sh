@@ -49,6 +49,7 @@ phase() {
   echo "cores: $(nproc)"
 } 2>&1 | tee "$out/machine.txt"
 arch="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)"
+[ "$arch" = 90 ] && arch=90a  # Hopper: the wgmma kernels need the sm_90a target
 
 phase configure 300 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DDTRAIN_WITH_MPI=OFF -DCMAKE_CUDA_ARCHITECTURES="${arch:-90}" || { cat "$summary"; exit 1; }

@@ -1,5 +1,5 @@
 // The C entry points of flash attention (dtrain_kernels/attention.h): validation, then
-// dispatch to the (dtype, head dim) instantiation.
+// dispatch to the (kernel, dtype, head dim) instantiation.
 #include "attention/flash.cuh"
 #include "common.cuh"
 
@@ -30,6 +30,31 @@ struct Fwd {
   static cudaError_t run(const dtrain_attention_fwd_params& p, cudaStream_t s) { return run_flash_fwd<T, D>(p, s); }
 };
 template <typename T, int D>
+struct FwdSm90 {
+  static cudaError_t run(const dtrain_attention_fwd_params& p, cudaStream_t s) {
+    return run_flash_fwd_sm90<T, D>(p, s);
+  }
+};
+
+// The wgmma kernel is real code only in an sm_90a build (DTRAIN_KERNELS_SM90A) and runs
+// only on compute capability 9.0; the emulator runs it anywhere.
+bool wgmma_available() {
+#if defined(DTRAIN_KERNELS_EMULATE)
+  return true;
+#elif defined(DTRAIN_KERNELS_SM90A)
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    cudaGetLastError();  // no device: leave no sticky error behind
+    return false;
+  }
+  return major == 9 && minor == 0;
+#else
+  return false;
+#endif
+}
+template <typename T, int D>
 struct Bwd {
   static cudaError_t run(const dtrain_attention_bwd_params& p, cudaStream_t s) { return run_flash_bwd<T, D>(p, s); }
 };
@@ -38,6 +63,17 @@ struct Bwd {
 }  // namespace dtrain_kernels
 
 extern "C" int dtrain_attention_supports_head_dim(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
+
+extern "C" int dtrain_attention_fwd_kernel_available(dtrain_attention_kernel kernel) {
+  switch (kernel) {
+    case DTRAIN_ATTENTION_KERNEL_AUTO:
+    case DTRAIN_ATTENTION_KERNEL_MMA:
+      return 1;
+    case DTRAIN_ATTENTION_KERNEL_WGMMA:
+      return dtrain_kernels::wgmma_available() ? 1 : 0;
+  }
+  return 0;
+}
 
 extern "C" cudaError_t dtrain_attention_fwd(const dtrain_attention_fwd_params* params, cudaStream_t stream) {
   using namespace dtrain_kernels;
@@ -48,7 +84,10 @@ extern "C" cudaError_t dtrain_attention_fwd(const dtrain_attention_fwd_params* p
     return cudaErrorInvalidValue;
   }
   if (!aligned(p.q, 16) || !aligned(p.k, 16) || !aligned(p.v, 16) || !aligned(p.o, 4)) return cudaErrorInvalidValue;
-  return dispatch<Fwd>(p, stream);
+  if (!dtrain_attention_fwd_kernel_available(p.kernel)) return cudaErrorInvalidValue;
+  const bool wgmma =
+      p.kernel == DTRAIN_ATTENTION_KERNEL_WGMMA || (p.kernel == DTRAIN_ATTENTION_KERNEL_AUTO && wgmma_available());
+  return wgmma ? dispatch<FwdSm90>(p, stream) : dispatch<Fwd>(p, stream);
 }
 
 extern "C" size_t dtrain_attention_bwd_workspace_bytes(const dtrain_attention_bwd_params* params) {

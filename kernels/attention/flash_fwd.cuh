@@ -11,8 +11,7 @@
 // the last query blocks, which have the most key tiles, so that the short ones fill the tail.
 #pragma once
 
-#include "attention/flash.cuh"
-#include "mma.cuh"
+#include "attention/flash_fwd_tile.cuh"
 
 namespace dtrain_kernels {
 
@@ -35,10 +34,8 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads) flash_fwd_kernel(dtr
   const T* q = static_cast<const T*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head + m0 * p.q_stride.seq;
   const T* k = static_cast<const T*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;
   const T* v = static_cast<const T*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  // Accumulator element e of tile m holds row row_of(m, e / 2) of the block.
-  const int64_t warp_row0 = m0 + warp * 16 * kM + g;
-  auto row_of = [&](int m, int r) { return warp_row0 + m * 16 + r * 8; };
+  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4;
+  const int64_t warp_row0 = m0 + warp * 16 * kM + g;  // this thread's first row (mask_scores)
 
   // Causal: key tiles past the block's last query row are all masked.
   const int64_t n_end = p.causal ? imin(p.seq_k, m0 + BM) : p.seq_k;
@@ -85,48 +82,8 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads) flash_fwd_kernel(dtr
     }
     // Mask: only a tile past the end of the keys or across the causal diagonal (a key
     // after the block's first query) has masked entries.
-    if (n0 + BN > p.seq_k || (p.causal && n0 + BN - 1 > m0)) {
-#pragma unroll
-      for (int m = 0; m < kM; ++m) {
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int64_t col = n0 + nt * 8 + 2 * t + (e & 1), row = row_of(m, e / 2);
-            if (col >= p.seq_k || (p.causal && col > row)) s[m][nt][e] = -INFINITY;
-          }
-        }
-      }
-    }
-    // Online softmax in the log2 domain (row_max holds max(s) * scale * log2(e); scale > 0
-    // so the max commutes with it); a row's four threads (one quad) share its max.
-#pragma unroll
-    for (int m = 0; m < kM; ++m) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[m][nt][2 * r], s[m][nt][2 * r + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        mx = fmaxf(row_max[m][r], mx * scale_log2);
-        const float base = mx == -INFINITY ? 0.f : mx;  // no visible key yet: every p is 0
-        const float alpha = fast_exp2(row_max[m][r] - base);
-        row_max[m][r] = mx;
-        row_sum[m][r] *= alpha;
-#pragma unroll
-        for (int i = 0; i < D / 8; ++i) {
-          acc[m][i][2 * r] *= alpha;
-          acc[m][i][2 * r + 1] *= alpha;
-        }
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt) {
-          s[m][nt][2 * r] = fast_exp2(fmaf(s[m][nt][2 * r], scale_log2, -base));
-          s[m][nt][2 * r + 1] = fast_exp2(fmaf(s[m][nt][2 * r + 1], scale_log2, -base));
-          row_sum[m][r] += s[m][nt][2 * r] + s[m][nt][2 * r + 1];
-        }
-      }
-    }
+    if (n0 + BN > p.seq_k || (p.causal && n0 + BN - 1 > m0)) mask_scores(s, warp_row0, n0, p.seq_k, p.causal);
+    online_softmax(s, acc, row_max, row_sum, scale_log2);
     if (j + 1 < n_tiles) {
       cp_async_wait<1>();  // V_j (K_{j+1} may still be in flight)
     } else {
@@ -143,27 +100,7 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads) flash_fwd_kernel(dtr
   }
   cp_async_wait<0>();  // nothing may stay in flight (n_tiles == 0 leaves Q, K, V loads)
 
-  T* o = static_cast<T*>(p.o) + b * p.o_stride.batch + h * p.o_stride.head;
-#pragma unroll
-  for (int m = 0; m < kM; ++m) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float l = row_sum[m][r];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const int64_t row = row_of(m, r);
-      if (row >= p.seq_q) continue;
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-#pragma unroll
-      for (int i = 0; i < D / 8; ++i) {
-        *reinterpret_cast<uint32_t*>(o + row * p.o_stride.seq + i * 8 + 2 * t) =
-            pack2<T>(acc[m][i][2 * r] * inv, acc[m][i][2 * r + 1] * inv);
-      }
-      if (t == 0) {
-        p.lse[(b * p.heads + h) * p.seq_q + row] = l > 0.f ? (row_max[m][r] + log2f(l)) / kLog2e : INFINITY;
-      }
-    }
-  }
+  store_output<T>(p, b, h, warp_row0, acc, row_max, row_sum);
 }
 
 template <typename T, int D>

@@ -1,11 +1,12 @@
 // The emulator's scheduler (simt.hpp): ucontext fibers, one per thread of the running
-// block, a block barrier and one barrier per warp. A fiber runs until it reaches a barrier
+// block, a block barrier, one barrier per warp and one per warpgroup (128 threads). A fiber runs until it reaches a barrier
 // or ends. Warps run one at a time up to each block barrier, in an order that flips every
 // phase, so that a missing __syncthreads shows as a wrong result.
 #include "simt.hpp"
 
 #include <ucontext.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -20,7 +21,7 @@ namespace {
 constexpr std::size_t kStack = 256 * 1024;
 constexpr std::size_t kSlot = 64;  // bytes a lane publishes in one exchange
 
-enum class Wait { kNone, kBlock, kWarp };
+enum class Wait { kNone, kBlock, kWarp, kGroup };
 
 struct Fiber {
   ucontext_t ctx;
@@ -48,9 +49,26 @@ struct Barrier {
   }
 };
 
+// A wgmma a thread has issued and not yet retired (its group's wait does the product).
+struct WgmmaOp {
+  float* d;
+  int n;
+  std::uint64_t desc_a, desc_b;
+  std::uint32_t a[4];
+  bool a_regs, trans_b, accumulate, bf16;
+  std::vector<float> before;  // d at the issue
+  int group;                  // 0 until committed
+};
+struct WgmmaThread {
+  std::vector<WgmmaOp> ops;
+  int commits = 0;
+  bool fenced = false;
+};
+
 struct State {
   std::vector<Fiber> fibers;
-  std::vector<Barrier> warps;
+  std::vector<Barrier> warps, groups;
+  std::vector<WgmmaThread> wgmma;
   Barrier block;
   ucontext_t scheduler;
   int current = 0;
@@ -73,6 +91,7 @@ void entry() {
   s.fibers[me].done = true;
   s.block.leave();
   s.warps[me / 32].leave();
+  s.groups[me / 128].leave();
   // Returning resumes uc_link, the scheduler.
 }
 
@@ -97,10 +116,15 @@ void run_block(int threads) {
   s.block.alive = threads;
   s.warps.assign((threads + 31) / 32, Barrier{});
   for (int w = 0; w * 32 < threads; ++w) s.warps[w].alive = std::min(32, threads - w * 32);
+  s.groups.assign((threads + 127) / 128, Barrier{});
+  for (int g = 0; g * 128 < threads; ++g) s.groups[g].alive = std::min(128, threads - g * 128);
+  s.wgmma.assign(threads, WgmmaThread{});
   // One warp at a time runs until all its threads wait at the block barrier (or end), so
-  // that a warp gets ahead of the others as far as the barriers allow; the order of the
-  // warps (and of the lanes) flips at every block-barrier phase.
-  const int warps = (threads + 31) / 32;
+  // that a warp gets ahead of the others as far as the barriers allow; the warps of one
+  // warpgroup (4 warps) take turns until the whole group waits there, so that a group gets
+  // ahead of the others too (its warpgroup barriers need all 4). The order of the groups,
+  // the warps and the lanes flips at every pass.
+  const int warps = (threads + 31) / 32, groups = (warps + 3) / 4;
   int remaining = threads;
   bool forward = true;
   auto runnable = [&](int i) {
@@ -108,26 +132,37 @@ void run_block(int threads) {
     if (f.done) return false;
     if (f.wait == Wait::kBlock) return f.gen != s.block.gen;
     if (f.wait == Wait::kWarp) return f.gen != s.warps[i / 32].gen;
+    if (f.wait == Wait::kGroup) return f.gen != s.groups[i / 128].gen;
     return true;
+  };
+  auto run_warp = [&](int w) {  // true when any of its threads ran
+    const int lanes = std::min(32, threads - w * 32);
+    bool ran = false;
+    for (bool any = true; any;) {
+      any = false;
+      for (int lk = 0; lk < lanes; ++lk) {
+        const int i = w * 32 + (forward ? lk : lanes - 1 - lk);
+        if (!runnable(i)) continue;
+        auto& f = s.fibers[i];
+        f.wait = Wait::kNone;
+        s.current = i;
+        set_thread(i);
+        swapcontext(&s.scheduler, &f.ctx);
+        any = ran = true;
+        if (f.done) --remaining;
+      }
+    }
+    return ran;
   };
   while (remaining > 0) {
     bool progressed = false;
-    for (int wk = 0; wk < warps; ++wk) {
-      const int w = forward ? wk : warps - 1 - wk;
-      const int lanes = std::min(32, threads - w * 32);
+    for (int gk = 0; gk < groups; ++gk) {
+      const int gi = forward ? gk : groups - 1 - gk;
+      const int first = gi * 4, count = std::min(4, warps - first);
       for (bool any = true; any;) {
         any = false;
-        for (int lk = 0; lk < lanes; ++lk) {
-          const int i = w * 32 + (forward ? lk : lanes - 1 - lk);
-          if (!runnable(i)) continue;
-          auto& f = s.fibers[i];
-          f.wait = Wait::kNone;
-          s.current = i;
-          set_thread(i);
-          swapcontext(&s.scheduler, &f.ctx);
-          any = progressed = true;
-          if (f.done) --remaining;
-        }
+        for (int wk = 0; wk < count; ++wk) any = run_warp(first + (forward ? wk : count - 1 - wk)) || any;
+        progressed = progressed || any;
       }
     }
     forward = !forward;
@@ -183,6 +218,17 @@ void sync_warp() {
   f.wait = Wait::kWarp;
   yield();
 }
+
+namespace {
+void sync_group() {
+  auto& f = s.fibers[s.current];
+  auto& g = s.groups[s.current / 128];
+  f.gen = g.gen;
+  if (g.arrive()) return;
+  f.wait = Wait::kGroup;
+  yield();
+}
+}  // namespace
 
 int lane() { return s.current % 32; }
 
@@ -281,6 +327,139 @@ cudaError_t get_device(int* device) {
 cudaError_t device_get_attribute(int* value, cudaDeviceAttr attr, int) {
   *value = attr == cudaDevAttrMultiProcessorCount ? 4 : 0;
   return cudaSuccess;
+}
+
+// ---- wgmma ---------------------------------------------------------------------------------
+std::uint32_t shared_address(const void* p) {
+  const auto* b = static_cast<const unsigned char*>(p);
+  if (b < s.smem.data() || b >= s.smem.data() + s.smem.size()) {
+    throw std::runtime_error("emulator: wgmma descriptor of an address outside the dynamic shared memory");
+  }
+  return static_cast<std::uint32_t>(b - s.smem.data());
+}
+
+namespace {
+
+// A no-swizzle matrix descriptor: 8 x 8 core matrices of 16-bit elements, 128 contiguous
+// bytes each (8 rows of 16 bytes); adjacent core matrices lbo bytes apart along K and sbo
+// bytes apart along M or N. K-major: a core matrix's rows run along M/N and its 16 bytes
+// along K; MN-major the other way round.
+struct Desc {
+  std::uint32_t start, lbo, sbo;
+};
+
+Desc decode(std::uint64_t d) {
+  if ((d >> 62) != 0) throw std::runtime_error("emulator: swizzled wgmma descriptors are not emulated");
+  if (((d >> 49) & 7) != 0) throw std::runtime_error("emulator: wgmma descriptor with a base offset");
+  return {static_cast<std::uint32_t>(d & 0x3fff) << 4, static_cast<std::uint32_t>((d >> 16) & 0x3fff) << 4,
+          static_cast<std::uint32_t>((d >> 32) & 0x3fff) << 4};
+}
+
+float desc_element(const Desc& d, int mn, int k, bool mn_major, bool bf16) {
+  const std::size_t off = std::size_t{d.start} + std::size_t(mn / 8) * d.sbo + std::size_t(k / 8) * d.lbo +
+                          (mn_major ? (k % 8) * 16 + (mn % 8) * 2 : (mn % 8) * 16 + (k % 8) * 2);
+  if (off + 2 > s.smem.size()) throw std::runtime_error("emulator: wgmma operand past the dynamic shared memory");
+  std::uint16_t bits;
+  std::memcpy(&bits, s.smem.data() + off, 2);
+  return element(bits, 0, bf16);
+}
+
+bool same_shape(const WgmmaOp& a, const WgmmaOp& b) {
+  return a.n == b.n && a.a_regs == b.a_regs && (a.a_regs || a.desc_a == b.desc_a) && a.desc_b == b.desc_b &&
+         a.trans_b == b.trans_b && a.accumulate == b.accumulate && a.bf16 == b.bf16;
+}
+
+// This thread's part of op i: its rows of d += A B.
+void wgmma_product(std::size_t i, bool check_before) {
+  const int me = s.current, base = me / 128 * 128, w = (me - base) / 32, l = me % 32, g = l / 4, t = l % 4;
+  const WgmmaOp& op = s.wgmma[me].ops[i];
+  if (check_before && std::memcmp(op.d, op.before.data(), op.before.size() * sizeof(float)) != 0) {
+    throw std::runtime_error("emulator: wgmma accumulators changed between the issue and the wait");
+  }
+  float A[16][16];
+  std::vector<float> B(static_cast<std::size_t>(16) * op.n);
+  for (int r = 0; r < 16; ++r) {
+    for (int k = 0; k < 16; ++k) {
+      if (op.a_regs) {  // mma.sync's A fragment: lane 4 (r % 8) + (k % 8) / 2, register r / 8 + 2 (k / 8)
+        const auto& src = s.wgmma[base + 32 * w + 4 * (r % 8) + (k % 8) / 2].ops[i];
+        A[r][k] = element(src.a[r / 8 + 2 * (k / 8)], k % 2, op.bf16);
+      } else {
+        A[r][k] = desc_element(decode(op.desc_a), 16 * w + r, k, false, op.bf16);
+      }
+    }
+  }
+  const Desc db = decode(op.desc_b);
+  for (int k = 0; k < 16; ++k) {
+    for (int c = 0; c < op.n; ++c) {
+      B[static_cast<std::size_t>(k) * op.n + c] = desc_element(db, c, k, op.trans_b, op.bf16);
+    }
+  }
+  for (int j = 0; j < op.n / 8; ++j) {
+    for (int e = 0; e < 4; ++e) {
+      const int r = g + 8 * (e / 2), c = 8 * j + 2 * t + (e & 1);
+      float acc = 0.f;
+      for (int k = 0; k < 16; ++k) acc += A[r][k] * B[static_cast<std::size_t>(k) * op.n + c];
+      float& out = op.d[4 * j + e];
+      out = (op.accumulate ? out : 0.f) + acc;
+    }
+  }
+}
+
+}  // namespace
+
+void wgmma(float* d, int n, std::uint64_t desc_a, const std::uint32_t* a_regs, std::uint64_t desc_b, bool trans_b,
+           bool accumulate, bool bf16) {
+  const int me = s.current, base = me / 128 * 128;
+  auto& th = s.wgmma[me];
+  if (base + 128 > static_cast<int>(block_dim.x * block_dim.y * block_dim.z)) {
+    throw std::runtime_error("emulator: wgmma outside a whole warpgroup");
+  }
+  if (n % 8 != 0 || n < 8 || n > 256) throw std::runtime_error("emulator: wgmma N must be a multiple of 8 up to 256");
+  if (!th.fenced) throw std::runtime_error("emulator: wgmma with no wgmma_fence since the last wait (or the start)");
+  for (auto it = th.ops.rbegin(); it != th.ops.rend(); ++it) {
+    if (it->d == d && std::memcmp(d, it->before.data(), it->before.size() * sizeof(float)) != 0) {
+      throw std::runtime_error("emulator: wgmma accumulators changed while a wgmma on them was in flight");
+    }
+    if (it->d == d) break;
+  }
+  WgmmaOp op{d, n, desc_a, desc_b, {0, 0, 0, 0}, a_regs != nullptr, trans_b, accumulate, bf16,
+             std::vector<float>(d, d + n / 2), 0};
+  if (a_regs) std::memcpy(op.a, a_regs, sizeof(op.a));
+  th.ops.push_back(std::move(op));
+  sync_group();
+  // The group's first thread may have run on to its next wgmma since the barrier (not
+  // past a wait, which needs everyone): compare the op at this one's index.
+  const auto& first = s.wgmma[base].ops;
+  const std::size_t i = th.ops.size() - 1;
+  if (first.size() <= i || !same_shape(first[i], th.ops[i])) {
+    throw std::runtime_error("emulator: the threads of a warpgroup issued different wgmma (shape, operands or count)");
+  }
+}
+
+void wgmma_fence() { s.wgmma[s.current].fenced = true; }
+
+void wgmma_commit() {
+  auto& th = s.wgmma[s.current];
+  ++th.commits;
+  for (auto& op : th.ops) {
+    if (op.group == 0) op.group = th.commits;
+  }
+}
+
+void wgmma_wait(int pending) {
+  auto& th = s.wgmma[s.current];
+  sync_group();  // every thread of the group has issued what precedes this wait
+  const int upto = th.commits - pending;
+  std::size_t done = 0;
+  while (done < th.ops.size() && th.ops[done].group > 0 && th.ops[done].group <= upto) {
+    bool first_on_d = true;
+    for (std::size_t i = 0; i < done; ++i) first_on_d = first_on_d && th.ops[i].d != th.ops[done].d;
+    wgmma_product(done, first_on_d);
+    ++done;
+  }
+  sync_group();  // every thread has read the others' A fragments
+  th.ops.erase(th.ops.begin(), th.ops.begin() + static_cast<std::ptrdiff_t>(done));
+  th.fenced = false;
 }
 
 }  // namespace dtrain_emu

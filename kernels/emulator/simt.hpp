@@ -1,10 +1,11 @@
 // A CPU emulator of the CUDA execution model, for testing the kernel sources on machines
 // without a GPU: the .cu files compile with the host compiler (DTRAIN_KERNELS_EMULATE),
 // each block's threads run as fibers in one OS thread, switching at __syncthreads, warp
-// shuffles and warp-level MMA, and blocks run one after another. It checks the kernels'
-// logic (indexing, masking, reductions, synchronisation) with the fragment layouts of
-// mma.sync as the PTX ISA documents them; it says nothing about speed, and a layout this
-// file gets wrong would be wrong in the same way here and in the kernels.
+// shuffles and warp- or warpgroup-level MMA, and blocks run one after another. It checks
+// the kernels' logic (indexing, masking, reductions, synchronisation) with the fragment
+// and shared-memory layouts of mma.sync, ldmatrix and wgmma as the PTX ISA documents
+// them; it says nothing about speed, and a layout this file gets wrong would be wrong in
+// the same way here and in the kernels.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -45,6 +46,29 @@ void mma_m16n8k16(float d[4], const std::uint32_t a[4], const std::uint32_t b[2]
 // addresses (16 bytes each) of matrix i; out[i] gets this lane's two elements of matrix i,
 // row lane / 4 and columns 2 (lane % 4) + {0, 1} (transposed: that column, those rows).
 void ldmatrix_x4(std::uint32_t out[4], const void* row, bool trans);
+
+// ---- warpgroup MMA (wgmma, sm_90a) -------------------------------------------------------
+// The shared-memory address (byte offset into the block's dynamic shared memory) that a
+// wgmma matrix descriptor holds; throws outside it.
+std::uint32_t shared_address(const void* p);
+// wgmma.mma_async.sync.aligned.m64nNk16.f32.{bf16,f16}, issued by all 128 threads of a
+// warpgroup (4 consecutive warps from a multiple of 4): d (this thread's N / 2 floats, the
+// accumulator layout: warp w of the group holds rows 16 w.., each 8-column chunk as in
+// mma.sync) += A B with A 64 x 16 from the descriptor desc_a (K-major) or, when a_regs is
+// set, from registers (warp w's rows, mma.sync's A fragment), and B 16 x N from desc_b
+// (K-major, or N-major when trans_b); accumulate == false: d = A B. Descriptors: start
+// address, leading and stride byte offsets, no swizzle (anything else throws).
+// Like the hardware, the product happens asynchronously: at the wgmma_wait that retires
+// its group, reading shared memory and d as they are then. Stricter than the hardware, it
+// throws when a wgmma follows a wait with no wgmma_fence between them, when d changed
+// between the issue and the wait, or when the threads of the group disagree on the shape
+// or the descriptors.
+void wgmma(float* d, int n, std::uint64_t desc_a, const std::uint32_t* a_regs, std::uint64_t desc_b, bool trans_b,
+           bool accumulate, bool bf16);
+void wgmma_fence();
+void wgmma_commit();
+// Retires all but the newest `pending` committed groups of this thread's warpgroup.
+void wgmma_wait(int pending);
 
 // What the kernels' launch checks read.
 cudaError_t get_last_error();

@@ -347,9 +347,15 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
 
     auto qd = dev(q.transpose(1, 2).contiguous()).transpose(1, 2);  // keep the strided layout
     auto kd = dev(k), vd = dev(v), dod = dev(dout);
-    auto o = poisoned({c.batch, c.heads, c.seq_q, c.dim}, c.type);
-    auto lse = poisoned({c.batch, c.heads, c.seq_q}, at::kFloat);
+    at::Tensor o, lse;
     dtrain_attention_fwd_params f{};
+    // Every forward kernel this device runs (mma.sync; wgmma on Hopper and in the
+    // emulator), each into fresh poisoned outputs; the backward takes the last one's.
+    for (auto kernel : {DTRAIN_ATTENTION_KERNEL_MMA, DTRAIN_ATTENTION_KERNEL_WGMMA}) {
+    if (!dtrain_attention_fwd_kernel_available(kernel)) continue;
+    SCOPED_TRACE(kernel == DTRAIN_ATTENTION_KERNEL_MMA ? "mma.sync forward" : "wgmma forward");
+    o = poisoned({c.batch, c.heads, c.seq_q, c.dim}, c.type);
+    lse = poisoned({c.batch, c.heads, c.seq_q}, at::kFloat);
     f.q = qd.data_ptr();
     f.k = kd.data_ptr();
     f.v = vd.data_ptr();
@@ -368,6 +374,7 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
     f.scale = static_cast<float>(scale);
     f.causal = c.causal;
     f.dtype = kernel_dtype(q);
+    f.kernel = kernel;
     ASSERT_EQ(dtrain_attention_fwd(&f, nullptr), cudaSuccess);
     kernel_sync();
     EXPECT_FALSE(o.isnan().any().item<bool>());
@@ -381,6 +388,7 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
         s = s.masked_fill(mask.logical_not(), -std::numeric_limits<double>::infinity());
       }
       EXPECT_LT(max_abs(lse, s.logsumexp(-1)), 1e-3);
+    }
     }
 
     auto dq = poisoned({c.batch, c.heads, c.seq_q, c.dim}, c.type);
@@ -432,6 +440,9 @@ TEST(KERNEL_SUITE(FlashAttention), RefusesWhatItDoesNotTake) {
   EXPECT_EQ(dtrain_attention_fwd(&f, nullptr), cudaErrorInvalidValue);
   EXPECT_EQ(dtrain_attention_supports_head_dim(96), 0);
   EXPECT_EQ(dtrain_attention_supports_head_dim(128), 1);
+  EXPECT_EQ(dtrain_attention_fwd_kernel_available(DTRAIN_ATTENTION_KERNEL_AUTO), 1);
+  EXPECT_EQ(dtrain_attention_fwd_kernel_available(DTRAIN_ATTENTION_KERNEL_MMA), 1);
+  EXPECT_EQ(dtrain_attention_fwd_kernel_available(static_cast<dtrain_attention_kernel>(7)), 0);
 }
 
 }  // namespace

@@ -6,7 +6,8 @@
  * multiples of 8 and pointers 16-byte aligned). Causal masking is top-left aligned as in
  * at::scaled_dot_product_attention: query i sees keys j <= i.
  * The forward writes o and the log-sum-exp per query row (float32, [batch, heads, seq_q],
- * contiguous; +inf for a row that sees no key). The backward recomputes the attention
+ * contiguous; +inf for a row that sees no key), by mma.sync or, on Hopper, by wgmma
+ * (dtrain_attention_kernel). The backward recomputes the attention
  * tile by tile from q, k, v and the log-sum-exp (never an seq_q x seq_k matrix), with
  * a float32 workspace (dtrain_attention_bwd_workspace_bytes) for dq and row statistics. */
 #pragma once
@@ -21,6 +22,15 @@ typedef struct {
   int64_t batch, head, seq; /* element strides */
 } dtrain_attention_strides;
 
+/* Which forward kernel runs: AUTO (0, what a zeroed params struct asks for) takes WGMMA
+ * where it is available, else MMA; MMA is mma.sync (sm_80 and later); WGMMA is Hopper's
+ * warpgroup MMA (a compute capability 9.0 device and a library built for sm_90a). */
+typedef enum {
+  DTRAIN_ATTENTION_KERNEL_AUTO = 0,
+  DTRAIN_ATTENTION_KERNEL_MMA = 1,
+  DTRAIN_ATTENTION_KERNEL_WGMMA = 2,
+} dtrain_attention_kernel;
+
 typedef struct {
   const void* q;
   const void* k;
@@ -32,6 +42,7 @@ typedef struct {
   float scale; /* softmax scale, usually 1 / sqrt(head_dim) */
   int causal;
   dtrain_kernel_dtype dtype; /* BF16 or F16 */
+  dtrain_attention_kernel kernel;
 } dtrain_attention_fwd_params;
 
 typedef struct {
@@ -57,6 +68,9 @@ cudaError_t dtrain_attention_bwd(const dtrain_attention_bwd_params* params, cuda
 size_t dtrain_attention_bwd_workspace_bytes(const dtrain_attention_bwd_params* params);
 /* Whether the kernels take this head dim (64, 128). */
 int dtrain_attention_supports_head_dim(int64_t head_dim);
+/* Whether dtrain_attention_fwd can run this kernel on the current device (the emulated
+ * build: every kernel). Asking for one that cannot run is cudaErrorInvalidValue. */
+int dtrain_attention_fwd_kernel_available(dtrain_attention_kernel kernel);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,100 @@
+// What the two flash forward kernels (mma.sync, flash_fwd.cuh; wgmma, flash_fwd_sm90.cuh)
+// do alike on a warp's score tiles, whose layout both MMAs share (kM tiles of 16 query
+// rows by kN chunks of 8 keys, mma.sync's accumulator layout): the mask, one step of the
+// online softmax in the log2 domain with the scale folded into one FFMA, and the
+// normalised output and log-sum-exp.
+#pragma once
+
+#include "attention/flash.cuh"
+#include "mma.cuh"
+
+namespace dtrain_kernels {
+
+// Accumulator element e of tile m of the thread with lane = 4 g + t holds query row
+// row0 + 16 m + 8 (e / 2) (row0 = the warp's first row + g) and, in chunk nt, key
+// col0 + 8 nt + 2 t + (e & 1).
+// Only tiles past the end of the keys or across the causal diagonal need it: the
+// callers test that first, so that interior tiles carry no per-element compare.
+template <int kM, int kN>
+__device__ __forceinline__ void mask_scores(float (&s)[kM][kN][4], int64_t row0, int64_t col0, int64_t seq_k,
+                                            bool causal) {
+  const int t = threadIdx.x % 4;
+#pragma unroll
+  for (int m = 0; m < kM; ++m) {
+#pragma unroll
+    for (int nt = 0; nt < kN; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t col = col0 + nt * 8 + 2 * t + (e & 1), row = row0 + m * 16 + (e / 2) * 8;
+        if (col >= seq_k || (causal && col > row)) s[m][nt][e] = -INFINITY;
+      }
+    }
+  }
+}
+
+// Folds the (unscaled) scores s into the running row max and sum and rescales the output
+// accumulators; s becomes P (unnormalised). row_max holds max(s) * scale * log2(e)
+// (scale > 0, so the max commutes with it); a row's four threads (one quad) share it.
+template <int kM, int kN, int kD>
+__device__ __forceinline__ void online_softmax(float (&s)[kM][kN][4], float (&acc)[kM][kD][4],
+                                               float (&row_max)[kM][2], float (&row_sum)[kM][2], float scale_log2) {
+#pragma unroll
+  for (int m = 0; m < kM; ++m) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < kN; ++nt) mx = fmaxf(mx, fmaxf(s[m][nt][2 * r], s[m][nt][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      mx = fmaxf(row_max[m][r], mx * scale_log2);
+      const float base = mx == -INFINITY ? 0.f : mx;  // no visible key yet: every p is 0
+      const float alpha = fast_exp2(row_max[m][r] - base);
+      row_max[m][r] = mx;
+      row_sum[m][r] *= alpha;
+#pragma unroll
+      for (int i = 0; i < kD; ++i) {
+        acc[m][i][2 * r] *= alpha;
+        acc[m][i][2 * r + 1] *= alpha;
+      }
+#pragma unroll
+      for (int nt = 0; nt < kN; ++nt) {
+        s[m][nt][2 * r] = fast_exp2(fmaf(s[m][nt][2 * r], scale_log2, -base));
+        s[m][nt][2 * r + 1] = fast_exp2(fmaf(s[m][nt][2 * r + 1], scale_log2, -base));
+        row_sum[m][r] += s[m][nt][2 * r] + s[m][nt][2 * r + 1];
+      }
+    }
+  }
+}
+
+// o (this thread's rows, row0 as for mask_scores) = acc / row sum, and the log-sum-exp
+// (+inf for a row that saw no key); rows at and past seq_q are skipped.
+template <typename T, int kM, int kD>
+__device__ __forceinline__ void store_output(const dtrain_attention_fwd_params& p, int64_t b, int64_t h, int64_t row0,
+                                             const float (&acc)[kM][kD][4], const float (&row_max)[kM][2],
+                                             const float (&row_sum)[kM][2]) {
+  const int t = threadIdx.x % 4;
+  T* o = static_cast<T*>(p.o) + b * p.o_stride.batch + h * p.o_stride.head;
+#pragma unroll
+  for (int m = 0; m < kM; ++m) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float l = row_sum[m][r];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const int64_t row = row0 + m * 16 + r * 8;
+      if (row >= p.seq_q) continue;
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+      for (int i = 0; i < kD; ++i) {
+        *reinterpret_cast<uint32_t*>(o + row * p.o_stride.seq + i * 8 + 2 * t) =
+            pack2<T>(acc[m][i][2 * r] * inv, acc[m][i][2 * r + 1] * inv);
+      }
+      if (t == 0) {
+        p.lse[(b * p.heads + h) * p.seq_q + row] = l > 0.f ? (row_max[m][r] + log2f(l)) / kLog2e : INFINITY;
+      }
+    }
+  }
+}
+
+}  // namespace dtrain_kernels
