@@ -28,18 +28,12 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads) flash_fwd_kernel(dtr
   T* ks = qs + BM * P;
   T* vs = ks + BN * P;
 
-  const int64_t m_block = p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int64_t b = blockIdx.z, h = blockIdx.y, m0 = m_block * BM;
-  const int64_t hk = h / (p.heads / p.kv_heads);
-  const T* q = static_cast<const T*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head + m0 * p.q_stride.seq;
-  const T* k = static_cast<const T*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;
-  const T* v = static_cast<const T*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head;
+  const FwdBlock<T, BM, BN> blk(p);
+  const int64_t b = blk.b, h = blk.h, m0 = blk.m0;
+  const T *q = blk.q, *k = blk.k, *v = blk.v;
+  const int n_tiles = blk.n_tiles;
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4;
   const int64_t warp_row0 = m0 + warp * 16 * kM + g;  // this thread's first row (mask_scores)
-
-  // Causal: key tiles past the block's last query row are all masked.
-  const int64_t n_end = p.causal ? imin(p.seq_k, m0 + BM) : p.seq_k;
-  const int n_tiles = static_cast<int>((n_end + BN - 1) / BN);
 
   load_tile_async<BM, D, kThreads>(qs, P, q, p.q_stride.seq, p.seq_q - m0);
   load_tile_async<BN, D, kThreads>(ks, P, k, p.k_stride.seq, p.seq_k);
@@ -107,13 +101,7 @@ template <typename T, int D>
 cudaError_t run_flash_fwd(const dtrain_attention_fwd_params& p, cudaStream_t stream) {
   using C = FlashConfig<D>;
   const size_t smem = sizeof(T) * static_cast<size_t>(C::kFwdBlockM + 2 * C::kFwdBlockN) * C::kPitch;
-  auto* kernel = flash_fwd_kernel<T, D>;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  if (e != cudaSuccess) return e;
-  const dim3 grid(static_cast<unsigned>((p.seq_q + C::kFwdBlockM - 1) / C::kFwdBlockM), static_cast<unsigned>(p.heads),
-                  static_cast<unsigned>(p.batch));
-  DTRAIN_LAUNCH(kernel, grid, C::kThreads, smem, stream, p);
-  return launched();
+  return launch_fwd<C::kFwdBlockM>(flash_fwd_kernel<T, D>, p, C::kThreads, smem, stream);
 }
 
 }  // namespace dtrain_kernels

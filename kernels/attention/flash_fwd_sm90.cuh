@@ -35,18 +35,12 @@ __global__ void __launch_bounds__(FlashSm90Config<D>::kThreads, 1)
   T* ks = qs + BM * D;
   T* vs = ks + BN * D;
 
-  const int64_t m_block = p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int64_t b = blockIdx.z, h = blockIdx.y, m0 = m_block * BM;
-  const int64_t hk = h / (p.heads / p.kv_heads);
-  const T* q = static_cast<const T*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head + m0 * p.q_stride.seq;
-  const T* k = static_cast<const T*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;
-  const T* v = static_cast<const T*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head;
+  const FwdBlock<T, BM, BN> blk(p);
+  const int64_t b = blk.b, h = blk.h, m0 = blk.m0;
+  const T *q = blk.q, *k = blk.k, *v = blk.v;
+  const int n_tiles = blk.n_tiles;
   const int group = threadIdx.x / 128, warp = threadIdx.x / 32 % 4, g = threadIdx.x % 32 / 4;
   const int64_t row0 = m0 + group * 64 + warp * 16 + g;  // this thread's first row (mask_scores)
-
-  // Causal: key tiles past the block's last query row are all masked.
-  const int64_t n_end = p.causal ? imin(p.seq_k, m0 + BM) : p.seq_k;
-  const int n_tiles = static_cast<int>((n_end + BN - 1) / BN);
 
   load_blocked_async<BM, D, kThreads>(qs, q, p.q_stride.seq, p.seq_q - m0);
   load_blocked_async<BN, D, kThreads>(ks, k, p.k_stride.seq, p.seq_k);
@@ -125,14 +119,7 @@ __global__ void __launch_bounds__(FlashSm90Config<D>::kThreads, 1)
 template <typename T, int D>
 cudaError_t run_flash_fwd_sm90(const dtrain_attention_fwd_params& p, cudaStream_t stream) {
   using C = FlashSm90Config<D>;
-  const size_t smem = sizeof(T) * C::kSmemElements;
-  auto* kernel = flash_fwd_sm90_kernel<T, D>;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  if (e != cudaSuccess) return e;
-  const dim3 grid(static_cast<unsigned>((p.seq_q + C::kBlockM - 1) / C::kBlockM), static_cast<unsigned>(p.heads),
-                  static_cast<unsigned>(p.batch));
-  DTRAIN_LAUNCH(kernel, grid, C::kThreads, smem, stream, p);
-  return launched();
+  return launch_fwd<C::kBlockM>(flash_fwd_sm90_kernel<T, D>, p, C::kThreads, sizeof(T) * C::kSmemElements, stream);
 }
 
 }  // namespace dtrain_kernels

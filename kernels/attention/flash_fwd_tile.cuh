@@ -1,14 +1,37 @@
 // What the two flash forward kernels (mma.sync, flash_fwd.cuh; wgmma, flash_fwd_sm90.cuh)
-// do alike on a warp's score tiles, whose layout both MMAs share (kM tiles of 16 query
-// rows by kN chunks of 8 keys, mma.sync's accumulator layout): the mask, one step of the
-// online softmax in the log2 domain with the scale folded into one FFMA, and the
-// normalised output and log-sum-exp.
+// do alike: which query block a block owns and its launch, and, on a warp's score tiles,
+// whose layout both MMAs share (kM tiles of 16 query rows by kN chunks of 8 keys,
+// mma.sync's accumulator layout), the mask, one step of the online softmax in the log2
+// domain with the scale folded into one FFMA, and the normalised output and log-sum-exp.
 #pragma once
 
 #include "attention/flash.cuh"
 #include "mma.cuh"
 
 namespace dtrain_kernels {
+
+// The query block a forward block owns, as (b, h, m0): causal grids start with the last
+// query blocks, which have the most key tiles, so that the short ones fill the tail. q is
+// its first row; k and v are its kv head's (GQA); n_tiles counts the key tiles of kBlockN
+// it visits (causal: none past its last row, all masked there).
+template <typename T, int kBlockM, int kBlockN>
+struct FwdBlock {
+  int64_t b, h, m0;
+  const T* q;
+  const T* k;
+  const T* v;
+  int n_tiles;
+  __device__ __forceinline__ explicit FwdBlock(const dtrain_attention_fwd_params& p) {
+    const int64_t m_block = p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    b = blockIdx.z, h = blockIdx.y, m0 = m_block * kBlockM;
+    const int64_t hk = h / (p.heads / p.kv_heads);
+    q = static_cast<const T*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head + m0 * p.q_stride.seq;
+    k = static_cast<const T*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;
+    v = static_cast<const T*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head;
+    const int64_t n_end = p.causal ? imin(p.seq_k, m0 + kBlockM) : p.seq_k;
+    n_tiles = static_cast<int>((n_end + kBlockN - 1) / kBlockN);
+  }
+};
 
 // Accumulator element e of tile m of the thread with lane = 4 g + t holds query row
 // row0 + 16 m + 8 (e / 2) (row0 = the warp's first row + g) and, in chunk nt, key
@@ -95,6 +118,19 @@ __device__ __forceinline__ void store_output(const dtrain_attention_fwd_params& 
       }
     }
   }
+}
+
+// Launches a forward kernel with `smem` bytes of dynamic shared memory: one block of
+// `threads` per (query block of kBlockM, head, batch).
+template <int kBlockM>
+cudaError_t launch_fwd(void (*kernel)(dtrain_attention_fwd_params), const dtrain_attention_fwd_params& p, int threads,
+                       size_t smem, cudaStream_t stream) {
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (e != cudaSuccess) return e;
+  const dim3 grid(static_cast<unsigned>((p.seq_q + kBlockM - 1) / kBlockM), static_cast<unsigned>(p.heads),
+                  static_cast<unsigned>(p.batch));
+  DTRAIN_LAUNCH(kernel, grid, threads, smem, stream, p);
+  return launched();
 }
 
 }  // namespace dtrain_kernels

@@ -202,33 +202,21 @@ void launch(dim3 grid, dim3 block, std::size_t smem, const std::function<void()>
 
 void* dynamic_smem() { return s.smem.data(); }
 
-void sync_threads() {
-  auto& f = s.fibers[s.current];
-  f.gen = s.block.gen;
-  if (s.block.arrive()) return;
-  f.wait = Wait::kBlock;
-  yield();
-}
-
-void sync_warp() {
-  auto& f = s.fibers[s.current];
-  auto& w = s.warps[s.current / 32];
-  f.gen = w.gen;
-  if (w.arrive()) return;
-  f.wait = Wait::kWarp;
-  yield();
-}
-
 namespace {
-void sync_group() {
+// The running thread arrives at barrier b (the block's, its warp's or its warpgroup's) and,
+// unless it is the last to arrive, waits there.
+void arrive_and_wait(Barrier& b, Wait kind) {
   auto& f = s.fibers[s.current];
-  auto& g = s.groups[s.current / 128];
-  f.gen = g.gen;
-  if (g.arrive()) return;
-  f.wait = Wait::kGroup;
+  f.gen = b.gen;
+  if (b.arrive()) return;
+  f.wait = kind;
   yield();
 }
+void sync_group() { arrive_and_wait(s.groups[s.current / 128], Wait::kGroup); }
 }  // namespace
+
+void sync_threads() { arrive_and_wait(s.block, Wait::kBlock); }
+void sync_warp() { arrive_and_wait(s.warps[s.current / 32], Wait::kWarp); }
 
 int lane() { return s.current % 32; }
 
