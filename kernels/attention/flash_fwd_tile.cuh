@@ -55,12 +55,13 @@ __device__ __forceinline__ void mask_scores(float (&s)[kM][kN][4], int64_t row0,
   }
 }
 
-// Folds the (unscaled) scores s into the running row max and sum and rescales the output
-// accumulators; s becomes P (unnormalised). row_max holds max(s) * scale * log2(e)
-// (scale > 0, so the max commutes with it); a row's four threads (one quad) share it.
-template <int kM, int kN, int kD>
-__device__ __forceinline__ void online_softmax(float (&s)[kM][kN][4], float (&acc)[kM][kD][4],
-                                               float (&row_max)[kM][2], float (&row_sum)[kM][2], float scale_log2) {
+// Folds the (unscaled) scores s into the running row max and sum; s becomes P
+// (unnormalised), alpha the factor by which the output accumulated so far must shrink
+// (rescale). row_max holds max(s) * scale * log2(e) (scale > 0, so the max commutes with
+// it); a row's four threads (one quad) share it.
+template <int kM, int kN>
+__device__ __forceinline__ void softmax_step(float (&s)[kM][kN][4], float (&row_max)[kM][2], float (&row_sum)[kM][2],
+                                             float scale_log2, float (&alpha)[kM][2]) {
 #pragma unroll
   for (int m = 0; m < kM; ++m) {
 #pragma unroll
@@ -72,14 +73,9 @@ __device__ __forceinline__ void online_softmax(float (&s)[kM][kN][4], float (&ac
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       mx = fmaxf(row_max[m][r], mx * scale_log2);
       const float base = mx == -INFINITY ? 0.f : mx;  // no visible key yet: every p is 0
-      const float alpha = fast_exp2(row_max[m][r] - base);
+      alpha[m][r] = fast_exp2(row_max[m][r] - base);
       row_max[m][r] = mx;
-      row_sum[m][r] *= alpha;
-#pragma unroll
-      for (int i = 0; i < kD; ++i) {
-        acc[m][i][2 * r] *= alpha;
-        acc[m][i][2 * r + 1] *= alpha;
-      }
+      row_sum[m][r] *= alpha[m][r];
 #pragma unroll
       for (int nt = 0; nt < kN; ++nt) {
         s[m][nt][2 * r] = fast_exp2(fmaf(s[m][nt][2 * r], scale_log2, -base));
@@ -88,6 +84,27 @@ __device__ __forceinline__ void online_softmax(float (&s)[kM][kN][4], float (&ac
       }
     }
   }
+}
+
+template <int kM, int kD>
+__device__ __forceinline__ void rescale(float (&acc)[kM][kD][4], const float (&alpha)[kM][2]) {
+#pragma unroll
+  for (int m = 0; m < kM; ++m) {
+#pragma unroll
+    for (int i = 0; i < kD; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[m][i][e] *= alpha[m][e / 2];
+    }
+  }
+}
+
+// softmax_step, then the rescale of the output accumulators.
+template <int kM, int kN, int kD>
+__device__ __forceinline__ void online_softmax(float (&s)[kM][kN][4], float (&acc)[kM][kD][4],
+                                               float (&row_max)[kM][2], float (&row_sum)[kM][2], float scale_log2) {
+  float alpha[kM][2];
+  softmax_step(s, row_max, row_sum, scale_log2, alpha);
+  rescale(acc, alpha);
 }
 
 // o (this thread's rows, row0 as for mask_scores) = acc / row sum, and the log-sum-exp

@@ -318,6 +318,8 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
       {1, 2, 1, 70, 130, 64, false, at::kHalf},      {1, 2, 2, 130, 70, 64, true, at::kHalf},
       {1, 2, 1, 80, 80, 128, true, at::kBFloat16},   {1, 1, 1, 65, 65, 128, false, at::kHalf},
       {1, 2, 1, 150, 200, 128, true, at::kBFloat16},
+      // Three and more key tiles of 128 (the wgmma forward's double buffers wrap around).
+      {1, 2, 1, 40, 400, 64, false, at::kBFloat16},  {1, 1, 1, 300, 300, 128, true, at::kHalf},
   };
   if (kLargeCases) {
     cases.insert(cases.end(), {{2, 8, 2, 1000, 1000, 128, true, at::kBFloat16},
