@@ -151,7 +151,7 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
         const auto f_ours = tf(try_time(dev, it, o.rounds, fwd(ours)), fwd_flops);
         std::optional<double> f_mma;
 #ifdef DTRAIN_WITH_CUDA
-        if (cuda(dev) && dtrain_attention_fwd_kernel_available(DTRAIN_ATTENTION_KERNEL_WGMMA)) {
+        if (cuda(dev) && dtrain_attention_kernel_available(DTRAIN_ATTENTION_KERNEL_WGMMA)) {
           std::function<at::Tensor()> mma = [&] {
             return kernel_forward(q, k, v, causal, DTRAIN_ATTENTION_KERNEL_MMA);
           };

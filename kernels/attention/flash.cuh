@@ -31,6 +31,8 @@ template <typename T, int D>
 cudaError_t run_flash_fwd_sm90(const dtrain_attention_fwd_params& p, cudaStream_t stream);  // wgmma
 template <typename T, int D>
 cudaError_t run_flash_bwd(const dtrain_attention_bwd_params& p, cudaStream_t stream);
+template <typename T, int D>
+cudaError_t run_flash_bwd_sm90(const dtrain_attention_bwd_params& p, cudaStream_t stream);  // wgmma
 
 // The backward's workspace: dq in float32 [batch, heads, seq_q, head_dim] (accumulated
 // by atomics), then delta = rowsum(dout * o) [batch, heads, seq_q].

@@ -54,17 +54,29 @@ bool wgmma_available() {
   return false;
 #endif
 }
+
 template <typename T, int D>
 struct Bwd {
   static cudaError_t run(const dtrain_attention_bwd_params& p, cudaStream_t s) { return run_flash_bwd<T, D>(p, s); }
 };
+template <typename T, int D>
+struct BwdSm90 {
+  static cudaError_t run(const dtrain_attention_bwd_params& p, cudaStream_t s) {
+    return run_flash_bwd_sm90<T, D>(p, s);
+  }
+};
+
+template <typename Params>
+bool use_wgmma(const Params& p) {
+  return p.kernel == DTRAIN_ATTENTION_KERNEL_WGMMA || (p.kernel == DTRAIN_ATTENTION_KERNEL_AUTO && wgmma_available());
+}
 
 }  // namespace
 }  // namespace dtrain_kernels
 
 extern "C" int dtrain_attention_supports_head_dim(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
 
-extern "C" int dtrain_attention_fwd_kernel_available(dtrain_attention_kernel kernel) {
+extern "C" int dtrain_attention_kernel_available(dtrain_attention_kernel kernel) {
   switch (kernel) {
     case DTRAIN_ATTENTION_KERNEL_AUTO:
     case DTRAIN_ATTENTION_KERNEL_MMA:
@@ -84,10 +96,8 @@ extern "C" cudaError_t dtrain_attention_fwd(const dtrain_attention_fwd_params* p
     return cudaErrorInvalidValue;
   }
   if (!aligned(p.q, 16) || !aligned(p.k, 16) || !aligned(p.v, 16) || !aligned(p.o, 4)) return cudaErrorInvalidValue;
-  if (!dtrain_attention_fwd_kernel_available(p.kernel)) return cudaErrorInvalidValue;
-  const bool wgmma =
-      p.kernel == DTRAIN_ATTENTION_KERNEL_WGMMA || (p.kernel == DTRAIN_ATTENTION_KERNEL_AUTO && wgmma_available());
-  return wgmma ? dispatch<FwdSm90>(p, stream) : dispatch<Fwd>(p, stream);
+  if (!dtrain_attention_kernel_available(p.kernel)) return cudaErrorInvalidValue;
+  return use_wgmma(p) ? dispatch<FwdSm90>(p, stream) : dispatch<Fwd>(p, stream);
 }
 
 extern "C" size_t dtrain_attention_bwd_workspace_bytes(const dtrain_attention_bwd_params* params) {
@@ -111,5 +121,6 @@ extern "C" cudaError_t dtrain_attention_bwd(const dtrain_attention_bwd_params* p
       !aligned(p.dq, 2) || !aligned(p.dk, 4) || !aligned(p.dv, 4) || !aligned(p.workspace, 4)) {
     return cudaErrorInvalidValue;
   }
-  return dispatch<Bwd>(p, stream);
+  if (!dtrain_attention_kernel_available(p.kernel)) return cudaErrorInvalidValue;
+  return use_wgmma(p) ? dispatch<BwdSm90>(p, stream) : dispatch<Bwd>(p, stream);
 }

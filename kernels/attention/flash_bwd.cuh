@@ -47,6 +47,77 @@ __global__ void flash_bwd_convert_dq_kernel(dtrain_attention_bwd_params p, const
   }
 }
 
+// What the two backward kernels (mma.sync here, wgmma in flash_bwd_sm90.cuh) do alike on
+// a warp's transposed score tile st (16 keys: key0 = the warp's first key + g, key1 =
+// key0 + 8; kN chunks of 8 queries from m0), mma.sync's accumulator layout.
+// The mask: keys past the end, or (causal) after the query. Only a tile past the end of
+// the keys or across the causal diagonal needs it (the callers test that first).
+template <int kN>
+__device__ __forceinline__ void mask_scores_t(float (&st)[kN][4], int64_t key0, int64_t key1, int64_t m0,
+                                              const dtrain_attention_bwd_params& p) {
+  const int t = threadIdx.x % 4;
+#pragma unroll
+  for (int nt = 0; nt < kN; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int64_t key = e < 2 ? key0 : key1, query = m0 + nt * 8 + 2 * t + (e & 1);
+      if (key >= p.seq_k || (p.causal && key > query)) st[nt][e] = -INFINITY;
+    }
+  }
+}
+
+// P^T = exp(S^T scale - lse), lse_s the tile's log-sum-exp in the log2 domain (+inf for
+// padding rows, whose p is then 0).
+template <int kN>
+__device__ __forceinline__ void probabilities_t(float (&st)[kN][4], const float* lse_s, float scale_log2) {
+  const int t = threadIdx.x % 4;
+#pragma unroll
+  for (int nt = 0; nt < kN; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) st[nt][e] = fast_exp2(fmaf(st[nt][e], scale_log2, -lse_s[nt * 8 + 2 * t + (e & 1)]));
+  }
+}
+
+// dK (times the softmax scale) and dV of this thread's two keys.
+template <typename T, int D>
+__device__ __forceinline__ void store_dk_dv(const dtrain_attention_bwd_params& p, int64_t b, int64_t hk, int64_t key0,
+                                            int64_t key1, const float (&dk)[D / 8][4], const float (&dv)[D / 8][4]) {
+  const int t = threadIdx.x % 4;
+  T* dkp = static_cast<T*>(p.dk) + b * p.dk_stride.batch + hk * p.dk_stride.head;
+  T* dvp = static_cast<T*>(p.dv) + b * p.dv_stride.batch + hk * p.dv_stride.head;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t key = r == 0 ? key0 : key1;
+    if (key >= p.seq_k) continue;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      const int c = i * 8 + 2 * t;
+      *reinterpret_cast<uint32_t*>(dkp + key * p.dk_stride.seq + c) =
+          pack2<T>(dk[i][2 * r] * p.scale, dk[i][2 * r + 1] * p.scale);
+      *reinterpret_cast<uint32_t*>(dvp + key * p.dv_stride.seq + c) = pack2<T>(dv[i][2 * r], dv[i][2 * r + 1]);
+    }
+  }
+}
+
+// The backward's three passes: delta and a zeroed dq buffer, the main kernel
+// (launch_main(dq_accum, delta) launches it), dq converted.
+template <typename T, int D, typename Launch>
+cudaError_t run_bwd_passes(const dtrain_attention_bwd_params& p, cudaStream_t stream, Launch launch_main) {
+  float* dq_accum = static_cast<float*>(p.workspace);
+  float* delta = dq_accum + p.batch * p.heads * p.seq_q * D;
+  const int64_t rows = p.batch * p.heads * p.seq_q;
+  auto* prepare = flash_bwd_prepare_kernel<T, D>;
+  DTRAIN_LAUNCH(prepare, static_cast<unsigned>((rows + 7) / 8), 256, 0, stream, p, dq_accum, delta);
+  cudaError_t e = launched();
+  if (e != cudaSuccess) return e;
+  if ((e = launch_main(dq_accum, delta)) != cudaSuccess) return e;
+  const int64_t n = rows * D;
+  const unsigned blocks = static_cast<unsigned>(imin((n + 255) / 256, 65535));
+  auto* convert = flash_bwd_convert_dq_kernel<T, D>;
+  DTRAIN_LAUNCH(convert, blocks, 256, 0, stream, p, dq_accum);
+  return launched();
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(FlashConfig<D>::kThreads)
     flash_bwd_kernel(dtrain_attention_bwd_params p, float* dq_accum, const float* delta) {
@@ -109,23 +180,8 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads)
       mma_rows_rows<T, 1, D, BM / 8>(st_tiles, ks + warp * 16 * P, P, qs, P);
       // Mask only a tile past the end of the keys or across the causal diagonal; padding
       // query rows have lse = inf, so their p is 0 without one.
-      if (n0 + BN > p.seq_k || (p.causal && n0 + BN - 1 > m0)) {
-#pragma unroll
-        for (int nt = 0; nt < BM / 8; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int64_t key = e < 2 ? key0 : key1, query = m0 + nt * 8 + 2 * t + (e & 1);
-            if (key >= p.seq_k || (p.causal && key > query)) st[nt][e] = -INFINITY;
-          }
-        }
-      }
-#pragma unroll
-      for (int nt = 0; nt < BM / 8; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          st[nt][e] = fast_exp2(fmaf(st[nt][e], scale_log2, -lse_s[nt * 8 + 2 * t + (e & 1)]));
-        }
-      }
+      if (n0 + BN > p.seq_k || (p.causal && n0 + BN - 1 > m0)) mask_scores_t(st, key0, key1, m0, p);
+      probabilities_t(st, lse_s, scale_log2);
       // dV += P^T dO.
       mma_acc_cols<T, 1, BM, D / 8>(dv_tiles, st_tiles, dos, P);
       // dP^T = V dO^T, then dS^T = P^T (dP^T - delta).
@@ -178,49 +234,24 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads)
   }
   cp_async_wait<0>();  // an empty loop leaves the K, V loads in flight
 
-  T* dkp = static_cast<T*>(p.dk) + b * p.dk_stride.batch + hk * p.dk_stride.head;
-  T* dvp = static_cast<T*>(p.dv) + b * p.dv_stride.batch + hk * p.dv_stride.head;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t key = r == 0 ? key0 : key1;
-    if (key >= p.seq_k) continue;
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      const int c = i * 8 + 2 * t;
-      *reinterpret_cast<uint32_t*>(dkp + key * p.dk_stride.seq + c) =
-          pack2<T>(dk[i][2 * r] * p.scale, dk[i][2 * r + 1] * p.scale);
-      *reinterpret_cast<uint32_t*>(dvp + key * p.dv_stride.seq + c) = pack2<T>(dv[i][2 * r], dv[i][2 * r + 1]);
-    }
-  }
+  store_dk_dv<T, D>(p, b, hk, key0, key1, dk, dv);
 }
 
 template <typename T, int D>
 cudaError_t run_flash_bwd(const dtrain_attention_bwd_params& p, cudaStream_t stream) {
   using C = FlashConfig<D>;
-  float* dq_accum = static_cast<float*>(p.workspace);
-  float* delta = dq_accum + p.batch * p.heads * p.seq_q * D;
-  const int64_t rows = p.batch * p.heads * p.seq_q;
-  auto* prepare = flash_bwd_prepare_kernel<T, D>;
-  DTRAIN_LAUNCH(prepare, static_cast<unsigned>((rows + 7) / 8), 256, 0, stream, p, dq_accum, delta);
-  cudaError_t e = launched();
-  if (e != cudaSuccess) return e;
-
-  const size_t smem = sizeof(T) * (static_cast<size_t>(2 * C::kBwdBlockN + 2 * C::kBwdBlockM) * C::kPitch +
-                                   static_cast<size_t>(C::kBwdBlockM) * C::kPitchS) +
-                      sizeof(float) * 2 * C::kBwdBlockM;
-  auto* kernel = flash_bwd_kernel<T, D>;
-  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  if (e != cudaSuccess) return e;
-  const dim3 grid(static_cast<unsigned>((p.seq_k + C::kBwdBlockN - 1) / C::kBwdBlockN), static_cast<unsigned>(p.kv_heads),
-                  static_cast<unsigned>(p.batch));
-  DTRAIN_LAUNCH(kernel, grid, C::kThreads, smem, stream, p, dq_accum, delta);
-  if ((e = launched()) != cudaSuccess) return e;
-
-  const int64_t n = rows * D;
-  const unsigned blocks = static_cast<unsigned>(imin((n + 255) / 256, 65535));
-  auto* convert = flash_bwd_convert_dq_kernel<T, D>;
-  DTRAIN_LAUNCH(convert, blocks, 256, 0, stream, p, dq_accum);
-  return launched();
+  return run_bwd_passes<T, D>(p, stream, [&](float* dq_accum, const float* delta) {
+    const size_t smem = sizeof(T) * (static_cast<size_t>(2 * C::kBwdBlockN + 2 * C::kBwdBlockM) * C::kPitch +
+                                     static_cast<size_t>(C::kBwdBlockM) * C::kPitchS) +
+                        sizeof(float) * 2 * C::kBwdBlockM;
+    auto* kernel = flash_bwd_kernel<T, D>;
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (e != cudaSuccess) return e;
+    const dim3 grid(static_cast<unsigned>((p.seq_k + C::kBwdBlockN - 1) / C::kBwdBlockN),
+                    static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch));
+    DTRAIN_LAUNCH(kernel, grid, C::kThreads, smem, stream, p, dq_accum, delta);
+    return launched();
+  });
 }
 
 }  // namespace dtrain_kernels

@@ -354,7 +354,7 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
     // Every forward kernel this device runs (mma.sync; wgmma on Hopper and in the
     // emulator), each into fresh poisoned outputs; the backward takes the last one's.
     for (auto kernel : {DTRAIN_ATTENTION_KERNEL_MMA, DTRAIN_ATTENTION_KERNEL_WGMMA}) {
-    if (!dtrain_attention_fwd_kernel_available(kernel)) continue;
+    if (!dtrain_attention_kernel_available(kernel)) continue;
     SCOPED_TRACE(kernel == DTRAIN_ATTENTION_KERNEL_MMA ? "mma.sync forward" : "wgmma forward");
     o = poisoned({c.batch, c.heads, c.seq_q, c.dim}, c.type);
     lse = poisoned({c.batch, c.heads, c.seq_q}, at::kFloat);
@@ -393,9 +393,14 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
     }
     }
 
+    // Every backward kernel this device runs, each into fresh poisoned outputs.
+    for (auto kernel : {DTRAIN_ATTENTION_KERNEL_MMA, DTRAIN_ATTENTION_KERNEL_WGMMA}) {
+    if (!dtrain_attention_kernel_available(kernel)) continue;
+    SCOPED_TRACE(kernel == DTRAIN_ATTENTION_KERNEL_MMA ? "mma.sync backward" : "wgmma backward");
     auto dq = poisoned({c.batch, c.heads, c.seq_q, c.dim}, c.type);
     auto dk = poisoned(k.sizes(), c.type), dv = poisoned(v.sizes(), c.type);
     dtrain_attention_bwd_params g{};
+    g.kernel = kernel;
     g.q = f.q;
     g.k = f.k;
     g.v = f.v;
@@ -434,6 +439,7 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
       const double e = max_abs(got, ref), ne = max_abs(nv, ref);
       EXPECT_LE(e, 2 * ne + 1e-3) << what << ": kernel " << e << ", naive " << ne;
     }
+    }
   }
 }
 
@@ -442,9 +448,9 @@ TEST(KERNEL_SUITE(FlashAttention), RefusesWhatItDoesNotTake) {
   EXPECT_EQ(dtrain_attention_fwd(&f, nullptr), cudaErrorInvalidValue);
   EXPECT_EQ(dtrain_attention_supports_head_dim(96), 0);
   EXPECT_EQ(dtrain_attention_supports_head_dim(128), 1);
-  EXPECT_EQ(dtrain_attention_fwd_kernel_available(DTRAIN_ATTENTION_KERNEL_AUTO), 1);
-  EXPECT_EQ(dtrain_attention_fwd_kernel_available(DTRAIN_ATTENTION_KERNEL_MMA), 1);
-  EXPECT_EQ(dtrain_attention_fwd_kernel_available(static_cast<dtrain_attention_kernel>(7)), 0);
+  EXPECT_EQ(dtrain_attention_kernel_available(DTRAIN_ATTENTION_KERNEL_AUTO), 1);
+  EXPECT_EQ(dtrain_attention_kernel_available(DTRAIN_ATTENTION_KERNEL_MMA), 1);
+  EXPECT_EQ(dtrain_attention_kernel_available(static_cast<dtrain_attention_kernel>(7)), 0);
 }
 
 }  // namespace

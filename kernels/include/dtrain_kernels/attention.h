@@ -22,9 +22,10 @@ typedef struct {
   int64_t batch, head, seq; /* element strides */
 } dtrain_attention_strides;
 
-/* Which forward kernel runs: AUTO (0, what a zeroed params struct asks for) takes WGMMA
- * where it is available, else MMA; MMA is mma.sync (sm_80 and later); WGMMA is Hopper's
- * warpgroup MMA (a compute capability 9.0 device and a library built for sm_90a). */
+/* Which kernel runs (forward and backward alike): AUTO (0, what a zeroed params struct
+ * asks for) takes WGMMA where it is available, else MMA; MMA is mma.sync (sm_80 and
+ * later); WGMMA is Hopper's warpgroup MMA (a compute capability 9.0 device and a library
+ * built for sm_90a). */
 typedef enum {
   DTRAIN_ATTENTION_KERNEL_AUTO = 0,
   DTRAIN_ATTENTION_KERNEL_MMA = 1,
@@ -61,6 +62,7 @@ typedef struct {
   float scale;
   int causal;
   dtrain_kernel_dtype dtype;
+  dtrain_attention_kernel kernel;
 } dtrain_attention_bwd_params;
 
 cudaError_t dtrain_attention_fwd(const dtrain_attention_fwd_params* params, cudaStream_t stream);
@@ -68,9 +70,9 @@ cudaError_t dtrain_attention_bwd(const dtrain_attention_bwd_params* params, cuda
 size_t dtrain_attention_bwd_workspace_bytes(const dtrain_attention_bwd_params* params);
 /* Whether the kernels take this head dim (64, 128). */
 int dtrain_attention_supports_head_dim(int64_t head_dim);
-/* Whether dtrain_attention_fwd can run this kernel on the current device (the emulated
- * build: every kernel). Asking for one that cannot run is cudaErrorInvalidValue. */
-int dtrain_attention_fwd_kernel_available(dtrain_attention_kernel kernel);
+/* Whether dtrain_attention_fwd / _bwd can run this kernel on the current device (the
+ * emulated build: every kernel). Asking for one that cannot run is cudaErrorInvalidValue. */
+int dtrain_attention_kernel_available(dtrain_attention_kernel kernel);
 
 #ifdef __cplusplus
 }

@@ -22,7 +22,7 @@
 #define dtrain_attention_bwd dtrain_emu_attention_bwd
 #define dtrain_attention_bwd_workspace_bytes dtrain_emu_attention_bwd_workspace_bytes
 #define dtrain_attention_supports_head_dim dtrain_emu_attention_supports_head_dim
-#define dtrain_attention_fwd_kernel_available dtrain_emu_attention_fwd_kernel_available
+#define dtrain_attention_kernel_available dtrain_emu_attention_fwd_kernel_available
 #endif
 
 #ifdef __cplusplus

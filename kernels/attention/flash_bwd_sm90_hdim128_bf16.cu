@@ -1,0 +1,6 @@
+// Flash attention backward on wgmma (sm_90a), head dim 128, bf16 (one instantiation per file).
+#include "attention/flash_bwd_sm90.cuh"
+
+namespace dtrain_kernels {
+template cudaError_t run_flash_bwd_sm90<__nv_bfloat16, 128>(const dtrain_attention_bwd_params&, cudaStream_t);
+}  // namespace dtrain_kernels
