@@ -78,6 +78,33 @@ __device__ __forceinline__ void probabilities_t(float (&st)[kN][4], const float*
   }
 }
 
+// A query tile's log-sum-exp (log2 domain; +inf for padding rows, whose p is then 0) and
+// delta into shared memory; stat is the row of (b, h, query 0) in lse and delta.
+template <int kBlockM, int kThreads>
+__device__ __forceinline__ void stage_row_stats(float* lse_s, float* delta_s, const dtrain_attention_bwd_params& p,
+                                                const float* delta, int64_t stat, int64_t m0) {
+  for (int i = threadIdx.x; i < kBlockM; i += kThreads) {
+    const bool ok = m0 + i < p.seq_q;
+    lse_s[i] = ok ? p.lse[stat + m0 + i] * kLog2e : INFINITY;
+    delta_s[i] = ok ? delta[stat + m0 + i] : 0.f;
+  }
+}
+
+// scale a into the float32 dq buffer: a is one 8-column chunk (columns c, c + 1 of this
+// thread) of query rows qrow0 and qrow1 = qrow0 + 8; rows past seq_q are skipped.
+template <int D>
+__device__ __forceinline__ void add_dq(float* dq_accum, const dtrain_attention_bwd_params& p, int64_t stat,
+                                       int64_t qrow0, int c, const float (&a)[4]) {
+  if (qrow0 < p.seq_q) {
+    atomicAdd(&dq_accum[(stat + qrow0) * D + c], a[0] * p.scale);
+    atomicAdd(&dq_accum[(stat + qrow0) * D + c + 1], a[1] * p.scale);
+  }
+  if (qrow0 + 8 < p.seq_q) {
+    atomicAdd(&dq_accum[(stat + qrow0 + 8) * D + c], a[2] * p.scale);
+    atomicAdd(&dq_accum[(stat + qrow0 + 8) * D + c + 1], a[3] * p.scale);
+  }
+}
+
 // dK (times the softmax scale) and dV of this thread's two keys.
 template <typename T, int D>
 __device__ __forceinline__ void store_dk_dv(const dtrain_attention_bwd_params& p, int64_t b, int64_t hk, int64_t key0,
@@ -165,11 +192,7 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads)
       load_tile_async<BM, D, kThreads>(qs, P, q + m0 * p.q_stride.seq, p.q_stride.seq, p.seq_q - m0);
       load_tile_async<BM, D, kThreads>(dos, P, dout + m0 * p.dout_stride.seq, p.dout_stride.seq, p.seq_q - m0);
       cp_async_commit();
-      for (int i = threadIdx.x; i < BM; i += kThreads) {
-        const bool ok = m0 + i < p.seq_q;
-        lse_s[i] = ok ? p.lse[stat + m0 + i] * kLog2e : INFINITY;  // padding rows: p = 0
-        delta_s[i] = ok ? delta[stat + m0 + i] : 0.f;
-      }
+      stage_row_stats<BM, kThreads>(lse_s, delta_s, p, delta, stat, m0);
       cp_async_wait<0>();
       __syncthreads();
 
@@ -202,7 +225,7 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads)
       mma_acc_cols<T, 1, BM, D / 8>(dk_tiles, dpt_tiles, qs, P);
       __syncthreads();  // dS complete
       // dQ += scale dS K: warp w adds query rows [16 w, 16 w + 16) of the tile.
-      const int64_t qrow0 = m0 + warp * 16 + g, qrow1 = qrow0 + 8;
+      const int64_t qrow0 = m0 + warp * 16 + g;
       uint32_t dsf[BN / 16][4];
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) load_a(dsf[kk], dss + warp * 16 * PS + kk * 16, PS);
@@ -218,17 +241,7 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads)
           mma16816<T>(acc[1], dsf[kk], bf + 2);
         }
 #pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
-          const int c = (i + h2) * 8 + 2 * t;
-          if (qrow0 < p.seq_q) {
-            atomicAdd(&dq_accum[(stat + qrow0) * D + c], acc[h2][0] * p.scale);
-            atomicAdd(&dq_accum[(stat + qrow0) * D + c + 1], acc[h2][1] * p.scale);
-          }
-          if (qrow1 < p.seq_q) {
-            atomicAdd(&dq_accum[(stat + qrow1) * D + c], acc[h2][2] * p.scale);
-            atomicAdd(&dq_accum[(stat + qrow1) * D + c + 1], acc[h2][3] * p.scale);
-          }
-        }
+        for (int h2 = 0; h2 < 2; ++h2) add_dq<D>(dq_accum, p, stat, qrow0, (i + h2) * 8 + 2 * t, acc[h2]);
       }
     }
   }

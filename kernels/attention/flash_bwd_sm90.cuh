@@ -75,11 +75,7 @@ __global__ void __launch_bounds__(FlashBwdSm90Config<D>::kThreads, 1)
       load_blocked_async<BM, D, kThreads>(qs, q + m0 * p.q_stride.seq, p.q_stride.seq, p.seq_q - m0);
       load_blocked_async<BM, D, kThreads>(dos, dout + m0 * p.dout_stride.seq, p.dout_stride.seq, p.seq_q - m0);
       cp_async_commit();
-      for (int i = threadIdx.x; i < BM; i += kThreads) {
-        const bool ok = m0 + i < p.seq_q;
-        lse_s[i] = ok ? p.lse[stat + m0 + i] * kLog2e : INFINITY;  // padding rows: p = 0
-        delta_s[i] = ok ? delta[stat + m0 + i] : 0.f;
-      }
+      stage_row_stats<BM, kThreads>(lse_s, delta_s, p, delta, stat, m0);
       cp_async_wait<0>();
       fence_async_shared();
       __syncthreads();
@@ -138,7 +134,7 @@ __global__ void __launch_bounds__(FlashBwdSm90Config<D>::kThreads, 1)
       wgmma_commit();
       __syncthreads();  // dS complete
       // dQ += scale dS K, 64 columns at a time: warp w adds query rows [16 w, 16 w + 16).
-      const int64_t qrow0 = m0 + warp * 16 + g, qrow1 = qrow0 + 8;
+      const int64_t qrow0 = m0 + warp * 16 + g;
 #pragma unroll
       for (int c0 = 0; c0 < D; c0 += 64) {
         float dq[8][4];
@@ -153,17 +149,7 @@ __global__ void __launch_bounds__(FlashBwdSm90Config<D>::kThreads, 1)
         wgmma_wait<0>();
         wgmma_fence_regs(dq);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const int c = c0 + i * 8 + 2 * t;
-          if (qrow0 < p.seq_q) {
-            atomicAdd(&dq_accum[(stat + qrow0) * D + c], dq[i][0] * p.scale);
-            atomicAdd(&dq_accum[(stat + qrow0) * D + c + 1], dq[i][1] * p.scale);
-          }
-          if (qrow1 < p.seq_q) {
-            atomicAdd(&dq_accum[(stat + qrow1) * D + c], dq[i][2] * p.scale);
-            atomicAdd(&dq_accum[(stat + qrow1) * D + c + 1], dq[i][3] * p.scale);
-          }
-        }
+        for (int i = 0; i < 8; ++i) add_dq<D>(dq_accum, p, stat, qrow0, c0 + i * 8 + 2 * t, dq[i]);
       }
       wgmma_fence_regs(dk);
       wgmma_fence_regs(dv);
