@@ -1,5 +1,7 @@
 // The C entry points of flash attention (dtrain_kernels/attention.h): validation, then
 // dispatch to the (kernel, dtype, head dim) instantiation.
+#include <atomic>
+
 #include "attention/flash.cuh"
 #include "common.cuh"
 
@@ -36,23 +38,46 @@ struct FwdSm90 {
   }
 };
 
-// The wgmma kernel is real code only in an sm_90a build (DTRAIN_KERNELS_SM90A) and runs
-// only on compute capability 9.0; the emulator runs it anywhere.
+// The wgmma kernels are real code only in an sm_90a build (DTRAIN_KERNELS_SM90A) and run
+// only on compute capability 9.0; the emulator runs them anywhere. The answer per device
+// is cached: launches ask on every call.
 bool wgmma_available() {
 #if defined(DTRAIN_KERNELS_EMULATE)
   return true;
 #elif defined(DTRAIN_KERNELS_SM90A)
-  int device = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
     cudaGetLastError();  // no device: leave no sticky error behind
     return false;
   }
-  return major == 9 && minor == 0;
+  static std::atomic<signed char> cache[64];  // per device: 0 unknown, 1 yes, -1 no
+  signed char known = device >= 0 && device < 64 ? cache[device].load(std::memory_order_relaxed) : 0;
+  if (known == 0) {
+    int major = 0, minor = 0;
+    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+                    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess;
+    if (!ok) cudaGetLastError();
+    known = ok && major == 9 && minor == 0 ? 1 : -1;
+    if (device >= 0 && device < 64) cache[device].store(known, std::memory_order_relaxed);
+  }
+  return known > 0;
 #else
   return false;
 #endif
+}
+
+// What a launch asking for `kernel` runs here: 1 wgmma, 0 mma.sync, -1 nothing (a kernel
+// this device or build cannot run, or no kernel at all).
+int pick_kernel(dtrain_attention_kernel kernel) {
+  switch (kernel) {
+    case DTRAIN_ATTENTION_KERNEL_AUTO:
+      return wgmma_available() ? 1 : 0;
+    case DTRAIN_ATTENTION_KERNEL_MMA:
+      return 0;
+    case DTRAIN_ATTENTION_KERNEL_WGMMA:
+      return wgmma_available() ? 1 : -1;
+  }
+  return -1;
 }
 
 template <typename T, int D>
@@ -66,25 +91,13 @@ struct BwdSm90 {
   }
 };
 
-template <typename Params>
-bool use_wgmma(const Params& p) {
-  return p.kernel == DTRAIN_ATTENTION_KERNEL_WGMMA || (p.kernel == DTRAIN_ATTENTION_KERNEL_AUTO && wgmma_available());
-}
-
 }  // namespace
 }  // namespace dtrain_kernels
 
 extern "C" int dtrain_attention_supports_head_dim(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
 
 extern "C" int dtrain_attention_kernel_available(dtrain_attention_kernel kernel) {
-  switch (kernel) {
-    case DTRAIN_ATTENTION_KERNEL_AUTO:
-    case DTRAIN_ATTENTION_KERNEL_MMA:
-      return 1;
-    case DTRAIN_ATTENTION_KERNEL_WGMMA:
-      return dtrain_kernels::wgmma_available() ? 1 : 0;
-  }
-  return 0;
+  return dtrain_kernels::pick_kernel(kernel) >= 0 ? 1 : 0;
 }
 
 extern "C" cudaError_t dtrain_attention_fwd(const dtrain_attention_fwd_params* params, cudaStream_t stream) {
@@ -96,8 +109,9 @@ extern "C" cudaError_t dtrain_attention_fwd(const dtrain_attention_fwd_params* p
     return cudaErrorInvalidValue;
   }
   if (!aligned(p.q, 16) || !aligned(p.k, 16) || !aligned(p.v, 16) || !aligned(p.o, 4)) return cudaErrorInvalidValue;
-  if (!dtrain_attention_kernel_available(p.kernel)) return cudaErrorInvalidValue;
-  return use_wgmma(p) ? dispatch<FwdSm90>(p, stream) : dispatch<Fwd>(p, stream);
+  const int kernel = pick_kernel(p.kernel);
+  if (kernel < 0) return cudaErrorInvalidValue;
+  return kernel == 1 ? dispatch<FwdSm90>(p, stream) : dispatch<Fwd>(p, stream);
 }
 
 extern "C" size_t dtrain_attention_bwd_workspace_bytes(const dtrain_attention_bwd_params* params) {
@@ -121,6 +135,7 @@ extern "C" cudaError_t dtrain_attention_bwd(const dtrain_attention_bwd_params* p
       !aligned(p.dq, 2) || !aligned(p.dk, 4) || !aligned(p.dv, 4) || !aligned(p.workspace, 4)) {
     return cudaErrorInvalidValue;
   }
-  if (!dtrain_attention_kernel_available(p.kernel)) return cudaErrorInvalidValue;
-  return use_wgmma(p) ? dispatch<BwdSm90>(p, stream) : dispatch<Bwd>(p, stream);
+  const int kernel = pick_kernel(p.kernel);
+  if (kernel < 0) return cudaErrorInvalidValue;
+  return kernel == 1 ? dispatch<BwdSm90>(p, stream) : dispatch<Bwd>(p, stream);
 }
