@@ -111,7 +111,14 @@ extern "C" cudaError_t dtrain_attention_fwd(const dtrain_attention_fwd_params* p
   if (!aligned(p.q, 16) || !aligned(p.k, 16) || !aligned(p.v, 16) || !aligned(p.o, 4)) return cudaErrorInvalidValue;
   const int kernel = pick_kernel(p.kernel);
   if (kernel < 0) return cudaErrorInvalidValue;
-  return kernel == 1 ? dispatch<FwdSm90>(p, stream) : dispatch<Fwd>(p, stream);
+  if (kernel == 0) return dispatch<Fwd>(p, stream);
+  // The wgmma forward loads through tensor maps; strides the driver cannot describe send
+  // AUTO to mma.sync and make an explicit WGMMA fail.
+  const cudaError_t e = dispatch<FwdSm90>(p, stream);
+  if (e == cudaErrorNotSupported) {
+    return p.kernel == DTRAIN_ATTENTION_KERNEL_AUTO ? dispatch<Fwd>(p, stream) : cudaErrorInvalidValue;
+  }
+  return e;
 }
 
 extern "C" size_t dtrain_attention_bwd_workspace_bytes(const dtrain_attention_bwd_params* params) {

@@ -1,76 +1,133 @@
-// Flash attention forward on Hopper's warpgroup MMA (sm_90a): FlashAttention-2's loop
-// order with wgmma in place of mma.sync. A block of two warpgroups owns 128 query rows
-// (64 per warpgroup) of one (batch, head) and walks key/value tiles of 128 keys. Q, K and
-// V sit in shared memory in wgmma's blocked no-swizzle layout (load_blocked_async, by
-// cp.async; K and V double-buffered); S = Q K^T is one m64n128 wgmma chain per warpgroup
-// with both operands read by descriptor, the mask and online softmax are the mma.sync
-// kernel's (flash_fwd_tile.cuh: the accumulator layouts agree), and O += P V takes P from
-// registers and V by an MN-major descriptor. The softmax of the next tile overlaps the
-// P V of this one. The warpgroups run in lockstep (no producer warp, no ping-pong between
-// them yet).
+// Flash attention forward on Hopper (sm_90a), FlashAttention-3's structure: a block of
+// three warpgroups owns 128 query rows of one (batch, head). Warpgroup 0 is the producer:
+// one thread issues bulk tensor copies (TMA) of Q and of each 128-key K and V tile into a
+// ring of stages (shared memory, 128-byte swizzle), each stage with a "full" mbarrier
+// (the copy's bytes landed) and an "empty" one (both consumers are done with it); it
+// gives its registers to the consumers (setmaxnreg). Warpgroups 1 and 2 own 64 query
+// rows each: S = Q K^T by wgmma with both operands read by swizzled descriptors, the mask
+// and online softmax of the mma.sync kernel (flash_fwd_tile.cuh: the accumulator layouts
+// agree), O += P V with P from registers and V read MN-major. Within a warpgroup the
+// softmax of tile j + 1 runs while P_j V_j is on the tensor cores; between the two, named
+// barriers make them issue their MMAs in turn (ping-pong), so that one's softmax overlaps
+// the other's MMAs.
 #pragma once
 
 #include "attention/flash_fwd_tile.cuh"
-#include "wgmma.cuh"
+#include "tma.cuh"
 
 namespace dtrain_kernels {
 
 template <int D>
 struct FlashSm90Config {
-  static constexpr int kWarpGroups = 2;
-  static constexpr int kThreads = 128 * kWarpGroups;
-  static constexpr int kBlockM = 64 * kWarpGroups;
+  static constexpr int kConsumers = 2;  // warpgroups of 64 query rows
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  static constexpr int kBlockM = 64 * kConsumers;
   static constexpr int kBlockN = 128;
-  // Q, then two K and two V buffers (key tile n in buffer n % 2).
-  static constexpr size_t kSmemElements = static_cast<size_t>(kBlockM + 4 * kBlockN) * D;
+  static constexpr int kStages = D == 64 ? 3 : 2;  // K/V ring
+  static constexpr int kBox = 64;                  // columns per copy: one 128-byte swizzled row
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  // Q, then kStages K and kStages V tiles ([D / 64][rows][64] each), then the mbarriers
+  // (Q full; per stage K full, V full, K empty, V empty); 1024 bytes of slack to align the
+  // tiles to the swizzle's 1024-byte atoms.
+  static constexpr size_t kTileElements = static_cast<size_t>(kBlockM + 2 * kStages * kBlockN) * D;
+  static constexpr size_t kSmemBytes = 1024 + 2 * kTileElements + 8 * (1 + 4 * kStages);
 };
 
 template <typename T, int D>
 __global__ void __launch_bounds__(FlashSm90Config<D>::kThreads, 1)
-    flash_fwd_sm90_kernel(dtrain_attention_fwd_params p) {
+    flash_fwd_sm90_kernel(dtrain_attention_fwd_params p, const __grid_constant__ CUtensorMap tm_q,
+                          const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v) {
 #if DTRAIN_HAVE_WGMMA
   using C = FlashSm90Config<D>;
-  constexpr int BM = C::kBlockM, BN = C::kBlockN, kThreads = C::kThreads;
-  DTRAIN_DYNAMIC_SMEM(T, smem);
-  T* qs = smem;
-  // Key tile n's K and V buffers (pointer arithmetic: an array of two would sit in local
-  // memory, indexed at run time).
-  auto kbuf = [&](int n) { return qs + (BM + (n % 2) * BN) * D; };
-  auto vbuf = [&](int n) { return qs + (BM + (2 + n % 2) * BN) * D; };
+  constexpr int BM = C::kBlockM, BN = C::kBlockN, S = C::kStages, kBox = C::kBox;
+  constexpr uint32_t kTileBytes = BN * D * 2;
+  DTRAIN_DYNAMIC_SMEM(unsigned char, raw);
+  T* qs = reinterpret_cast<T*>(raw + (1024 - shared_address(raw) % 1024) % 1024);
+  // Stage st's K and V tiles (pointer arithmetic: an array would sit in local memory).
+  auto kbuf = [&](int st) { return qs + (BM + st * BN) * D; };
+  auto vbuf = [&](int st) { return qs + (BM + (S + st) * BN) * D; };
+  uint64_t* bars = reinterpret_cast<uint64_t*>(qs + C::kTileElements);
+  uint64_t *q_full = bars, *k_full = bars + 1, *v_full = bars + 1 + S, *k_empty = bars + 1 + 2 * S,
+           *v_empty = bars + 1 + 3 * S;
 
   const FwdBlock<T, BM, BN> blk(p);
   const int64_t b = blk.b, h = blk.h, m0 = blk.m0;
-  const T *q = blk.q, *k = blk.k, *v = blk.v;
   const int n_tiles = blk.n_tiles;
-  const int group = threadIdx.x / 128, warp = threadIdx.x / 32 % 4, g = threadIdx.x % 32 / 4;
-  const int64_t row0 = m0 + group * 64 + warp * 16 + g;  // this thread's first row (mask_scores)
-  // Key tile n into its buffer; past the last tile an empty group, so that every thread's
-  // cp.async group count stays the same.
-  auto load_k = [&](int n) {
-    if (n < n_tiles) {
-      load_blocked_async<BN, D, kThreads>(kbuf(n), k + int64_t{n} * BN * p.k_stride.seq, p.k_stride.seq,
-                                          p.seq_k - int64_t{n} * BN);
+  const int group = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    mbarrier_init(q_full, 1);
+    for (int st = 0; st < S; ++st) {
+      mbarrier_init(k_full + st, 1);
+      mbarrier_init(v_full + st, 1);
+      mbarrier_init(k_empty + st, 128 * C::kConsumers);
+      mbarrier_init(v_empty + st, 128 * C::kConsumers);
     }
-    cp_async_commit();
-  };
-  auto load_v = [&](int n) {
-    if (n < n_tiles) {
-      load_blocked_async<BN, D, kThreads>(vbuf(n), v + int64_t{n} * BN * p.v_stride.seq, p.v_stride.seq,
-                                          p.seq_k - int64_t{n} * BN);
+    fence_barrier_init();
+  }
+  __syncthreads();  // the only block barrier: from here on the warpgroups go their own ways
+
+  if (group == 0) {  // the producer
+    setmaxnreg_dec<C::kProducerRegs>();
+    if (threadIdx.x != 0) return;
+    const int hk = static_cast<int>(h / (p.heads / p.kv_heads));
+    mbarrier_arrive_expect_tx(q_full, BM * D * 2);
+#pragma unroll
+    for (int c = 0; c < D / kBox; ++c) {
+      tma_load_4d(qs + c * BM * kBox, &tm_q, c * kBox, static_cast<int>(m0), static_cast<int>(h), static_cast<int>(b),
+                  q_full);
     }
-    cp_async_commit();
-  };
+    // Tile n into stage n % S once both consumers have released that stage's previous
+    // tile (phase parity flips every S tiles; a fresh barrier passes parity 1 at once).
+    for (int n = 0; n < n_tiles; ++n) {
+      const int st = n % S, parity = (n / S) & 1;
+      mbarrier_wait(k_empty + st, parity ^ 1);
+      mbarrier_arrive_expect_tx(k_full + st, kTileBytes);
+#pragma unroll
+      for (int c = 0; c < D / kBox; ++c) {
+        tma_load_4d(kbuf(st) + c * BN * kBox, &tm_k, c * kBox, n * BN, hk, static_cast<int>(b), k_full + st);
+      }
+      mbarrier_wait(v_empty + st, parity ^ 1);
+      mbarrier_arrive_expect_tx(v_full + st, kTileBytes);
+#pragma unroll
+      for (int c = 0; c < D / kBox; ++c) {
+        tma_load_4d(vbuf(st) + c * BN * kBox, &tm_v, c * kBox, n * BN, hk, static_cast<int>(b), v_full + st);
+      }
+    }
+    return;
+  }
+
+  setmaxnreg_inc<C::kConsumerRegs>();
+  const int cg = group - 1, warp = threadIdx.x / 32 % 4, g = threadIdx.x % 32 / 4;
+  const int64_t row0 = m0 + cg * 64 + warp * 16 + g;  // this thread's first row (mask_scores)
   const float scale_log2 = p.scale * kLog2e;
-  const uint64_t q_desc = kmajor_desc<D>(qs + group * 64 * D);  // this warpgroup's 64 rows
+  // Columns 16 kk .. 16 kk + 15 of a K-major tile of `rows` rows: box kk / 4, 32 bytes per
+  // 16 columns inside its rows.
+  auto k_step = [](int kk, int rows) { return static_cast<uint32_t>((kk / 4) * rows * 128 + (kk % 4) * 32); };
+  const uint64_t q_desc = sw128_kmajor_desc(qs + cg * 64 * kBox);  // this warpgroup's 64 rows
   // S = Q K_n^T, 64 x 128 per warpgroup (unscaled), issued and committed as one group.
   auto issue_s = [&](float (&s)[BN / 8][4], int n) {
-    const uint64_t k_desc = kmajor_desc<D>(kbuf(n));
+    const uint64_t k_desc = sw128_kmajor_desc(kbuf(n % S));
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      wgmma_ss<T, BN>(s, desc_advance(q_desc, kk * 256), desc_advance(k_desc, kk * 256), kk);
+      wgmma_ss<T, BN>(s, desc_advance(q_desc, k_step(kk, BM)), desc_advance(k_desc, k_step(kk, BN)), kk);
     }
     wgmma_commit();
   };
+  float acc[1][D / 8][4];
+  uint32_t pf[BN / 16][4];
+  // O += P_n V_n: keys 16 kk .. 16 kk + 15 are two 8-row atoms, 2048 bytes on.
+  auto issue_pv = [&](int n) {
+    const uint64_t v_desc = sw128_mnmajor_desc(vbuf(n % S), BN * 128);
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs_mn<T, D>(acc[0], pf[kk], desc_advance(v_desc, kk * 2048));
+    wgmma_commit();
+  };
+  auto wait_k = [&](int n) { mbarrier_wait(k_full + n % S, (n / S) & 1); };
+  auto wait_v = [&](int n) { mbarrier_wait(v_full + n % S, (n / S) & 1); };
+  // Ping-pong: warpgroup cg issues its MMAs after passing barrier 1 + cg, which the other
+  // warpgroup's last issue (and, for warpgroup 0's first, warpgroup 1 at the start) arrived at.
+  auto my_turn = [&] { named_barrier_sync(1 + cg, 256); };
+  auto their_turn = [&] { named_barrier_arrive(2 - cg, 256); };
   // The mask (only tiles past the end of the keys or across the causal diagonal) and the
   // softmax of tile n: s becomes P, alpha the rescale of what O holds so far.
   auto softmax_tile = [&](float (&s)[1][BN / 8][4], int n, float (&row_max)[1][2], float (&row_sum)[1][2],
@@ -80,7 +137,7 @@ __global__ void __launch_bounds__(FlashSm90Config<D>::kThreads, 1)
     softmax_step(s, row_max, row_sum, scale_log2, alpha);
   };
   // P as A fragments: accumulator chunks 2 kk and 2 kk + 1 are the 16 x 16 A tile kk.
-  auto pack_p = [&](uint32_t (&pf)[BN / 16][4], const float (&s)[1][BN / 8][4]) {
+  auto pack_p = [&](const float (&s)[1][BN / 8][4]) {
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
       pf[kk][0] = pack2<T>(s[0][2 * kk][0], s[0][2 * kk][1]);
@@ -90,76 +147,59 @@ __global__ void __launch_bounds__(FlashSm90Config<D>::kThreads, 1)
     }
   };
 
-  // Prologue: Q with K_0, K_1, V_0 in flight; S_0 and its softmax; then K_2 and V_1.
-  load_blocked_async<BM, D, kThreads>(qs, q, p.q_stride.seq, p.seq_q - m0);
-  load_k(0);
-  load_k(1);
-  load_v(0);
-  float acc[1][D / 8][4];
   zero_tiles(acc);
   float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}}, alpha[1][2];
-  uint32_t pf[BN / 16][4];
-  {
-    cp_async_wait<2>();  // Q and K_0
-    fence_async_shared();
-    __syncthreads();
+  if (cg == 1) their_turn();  // warpgroup 0 goes first
+  mbarrier_wait(q_full, 0);
+  {  // S_0 and its softmax
+    wait_k(0);
     float s[1][BN / 8][4];
+    my_turn();
     wgmma_fence();
     issue_s(s[0], 0);
+    their_turn();
     wgmma_wait<0>();
     wgmma_fence_regs(s[0]);
+    mbarrier_arrive(k_empty);
     softmax_tile(s, 0, row_max, row_sum, alpha);  // alpha is 0 or 1 here: O is still zero
-    pack_p(pf, s);
+    pack_p(s);
   }
-  __syncthreads();  // both warpgroups are done with K_0
-  load_k(2);
-  load_v(1);
-
   // Tile j: S_{j+1} = Q K_{j+1}^T and O += P_j V_j go out together; the softmax of S_{j+1}
-  // runs while P_j V_j is still in flight (FlashAttention-3's overlap within a
-  // warpgroup), and O is rescaled once that is done. The loads run two tiles ahead for K
-  // and one for V: at the top of tile j, V_j and K_{j+1} must have landed, K_{j+2} and
-  // V_{j+1} may still be in flight.
-  auto issue_pv = [&](int n) {
-    const uint64_t v_desc = mnmajor_desc<D>(vbuf(n));
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs_mn<T, D>(acc[0], pf[kk], desc_advance(v_desc, kk * 2 * D * 16));
-    wgmma_commit();
-  };
-  auto tile_loaded = [] {
-    cp_async_wait<2>();
-    fence_async_shared();
-    __syncthreads();
-  };
+  // runs while P_j V_j is still in flight, and O is rescaled once that is done. Each
+  // stage is released as soon as the MMA reading it has retired.
   for (int j = 0; j + 1 < n_tiles; ++j) {
-    tile_loaded();
+    wait_k(j + 1);
+    wait_v(j);
     float s[1][BN / 8][4];
+    my_turn();
     wgmma_fence_regs(acc[0]);
     wgmma_fence();
     issue_s(s[0], j + 1);
     issue_pv(j);
+    their_turn();
     wgmma_wait<1>();  // S_{j+1}; P_j V_j may still run
     wgmma_fence_regs(s[0]);
+    mbarrier_arrive(k_empty + (j + 1) % S);
     softmax_tile(s, j + 1, row_max, row_sum, alpha);
     wgmma_wait<0>();
     wgmma_fence_regs(acc[0]);
     wgmma_fence_regs(pf);  // P_j's registers stay untouched until the wait
+    mbarrier_arrive(v_empty + j % S);
     rescale(acc, alpha);
-    pack_p(pf, s);
-    __syncthreads();  // both warpgroups are done with K_{j+1} and V_j
-    load_k(j + 3);
-    load_v(j + 2);
+    pack_p(s);
   }
-  if (n_tiles > 0) {  // the last tile: P V only
-    tile_loaded();
+  {  // the last tile: P V only (warpgroup 1 arrives at nothing after it: no turn follows)
+    const int last = n_tiles - 1;
+    wait_v(last);
+    my_turn();
     wgmma_fence_regs(acc[0]);
     wgmma_fence();
-    issue_pv(n_tiles - 1);
+    issue_pv(last);
+    if (cg == 0) their_turn();
     wgmma_wait<0>();
     wgmma_fence_regs(acc[0]);
     wgmma_fence_regs(pf);
   }
-  cp_async_wait<0>();  // nothing may stay in flight
 
   store_output<T>(p, b, h, row0, acc, row_max, row_sum);
 #else
@@ -170,7 +210,20 @@ __global__ void __launch_bounds__(FlashSm90Config<D>::kThreads, 1)
 template <typename T, int D>
 cudaError_t run_flash_fwd_sm90(const dtrain_attention_fwd_params& p, cudaStream_t stream) {
   using C = FlashSm90Config<D>;
-  return launch_fwd<C::kBlockM>(flash_fwd_sm90_kernel<T, D>, p, C::kThreads, sizeof(T) * C::kSmemElements, stream);
+  constexpr bool bf16 = std::is_same<T, __nv_bfloat16>::value;
+  CUtensorMap tm_q, tm_k, tm_v;
+  const uint64_t q_dims[4] = {uint64_t{D}, static_cast<uint64_t>(p.seq_q), static_cast<uint64_t>(p.heads),
+                              static_cast<uint64_t>(p.batch)};
+  const uint64_t kv_dims[4] = {uint64_t{D}, static_cast<uint64_t>(p.seq_k), static_cast<uint64_t>(p.kv_heads),
+                               static_cast<uint64_t>(p.batch)};
+  const int64_t q_strides[3] = {p.q_stride.seq, p.q_stride.head, p.q_stride.batch};
+  const int64_t k_strides[3] = {p.k_stride.seq, p.k_stride.head, p.k_stride.batch};
+  const int64_t v_strides[3] = {p.v_stride.seq, p.v_stride.head, p.v_stride.batch};
+  cudaError_t e = make_tensor_map_4d(&tm_q, p.q, bf16, q_dims, q_strides, C::kBox, C::kBlockM);
+  if (e == cudaSuccess) e = make_tensor_map_4d(&tm_k, p.k, bf16, kv_dims, k_strides, C::kBox, C::kBlockN);
+  if (e == cudaSuccess) e = make_tensor_map_4d(&tm_v, p.v, bf16, kv_dims, v_strides, C::kBox, C::kBlockN);
+  if (e != cudaSuccess) return e;
+  return launch_fwd<C::kBlockM>(flash_fwd_sm90_kernel<T, D>, p, C::kThreads, C::kSmemBytes, stream, tm_q, tm_k, tm_v);
 }
 
 }  // namespace dtrain_kernels

@@ -138,15 +138,15 @@ __device__ __forceinline__ void store_output(const dtrain_attention_fwd_params& 
 }
 
 // Launches a forward kernel with `smem` bytes of dynamic shared memory: one block of
-// `threads` per (query block of kBlockM, head, batch).
-template <int kBlockM>
-cudaError_t launch_fwd(void (*kernel)(dtrain_attention_fwd_params), const dtrain_attention_fwd_params& p, int threads,
-                       size_t smem, cudaStream_t stream) {
+// `threads` per (query block of kBlockM, head, batch); `extra` follow the params.
+template <int kBlockM, typename... Extra>
+cudaError_t launch_fwd(void (*kernel)(dtrain_attention_fwd_params, Extra...), const dtrain_attention_fwd_params& p,
+                       int threads, size_t smem, cudaStream_t stream, const Extra&... extra) {
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>((p.seq_q + kBlockM - 1) / kBlockM), static_cast<unsigned>(p.heads),
                   static_cast<unsigned>(p.batch));
-  DTRAIN_LAUNCH(kernel, grid, threads, smem, stream, p);
+  DTRAIN_LAUNCH(kernel, grid, threads, smem, stream, p, extra...);
   return launched();
 }
 

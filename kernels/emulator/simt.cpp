@@ -7,6 +7,7 @@
 #include <ucontext.h>
 
 #include <algorithm>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -21,7 +22,7 @@ namespace {
 constexpr std::size_t kStack = 256 * 1024;
 constexpr std::size_t kSlot = 64;  // bytes a lane publishes in one exchange
 
-enum class Wait { kNone, kBlock, kWarp, kGroup };
+enum class Wait { kNone, kBlock, kWarp, kGroup, kMbarrier, kNamed, kPass };
 
 struct Fiber {
   ucontext_t ctx;
@@ -29,6 +30,8 @@ struct Fiber {
   bool done = false;
   Wait wait = Wait::kNone;
   std::uint64_t gen = 0;
+  std::uint32_t mbarrier = 0;  // kMbarrier: the barrier's offset, and the parity awaited
+  int parity = 0, named = 0;   // kNamed: the barrier id
 };
 
 struct Barrier {
@@ -65,6 +68,23 @@ struct WgmmaThread {
   bool fenced = false;
 };
 
+// A bulk tensor copy issued and not yet landed.
+struct TmaCopy {
+  TensorMap map;
+  int coords[5];
+  std::uint32_t dst;
+};
+struct Mbarrier {
+  int count = 0, pending = 0;  // arrivals per phase, and still to come in this one
+  std::int64_t tx = 0;         // transaction bytes still to come in this phase
+  std::uint64_t phase = 0;     // completed phases
+  std::vector<TmaCopy> copies;
+};
+struct NamedBarrier {
+  int threads = 0, arrived = 0;
+  std::uint64_t gen = 0;
+};
+
 struct State {
   std::vector<Fiber> fibers;
   std::vector<Barrier> warps, groups;
@@ -75,11 +95,16 @@ struct State {
   const std::function<void()>* body = nullptr;
   std::vector<unsigned char> smem;
   std::vector<unsigned char> slots;  // [threads][kSlot]
+  std::map<std::uint32_t, Mbarrier> mbarriers;  // by shared-memory offset
+  NamedBarrier named[16];
+  std::uint64_t pass = 0;  // the scheduler's passes over the warpgroups
   std::string error;
 };
 State s;
 
 void yield() { swapcontext(&s.fibers[s.current].ctx, &s.scheduler); }
+
+void land_copies(Mbarrier& m);  // below
 
 void entry() {
   const int me = s.current;
@@ -119,6 +144,8 @@ void run_block(int threads) {
   s.groups.assign((threads + 127) / 128, Barrier{});
   for (int g = 0; g * 128 < threads; ++g) s.groups[g].alive = std::min(128, threads - g * 128);
   s.wgmma.assign(threads, WgmmaThread{});
+  s.mbarriers.clear();
+  for (auto& n : s.named) n = NamedBarrier{};
   // One warp at a time runs until all its threads wait at the block barrier (or end), so
   // that a warp gets ahead of the others as far as the barriers allow; the warps of one
   // warpgroup (4 warps) take turns until the whole group waits there, so that a group gets
@@ -133,6 +160,13 @@ void run_block(int threads) {
     if (f.wait == Wait::kBlock) return f.gen != s.block.gen;
     if (f.wait == Wait::kWarp) return f.gen != s.warps[i / 32].gen;
     if (f.wait == Wait::kGroup) return f.gen != s.groups[i / 128].gen;
+    if (f.wait == Wait::kNamed) return f.gen != s.named[f.named].gen;
+    if (f.wait == Wait::kPass) return f.gen != s.pass;
+    if (f.wait == Wait::kMbarrier) {
+      auto& m = s.mbarriers.at(f.mbarrier);
+      land_copies(m);
+      return static_cast<int>(m.phase & 1) != f.parity;
+    }
     return true;
   };
   auto run_warp = [&](int w) {  // true when any of its threads ran
@@ -166,6 +200,7 @@ void run_block(int threads) {
       }
     }
     forward = !forward;
+    ++s.pass;
     if (!progressed) {
       throw std::runtime_error("emulator: block (" + std::to_string(block_idx.x) + "," + std::to_string(block_idx.y) +
                                "," + std::to_string(block_idx.z) + ") deadlocked: some threads wait at a barrier "
@@ -328,24 +363,45 @@ std::uint32_t shared_address(const void* p) {
 
 namespace {
 
-// A no-swizzle matrix descriptor: 8 x 8 core matrices of 16-bit elements, 128 contiguous
-// bytes each (8 rows of 16 bytes); adjacent core matrices lbo bytes apart along K and sbo
-// bytes apart along M or N. K-major: a core matrix's rows run along M/N and its 16 bytes
-// along K; MN-major the other way round.
+// A matrix descriptor of 16-bit elements, no swizzle or 128-byte swizzle (the PTX ISA's
+// canonical layouts, in bytes).
+// No swizzle: 8 x 8 core matrices of 128 contiguous bytes (8 rows of 16 bytes), adjacent
+// ones lbo bytes apart along K and sbo along M or N. K-major: a core matrix's rows run
+// along M/N and its 16 bytes along K; MN-major the other way round.
+// 128-byte swizzle: rows of 128 bytes (64 elements) along K (K-major) or M/N (MN-major),
+// 8 rows to an atom of 1024 bytes; K-major: row = M/N, atoms sbo apart along M/N (lbo
+// unused); MN-major: row = K, atoms sbo apart along K and lbo apart per 64 of M/N. The
+// address's bits 4-6 are then XORed with its bits 7-9 (the 16-byte chunk with the row
+// within the atom), as the copy that wrote the tile did.
 struct Desc {
   std::uint32_t start, lbo, sbo;
+  bool swizzle128;
 };
 
 Desc decode(std::uint64_t d) {
-  if ((d >> 62) != 0) throw std::runtime_error("emulator: swizzled wgmma descriptors are not emulated");
+  const auto mode = d >> 62;
+  if (mode != 0 && mode != 1) throw std::runtime_error("emulator: 32- and 64-byte swizzled wgmma descriptors are not emulated");
   if (((d >> 49) & 7) != 0) throw std::runtime_error("emulator: wgmma descriptor with a base offset");
   return {static_cast<std::uint32_t>(d & 0x3fff) << 4, static_cast<std::uint32_t>((d >> 16) & 0x3fff) << 4,
-          static_cast<std::uint32_t>((d >> 32) & 0x3fff) << 4};
+          static_cast<std::uint32_t>((d >> 32) & 0x3fff) << 4, mode == 1};
+}
+
+std::size_t swizzle128(std::size_t off) { return off ^ (((off >> 7) & 7) << 4); }
+
+// The element's offset before the swizzle (which moves it only within its 128-byte row).
+std::size_t desc_offset(const Desc& d, int mn, int k, bool mn_major) {
+  if (d.swizzle128) {
+    return std::size_t{d.start} + (mn_major ? std::size_t(mn / 64) * d.lbo + (mn % 64) * 2 + (k % 8) * 128 +
+                                                  std::size_t(k / 8) * d.sbo
+                                            : std::size_t(mn / 8) * d.sbo + (mn % 8) * 128 + k * 2);
+  }
+  return std::size_t{d.start} + std::size_t(mn / 8) * d.sbo + std::size_t(k / 8) * d.lbo +
+         (mn_major ? (k % 8) * 16 + (mn % 8) * 2 : (mn % 8) * 16 + (k % 8) * 2);
 }
 
 float desc_element(const Desc& d, int mn, int k, bool mn_major, bool bf16) {
-  const std::size_t off = std::size_t{d.start} + std::size_t(mn / 8) * d.sbo + std::size_t(k / 8) * d.lbo +
-                          (mn_major ? (k % 8) * 16 + (mn % 8) * 2 : (mn % 8) * 16 + (k % 8) * 2);
+  std::size_t off = desc_offset(d, mn, k, mn_major);
+  if (d.swizzle128) off = swizzle128(off);
   if (off + 2 > s.smem.size()) throw std::runtime_error("emulator: wgmma operand past the dynamic shared memory");
   std::uint16_t bits;
   std::memcpy(&bits, s.smem.data() + off, 2);
@@ -449,5 +505,168 @@ void wgmma_wait(int pending) {
   th.ops.erase(th.ops.begin(), th.ops.begin() + static_cast<std::ptrdiff_t>(done));
   th.fenced = false;
 }
+
+// ---- TMA and mbarrier ----------------------------------------------------------------------
+void encode_tensor_map(void* map, const TensorMap& m) {
+  static_assert(sizeof(TensorMap) <= 128, "a CUtensorMap holds 128 bytes");
+  auto bad = [](const std::string& what) { throw std::runtime_error("emulator: tensor map: " + what); };
+  if (m.rank < 1 || m.rank > 5) bad("rank must be 1..5");
+  if (reinterpret_cast<std::uintptr_t>(m.base) % 16 != 0) bad("global address not 16-byte aligned");
+  if (m.swizzle != 0 && m.swizzle != 128) bad("only no swizzle and the 128-byte swizzle are emulated");
+  if (m.strides[0] != static_cast<std::uint64_t>(m.elem_bytes)) bad("dimension 0 must be contiguous");
+  for (int i = 0; i < m.rank; ++i) {
+    if (m.dims[i] == 0 || m.box[i] == 0 || m.box[i] > 256) bad("dimensions must be positive, boxes 1..256");
+    if (i > 0 && m.strides[i] % 16 != 0) bad("strides must be multiples of 16 bytes");
+  }
+  if (m.box[0] * m.elem_bytes % 16 != 0) bad("the box's inner extent must be a multiple of 16 bytes");
+  if (m.swizzle == 128 && m.box[0] * m.elem_bytes > 128) bad("a 128-byte swizzle needs an inner box of at most 128 bytes");
+  std::memset(map, 0, 128);
+  std::memcpy(map, &m, sizeof(m));
+}
+
+namespace {
+Mbarrier& mbarrier_at(void* bar, const char* what) {
+  const std::uint32_t off = shared_address(bar);
+  if (off % 8 != 0) throw std::runtime_error(std::string("emulator: ") + what + ": mbarrier not 8-byte aligned");
+  auto it = s.mbarriers.find(off);
+  if (it == s.mbarriers.end()) throw std::runtime_error(std::string("emulator: ") + what + " on an mbarrier never initialised");
+  return it->second;
+}
+
+void complete_if_done(Mbarrier& m) {
+  if (m.pending == 0 && m.tx == 0) {
+    ++m.phase;
+    m.pending = m.count;
+  }
+}
+
+void arrive(Mbarrier& m, const char* what) {
+  if (m.pending == 0) throw std::runtime_error(std::string("emulator: ") + what + ": more arrivals than the mbarrier's count");
+  --m.pending;
+  complete_if_done(m);
+}
+
+void land_copies(Mbarrier& m) {
+  auto copies = std::move(m.copies);
+  m.copies.clear();
+  for (const auto& c : copies) {
+    const TensorMap& t = c.map;
+    std::uint64_t elems = 1;
+    for (int i = 0; i < t.rank; ++i) elems *= t.box[i];
+    const std::uint64_t bytes = elems * t.elem_bytes;
+    if (c.dst + bytes > s.smem.size()) throw std::runtime_error("emulator: TMA box past the dynamic shared memory");
+    for (std::uint64_t e = 0; e < elems; ++e) {
+      std::uint64_t rest = e;
+      bool inside = true;
+      const unsigned char* src = static_cast<const unsigned char*>(t.base);
+      for (int i = 0; i < t.rank; ++i) {
+        const std::int64_t x = std::int64_t{c.coords[i]} + static_cast<std::int64_t>(rest % t.box[i]);
+        rest /= t.box[i];
+        inside = inside && x >= 0 && static_cast<std::uint64_t>(x) < t.dims[i];
+        if (inside) src += x * static_cast<std::int64_t>(t.strides[i]);
+      }
+      std::size_t off = c.dst + e * t.elem_bytes;
+      if (t.swizzle == 128) off = swizzle128(off);
+      if (inside) {
+        std::memcpy(s.smem.data() + off, src, t.elem_bytes);
+      } else {
+        std::memset(s.smem.data() + off, 0, t.elem_bytes);
+      }
+    }
+    m.tx -= static_cast<std::int64_t>(bytes);
+  }
+  complete_if_done(m);
+}
+}  // namespace
+
+void mbarrier_init(void* bar, int count) {
+  const std::uint32_t off = shared_address(bar);
+  if (off % 8 != 0) throw std::runtime_error("emulator: mbarrier_init: not 8-byte aligned");
+  if (count < 1) throw std::runtime_error("emulator: mbarrier_init: count must be positive");
+  Mbarrier m;
+  m.count = m.pending = count;
+  s.mbarriers[off] = std::move(m);
+}
+
+// An arrival lets the other warpgroups run before this thread goes on (till the next pass),
+// so that what it released (a buffer, say) is used while this thread's work is in flight.
+void mbarrier_arrive(void* bar) {
+  arrive(mbarrier_at(bar, "mbarrier_arrive"), "mbarrier_arrive");
+  auto& f = s.fibers[s.current];
+  f.gen = s.pass;
+  f.wait = Wait::kPass;
+  yield();
+}
+
+void mbarrier_arrive_expect_tx(void* bar, std::uint32_t bytes) {
+  auto& m = mbarrier_at(bar, "mbarrier_arrive_expect_tx");
+  m.tx += bytes;
+  arrive(m, "mbarrier_arrive_expect_tx");
+}
+
+void mbarrier_wait(void* bar, int parity) {
+  auto& m = mbarrier_at(bar, "mbarrier_wait");
+  land_copies(m);
+  if (static_cast<int>(m.phase & 1) != (parity & 1)) return;
+  auto& f = s.fibers[s.current];
+  f.mbarrier = shared_address(bar);
+  f.parity = parity & 1;
+  f.wait = Wait::kMbarrier;
+  yield();
+}
+
+void tma_load(void* dst, const void* map, const int* coords, void* bar) {
+  TmaCopy c;
+  std::memcpy(&c.map, map, sizeof(TensorMap));
+  if (c.map.rank < 1 || c.map.rank > 5 || c.map.base == nullptr) {
+    throw std::runtime_error("emulator: tma_load with a tensor map encode_tensor_map did not fill");
+  }
+  std::memcpy(c.coords, coords, sizeof(int) * c.map.rank);
+  c.dst = shared_address(dst);
+  if (c.dst % (c.map.swizzle == 128 ? 1024 : 128) != 0) {
+    throw std::runtime_error("emulator: tma_load destination not 128-byte aligned (1024 with the 128-byte swizzle)");
+  }
+  // The copy may land at any time from now: no wgmma still in flight may read its bytes.
+  std::size_t bytes = c.map.elem_bytes;
+  for (int i = 0; i < c.map.rank; ++i) bytes *= c.map.box[i];
+  auto overlaps = [&](std::uint64_t desc, int mn, bool mn_major) {
+    const Desc d = decode(desc);
+    std::size_t lo = desc_offset(d, 0, 0, mn_major), hi = desc_offset(d, mn - 1, 15, mn_major) + 2;
+    if (d.swizzle128) lo = lo / 128 * 128, hi = (hi + 127) / 128 * 128;
+    return lo < c.dst + bytes && c.dst < hi;
+  };
+  for (const auto& th : s.wgmma) {
+    for (const auto& op : th.ops) {
+      if ((!op.a_regs && overlaps(op.desc_a, 64, false)) || overlaps(op.desc_b, op.n, op.trans_b)) {
+        throw std::runtime_error("emulator: tma_load into shared memory that a wgmma in flight reads");
+      }
+    }
+  }
+  mbarrier_at(bar, "tma_load").copies.push_back(c);
+}
+
+namespace {
+void named_arrive(int id, int threads, bool wait) {
+  if (id < 1 || id > 15) throw std::runtime_error("emulator: named barrier id must be 1..15 (0 is __syncthreads')");
+  if (threads <= 0 || threads % 32 != 0) throw std::runtime_error("emulator: named barrier thread count must be a multiple of 32");
+  auto& b = s.named[id];
+  if (b.arrived == 0) b.threads = threads;
+  if (b.threads != threads) throw std::runtime_error("emulator: named barrier used with different thread counts");
+  auto& f = s.fibers[s.current];
+  f.gen = b.gen;
+  if (++b.arrived == b.threads) {
+    b.arrived = 0;
+    ++b.gen;
+    return;
+  }
+  if (!wait) return;
+  f.named = id;
+  f.wait = Wait::kNamed;
+  yield();
+}
+}  // namespace
+
+void named_barrier_sync(int id, int threads) { named_arrive(id, threads, true); }
+void named_barrier_arrive(int id, int threads) { named_arrive(id, threads, false); }
 
 }  // namespace dtrain_emu

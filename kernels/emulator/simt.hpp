@@ -70,6 +70,34 @@ void wgmma_commit();
 // Retires all but the newest `pending` committed groups of this thread's warpgroup.
 void wgmma_wait(int pending);
 
+// ---- bulk tensor copies (TMA) and transaction barriers (mbarrier), sm_90 -------------------
+// What the emulator keeps inside a CUtensorMap (its 128 opaque bytes): a tiled map of a
+// tensor of up to 5 dimensions, dimension 0 contiguous, strides in bytes, one box per copy,
+// and the swizzle (0 or 128 bytes) the copy writes shared memory with.
+struct TensorMap {
+  const void* base;
+  int rank, elem_bytes, swizzle;
+  std::uint64_t dims[5], strides[5];
+  std::uint32_t box[5];
+};
+// Fills the 128-byte map (a CUtensorMap) or throws on what the driver would refuse.
+void encode_tensor_map(void* map, const TensorMap& m);
+// mbarrier in shared memory: `count` arrivals and the transaction bytes expected on it
+// complete its current phase. mbarrier_wait(parity) returns once the phase of that parity
+// has completed (a fresh barrier is in phase 0: waiting for parity 1 returns at once).
+void mbarrier_init(void* bar, int count);
+void mbarrier_arrive(void* bar);
+void mbarrier_arrive_expect_tx(void* bar, std::uint32_t bytes);
+void mbarrier_wait(void* bar, int parity);
+// cp.async.bulk.tensor: the box at coords (dimension 0 first) into dst, zero past the
+// tensor's bounds, completing box bytes of transactions on bar. Like the hardware it is
+// asynchronous: the copy lands when a thread waits on bar (as late as it may), so a read
+// of dst before that wait sees what was there before.
+void tma_load(void* dst, const void* map, const int* coords, void* bar);
+// bar.sync / bar.arrive on named barrier id (1..15) of `threads` threads.
+void named_barrier_sync(int id, int threads);
+void named_barrier_arrive(int id, int threads);
+
 // What the kernels' launch checks read.
 cudaError_t get_last_error();
 cudaError_t func_set_attribute();
@@ -85,6 +113,7 @@ cudaError_t device_get_attribute(int* value, cudaDeviceAttr attr, int device);
 #undef __global__
 #undef __host__
 #undef __shared__
+#undef __grid_constant__
 #define __device__
 #define __global__
 #define __host__
@@ -96,6 +125,7 @@ cudaError_t device_get_attribute(int* value, cudaDeviceAttr attr, int device);
 #define __syncthreads() ::dtrain_emu::sync_threads()
 #define __syncwarp(...) ::dtrain_emu::sync_warp()
 #define __launch_bounds__(...)
+#define __grid_constant__
 #define cudaGetLastError ::dtrain_emu::get_last_error
 #define cudaFuncSetAttribute(...) ::dtrain_emu::func_set_attribute()
 #define cudaGetDevice ::dtrain_emu::get_device

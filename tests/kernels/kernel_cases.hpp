@@ -453,4 +453,48 @@ TEST(KERNEL_SUITE(FlashAttention), RefusesWhatItDoesNotTake) {
   EXPECT_EQ(dtrain_attention_kernel_available(static_cast<dtrain_attention_kernel>(7)), 0);
 }
 
+// The wgmma forward loads through tensor maps, which cannot step a kv head of stride 0 (a
+// broadcast view): AUTO then runs mma.sync, and an explicit WGMMA refuses.
+TEST(KERNEL_SUITE(FlashAttention), StridesTensorMapsCannotDescribeFallBackToMma) {
+  KERNEL_DEVICE_OR_SKIP();
+  torch::manual_seed(9);
+  const std::int64_t b = 1, h = 2, s = 70, d = 64;
+  auto q = dev(torch::randn({b, h, s, d}).to(at::kBFloat16));
+  auto k1 = dev(torch::randn({b, 1, s, d}).to(at::kBFloat16)), v1 = dev(torch::randn({b, 1, s, d}).to(at::kBFloat16));
+  auto k = k1.expand({b, h, s, d}), v = v1.expand({b, h, s, d});  // head stride 0
+  auto run = [&](dtrain_attention_kernel kernel, const at::Tensor& kk, const at::Tensor& vv, at::Tensor& o) {
+    o = poisoned({b, h, s, d}, at::kBFloat16);
+    auto lse = poisoned({b, h, s}, at::kFloat);
+    dtrain_attention_fwd_params f{};
+    f.q = q.data_ptr();
+    f.k = kk.data_ptr();
+    f.v = vv.data_ptr();
+    f.o = o.data_ptr();
+    f.lse = lse.data_ptr<float>();
+    f.q_stride = strides(q);
+    f.k_stride = strides(kk);
+    f.v_stride = strides(vv);
+    f.o_stride = strides(o);
+    f.batch = b;
+    f.heads = f.kv_heads = h;
+    f.seq_q = f.seq_k = s;
+    f.head_dim = d;
+    f.scale = 0.125f;
+    f.causal = 1;
+    f.dtype = DTRAIN_KERNEL_BF16;
+    f.kernel = kernel;
+    const cudaError_t e = dtrain_attention_fwd(&f, nullptr);
+    kernel_sync();
+    return e;
+  };
+  at::Tensor o_auto, o_mma;
+  ASSERT_EQ(run(DTRAIN_ATTENTION_KERNEL_AUTO, k, v, o_auto), cudaSuccess);
+  ASSERT_EQ(run(DTRAIN_ATTENTION_KERNEL_MMA, k.contiguous(), v.contiguous(), o_mma), cudaSuccess);
+  EXPECT_TRUE(at::equal(o_auto, o_mma));
+  if (dtrain_attention_kernel_available(DTRAIN_ATTENTION_KERNEL_WGMMA)) {
+    at::Tensor o;
+    EXPECT_EQ(run(DTRAIN_ATTENTION_KERNEL_WGMMA, k, v, o), cudaErrorInvalidValue);
+  }
+}
+
 }  // namespace
