@@ -296,6 +296,33 @@ std::string name(const AttnCase& c) {
 
 dtrain_attention_strides strides(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
+// The forward's params for q, o [batch, heads, seq_q, dim], k, v [batch, kv_heads, seq_k,
+// dim] and lse, in their own strides.
+dtrain_attention_fwd_params fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& o,
+                                       at::Tensor& lse, bool causal, double scale, dtrain_attention_kernel kernel) {
+  dtrain_attention_fwd_params f{};
+  f.q = q.data_ptr();
+  f.k = k.data_ptr();
+  f.v = v.data_ptr();
+  f.o = o.data_ptr();
+  f.lse = lse.data_ptr<float>();
+  f.q_stride = strides(q);
+  f.k_stride = strides(k);
+  f.v_stride = strides(v);
+  f.o_stride = strides(o);
+  f.batch = q.size(0);
+  f.heads = q.size(1);
+  f.kv_heads = k.size(1);
+  f.seq_q = q.size(2);
+  f.seq_k = k.size(2);
+  f.head_dim = q.size(3);
+  f.scale = static_cast<float>(scale);
+  f.causal = causal;
+  f.dtype = kernel_dtype(q);
+  f.kernel = kernel;
+  return f;
+}
+
 // softmax(q k^T scale) v in the inputs' arithmetic (a naive implementation for 16-bit
 // inputs, softmax in float32; the reference for float64); kv heads repeated for GQA.
 at::Tensor attention_math(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale) {
@@ -358,25 +385,7 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
     SCOPED_TRACE(kernel == DTRAIN_ATTENTION_KERNEL_MMA ? "mma.sync forward" : "wgmma forward");
     o = poisoned({c.batch, c.heads, c.seq_q, c.dim}, c.type);
     lse = poisoned({c.batch, c.heads, c.seq_q}, at::kFloat);
-    f.q = qd.data_ptr();
-    f.k = kd.data_ptr();
-    f.v = vd.data_ptr();
-    f.o = o.data_ptr();
-    f.lse = lse.data_ptr<float>();
-    f.q_stride = strides(qd);
-    f.k_stride = strides(kd);
-    f.v_stride = strides(vd);
-    f.o_stride = strides(o);
-    f.batch = c.batch;
-    f.heads = c.heads;
-    f.kv_heads = c.kv_heads;
-    f.seq_q = c.seq_q;
-    f.seq_k = c.seq_k;
-    f.head_dim = c.dim;
-    f.scale = static_cast<float>(scale);
-    f.causal = c.causal;
-    f.dtype = kernel_dtype(q);
-    f.kernel = kernel;
+    f = fwd_params(qd, kd, vd, o, lse, c.causal, scale, kernel);
     ASSERT_EQ(dtrain_attention_fwd(&f, nullptr), cudaSuccess);
     kernel_sync();
     EXPECT_FALSE(o.isnan().any().item<bool>());
@@ -465,24 +474,7 @@ TEST(KERNEL_SUITE(FlashAttention), StridesTensorMapsCannotDescribeFallBackToMma)
   auto run = [&](dtrain_attention_kernel kernel, const at::Tensor& kk, const at::Tensor& vv, at::Tensor& o) {
     o = poisoned({b, h, s, d}, at::kBFloat16);
     auto lse = poisoned({b, h, s}, at::kFloat);
-    dtrain_attention_fwd_params f{};
-    f.q = q.data_ptr();
-    f.k = kk.data_ptr();
-    f.v = vv.data_ptr();
-    f.o = o.data_ptr();
-    f.lse = lse.data_ptr<float>();
-    f.q_stride = strides(q);
-    f.k_stride = strides(kk);
-    f.v_stride = strides(vv);
-    f.o_stride = strides(o);
-    f.batch = b;
-    f.heads = f.kv_heads = h;
-    f.seq_q = f.seq_k = s;
-    f.head_dim = d;
-    f.scale = 0.125f;
-    f.causal = 1;
-    f.dtype = DTRAIN_KERNEL_BF16;
-    f.kernel = kernel;
+    const dtrain_attention_fwd_params f = fwd_params(q, kk, vv, o, lse, true, 0.125, kernel);
     const cudaError_t e = dtrain_attention_fwd(&f, nullptr);
     kernel_sync();
     return e;
