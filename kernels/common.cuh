@@ -42,6 +42,49 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 
+// ---- vector access -----------------------------------------------------------------------
+// N consecutive elements of T as one aligned access of N * sizeof(T) bytes (at most 16: one
+// 128-bit load or store). The memory-bound kernels take N = vec16<T>() where every row
+// start is 16-byte aligned and N = 1 otherwise, so one kernel body serves both.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+template <typename T>
+__host__ __device__ constexpr int vec16() {
+  return static_cast<int>(16 / sizeof(T));
+}
+template <int N, typename T>
+__device__ __forceinline__ Vec<T, N> load_vec(const T* p) {
+  return *reinterpret_cast<const Vec<T, N>*>(p);
+}
+template <int N, typename T>
+__device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& v) {
+  *reinterpret_cast<Vec<T, N>*>(p) = v;
+}
+// N elements of T at p as float32, in accesses of at most 16 bytes (p aligned to one).
+template <int N, typename T>
+__device__ __forceinline__ void load_floats(const T* p, float (&out)[N]) {
+  constexpr int C = N < vec16<T>() ? N : vec16<T>();
+#pragma unroll
+  for (int a = 0; a < N / C; ++a) {
+    const Vec<T, C> r = load_vec<C>(p + a * C);
+#pragma unroll
+    for (int i = 0; i < C; ++i) out[a * C + i] = to_float(r.v[i]);
+  }
+}
+template <int N, typename T>
+__device__ __forceinline__ void store_floats(T* p, const float (&in)[N]) {
+  constexpr int C = N < vec16<T>() ? N : vec16<T>();
+#pragma unroll
+  for (int a = 0; a < N / C; ++a) {
+    Vec<T, C> r;
+#pragma unroll
+    for (int i = 0; i < C; ++i) r.v[i] = from_float<T>(in[a * C + i]);
+    store_vec<C>(p + a * C, r);
+  }
+}
+
 // 2^x on the special-function unit (ex2.approx.ftz: about 2 ulp; results below 2^-126
 // flush to 0, and 2^-inf = 0), as the softmax of the attention kernels uses it.
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -78,6 +121,17 @@ __device__ __forceinline__ float block_sum(float x, float* scratch) {
   x = lane < warps ? scratch[lane] : 0.f;
   return warp_sum(x);
 }
+// Two sums over the block in one exchange (one pair of barriers instead of two).
+__device__ __forceinline__ float2 block_sum2(float2 x, float2* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  x.x = warp_sum(x.x);
+  x.y = warp_sum(x.y);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  x = lane < warps ? scratch[lane] : make_float2(0.f, 0.f);
+  return make_float2(warp_sum(x.x), warp_sum(x.y));
+}
 __device__ __forceinline__ float block_max(float x, float* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   x = warp_max(x);
@@ -94,6 +148,22 @@ inline cudaError_t launched() { return cudaGetLastError(); }
 
 inline bool aligned(const void* p, std::uintptr_t bytes) {
   return (reinterpret_cast<std::uintptr_t>(p) % bytes) == 0;
+}
+
+inline bool known_dtype(dtrain_kernel_dtype d) {
+  return d == DTRAIN_KERNEL_F32 || d == DTRAIN_KERNEL_BF16 || d == DTRAIN_KERNEL_F16;
+}
+
+// Returns f(T{}) for the element type T of dtype (float, __nv_bfloat16, __half), or
+// cudaErrorInvalidValue for anything else.
+template <typename F>
+cudaError_t dispatch_dtype(dtrain_kernel_dtype dtype, F&& f) {
+  switch (dtype) {
+    case DTRAIN_KERNEL_F32: return f(float{});
+    case DTRAIN_KERNEL_BF16: return f(__nv_bfloat16{});
+    case DTRAIN_KERNEL_F16: return f(__half{});
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace dtrain_kernels

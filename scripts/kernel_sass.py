@@ -8,7 +8,8 @@ architecture and prints, per kernel: registers, local-memory stack (spills), the
 instruction count of the whole function, tensor-core MMAs (HMMA: mma.sync; HGMMA:
 Hopper's wgmma, each 64 x N x 16 where an HMMA is 16 x 8 x 16), shared-memory
 fragment loads (LDSM) and plain shared loads (LDS), async copies (LDGSTS), spill
-traffic (STL/LDL) and instructions per MMA. These are counts of the code, not of its
+traffic (STL/LDL), global loads and stores (LDG, STG) with how many of them move 16 bytes
+(.128: the memory-bound kernels' vector accesses) and instructions per MMA. These are counts of the code, not of its
 execution: they say where a kernel spends instructions, never how fast it runs.
 cuobjdump and nvdisasm come from PyPI (nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm)
 into DIR/tools when they are not on PATH.
@@ -47,6 +48,7 @@ def demangle(names):
 
 
 INSN = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+GLOBAL = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?((?:LDG|STG)[.A-Z0-9_]*)")
 
 
 def main():
@@ -70,11 +72,13 @@ def main():
         for part in re.split(r"\n\s+Function : ", sass)[1:]:
             name = part.split("\n", 1)[0].strip()
             ops = collections.Counter(INSN.findall(part))
+            wide = collections.Counter(op[:3] for op in GLOBAL.findall(part) if ".128" in op)
             regs, stack = usage.get(name, (0, 0))
             rows.append({"object": os.path.basename(obj), "kernel": name, "registers": regs, "stack_bytes": stack,
                          "instructions": sum(ops.values()), "hmma": ops["HMMA"], "hgmma": ops["HGMMA"],
                          "ldsm": ops["LDSM"],
-                         "lds": ops["LDS"], "ldgsts": ops["LDGSTS"], "stl_ldl": ops["STL"] + ops["LDL"]})
+                         "lds": ops["LDS"], "ldgsts": ops["LDGSTS"], "stl_ldl": ops["STL"] + ops["LDL"],
+                         "ldg": ops["LDG"], "ldg128": wide["LDG"], "stg": ops["STG"], "stg128": wide["STG"]})
     names = demangle([r["kernel"] for r in rows])
     pattern = re.compile(args.filter)
     def short(mangled):  # "void ns::name<args>(params)" -> "name<args>"
@@ -84,11 +88,12 @@ def main():
     rows = [dict(r, kernel=short(r["kernel"])) for r in rows]
     rows = [r for r in rows if pattern.search(r["kernel"])]
     print(f"{'kernel':58} {'regs':>4} {'stack':>5} {'insns':>6} {'HMMA':>5} {'HGMMA':>5} {'LDSM':>5} {'LDS':>4} "
-          f"{'LDGSTS':>6} {'STL+LDL':>7} {'insn/HMMA':>9}")
+          f"{'LDGSTS':>6} {'STL+LDL':>7} {'LDG(128)':>9} {'STG(128)':>9} {'insn/HMMA':>9}")
     for r in rows:
         per = f"{r['instructions'] / r['hmma']:.1f}" if r["hmma"] else "-"
         print(f"{r['kernel'][:58]:58} {r['registers']:>4} {r['stack_bytes']:>5} {r['instructions']:>6} "
-              f"{r['hmma']:>5} {r['hgmma']:>5} {r['ldsm']:>5} {r['lds']:>4} {r['ldgsts']:>6} {r['stl_ldl']:>7} {per:>9}")
+              f"{r['hmma']:>5} {r['hgmma']:>5} {r['ldsm']:>5} {r['lds']:>4} {r['ldgsts']:>6} {r['stl_ldl']:>7} "
+              f"{str(r['ldg']) + '(' + str(r['ldg128']) + ')':>9} {str(r['stg']) + '(' + str(r['stg128']) + ')':>9} {per:>9}")
     if args.json:
         with open(args.json, "a") as f:
             for r in rows:

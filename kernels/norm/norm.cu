@@ -1,9 +1,12 @@
-// Fused RMSNorm / LayerNorm (dtrain_kernels/norm.h). Forward: one block per row, the
-// statistics in float32 from the row read once into registers-or-L1. Backward: a block
-// owns a strip of rows; per row it reduces the two sums dx needs, writes dx, and adds the
-// row's dy * xhat (and dy) into the block's per-column partial sums in shared memory;
-// the strip's partials go to the workspace and a column kernel sums them over strips.
+// Fused RMSNorm / LayerNorm (dtrain_kernels/norm.h). A thread's share of a row is read
+// from global memory once and held in registers, in 16-byte accesses where rows are
+// aligned (else one element per access; unaligned rows over 4096 elements are read at each
+// use instead, from L1). Forward: one block per row, float32 statistics, y written once.
+// Backward: a block owns a strip of rows; per row it reduces the two sums dx needs, writes
+// dx, and adds the row's dy * xhat (and dy) into its own columns' partial sums in shared
+// memory; the strip's partials go to the workspace and a column kernel sums the strips.
 #include <algorithm>
+#include <type_traits>
 
 #include "common.cuh"
 #include "dtrain_kernels/norm.h"
@@ -12,165 +15,328 @@ namespace dtrain_kernels {
 namespace {
 
 constexpr int kMaxThreads = 512;
-constexpr int64_t kMaxCols = 16384;  // 2 x 64 KiB of float32 partials in shared memory
+constexpr int64_t kMaxCols = 16384;    // the backward's partials: 2 x 64 KiB of shared memory
+constexpr int kMaxElems = 32;          // per thread: kMaxCols / kMaxThreads
+constexpr int kHeldVecs = 8;           // accesses per thread held in registers, at most
+constexpr int64_t kMinStripRows = 16;  // keeps the partials a small share of the backward's traffic
 
-int threads_for(int64_t cols) {
-  int t = 32;
-  while (t < kMaxThreads && t * 4 < cols) t *= 2;
-  return t;
+// Threads for a row of n accesses: one access each, up to kMaxThreads.
+int row_threads(int64_t n) {
+  return static_cast<int>(std::min<int64_t>(kMaxThreads, std::max<int64_t>(32, (n + 31) / 32 * 32)));
 }
 
-template <typename T, typename W, bool kLayerNorm>
-__global__ void norm_fwd_kernel(dtrain_norm_fwd_params p) {
+// Rows of T at ptr with this stride can be read in 16-byte accesses.
+template <typename T>
+bool rows_aligned(const void* ptr, int64_t stride) {
+  return aligned(ptr, 16) && stride % vec16<T>() == 0;
+}
+
+// Calls f(k, j) for each access j (V elements) of this thread: j = threadIdx.x +
+// k blockDim.x, unrolled over k < kVecs when the row is held, else in a loop (k = 0).
+template <int kVecs, typename F>
+__device__ __forceinline__ void each_access(int nv, F&& f) {
+  if constexpr (kVecs <= kHeldVecs) {
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      const int j = threadIdx.x + k * blockDim.x;
+      if (j < nv) f(k, j);
+    }
+  } else {
+    for (int j = threadIdx.x; j < nv; j += blockDim.x) f(0, j);
+  }
+}
+
+// This thread's accesses of one row: loaded once and held (kVecs <= kHeldVecs), or read at
+// each use.
+template <typename T, int V, int kVecs>
+struct RowShare {
+  static constexpr bool kHeld = kVecs <= kHeldVecs;
+  const T* row;
+  Vec<T, V> held[kHeld ? kVecs : 1];
+  __device__ __forceinline__ RowShare(const T* r, int nv) : row(r) {
+    if constexpr (kHeld) each_access<kVecs>(nv, [&](int k, int j) { held[k] = load_vec<V>(row + j * V); });
+  }
+  __device__ __forceinline__ float at(int k, int j, int i) const {
+    if constexpr (kHeld) {
+      return to_float(held[k].v[i]);
+    } else {
+      return to_float(row[j * V + i]);
+    }
+  }
+};
+
+// V weights of access j, from w of dtype wt (ones when there is no w).
+template <int V>
+__device__ __forceinline__ void load_weights(const void* w, dtrain_kernel_dtype wt, int j, float (&out)[V]) {
+  if (w == nullptr) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) out[i] = 1.f;
+  } else if (wt == DTRAIN_KERNEL_F32) {
+    load_floats<V>(static_cast<const float*>(w) + j * V, out);
+  } else if (wt == DTRAIN_KERNEL_BF16) {
+    load_floats<V>(static_cast<const __nv_bfloat16*>(w) + j * V, out);
+  } else {
+    load_floats<V>(static_cast<const __half*>(w) + j * V, out);
+  }
+}
+
+// Calls f(std::integral_constant<int, kVecs>) with the fewest accesses per thread kVecs
+// (1, 2, 4, ... up to kMaxElems / V; at one element per access 8, then 32) for which
+// kMaxThreads threads cover a row of nv accesses: registers are sized for kVecs.
+template <int V, int kVecs = (V == 1 ? 8 : 1), typename F>
+cudaError_t with_vecs(int64_t nv, F&& f) {
+  constexpr int kNext = kVecs * (V == 1 ? 4 : 2);
+  if constexpr (kNext <= kMaxElems / V) {
+    if (nv > int64_t{kVecs} * kMaxThreads) return with_vecs<V, kNext>(nv, f);
+  }
+  return f(std::integral_constant<int, kVecs>{});
+}
+
+// ---- forward ------------------------------------------------------------------------------
+template <typename T, bool kLayerNorm, int V, int kVecs>
+__global__ void __launch_bounds__(kMaxThreads) norm_fwd_kernel(dtrain_norm_fwd_params p) {
   __shared__ float scratch[32];
   const int64_t row = blockIdx.x;
-  const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
   T* y = static_cast<T*>(p.y) + row * p.y_stride;
-  const W* w = static_cast<const W*>(p.weight);
-  const W* b = static_cast<const W*>(p.bias);
-  const int64_t n = p.cols;
+  const int nv = static_cast<int>(p.cols / V);
+  const float inv_n = 1.f / static_cast<float>(p.cols);
+  const RowShare<T, V, kVecs> x(static_cast<const T*>(p.x) + row * p.x_stride, nv);
   float mean = 0.f;
   if (kLayerNorm) {
     float s = 0.f;
-    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) s += to_float(x[c]);
-    mean = block_sum(s, scratch) / static_cast<float>(n);
+    each_access<kVecs>(nv, [&](int k, int j) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) s += x.at(k, j, i);
+    });
+    mean = block_sum(s, scratch) * inv_n;
   }
   float ss = 0.f;
-  for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
-    const float d = to_float(x[c]) - mean;
-    ss += d * d;
-  }
-  const float rstd = rsqrtf(block_sum(ss, scratch) / static_cast<float>(n) + p.eps);
-  for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
-    float v = (to_float(x[c]) - mean) * rstd;
-    if (w != nullptr) v *= to_float(w[c]);
-    if (kLayerNorm && b != nullptr) v += to_float(b[c]);
-    y[c] = from_float<T>(v);
-  }
+  each_access<kVecs>(nv, [&](int k, int j) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      const float d = x.at(k, j, i) - mean;
+      ss += d * d;
+    }
+  });
+  const float rstd = rsqrtf(block_sum(ss, scratch) * inv_n + p.eps);
+  each_access<kVecs>(nv, [&](int k, int j) {
+    float wv[V], bv[V] = {};
+    load_weights<V>(p.weight, p.weight_dtype, j, wv);
+    if (kLayerNorm && p.bias != nullptr) load_weights<V>(p.bias, p.weight_dtype, j, bv);
+    Vec<T, V> out;
+#pragma unroll
+    for (int i = 0; i < V; ++i) out.v[i] = from_float<T>((x.at(k, j, i) - mean) * rstd * wv[i] + bv[i]);
+    store_vec<V>(y + j * V, out);
+  });
   if (threadIdx.x == 0) {
     if (p.rstd != nullptr) p.rstd[row] = rstd;
     if (kLayerNorm && p.mean != nullptr) p.mean[row] = mean;
   }
 }
 
-// The backward's grid: strips of rows, so that partials stay few (about 4 blocks per SM).
-int64_t strips(int64_t rows) {
-  int device = 0, sms = 108;
-  if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  cudaGetLastError();  // a failed query only changes the grid
-  return std::max<int64_t>(1, std::min<int64_t>(rows, int64_t{4} * sms));
-}
-
-template <typename T, typename W, bool kLayerNorm>
-__global__ void norm_bwd_kernel(dtrain_norm_bwd_params p, int64_t rows_per_strip) {
+// ---- backward -----------------------------------------------------------------------------
+template <typename T, bool kLayerNorm, int V, int kVecs>
+__global__ void __launch_bounds__(kMaxThreads) norm_bwd_kernel(dtrain_norm_bwd_params p, int64_t rows_per_strip) {
   DTRAIN_DYNAMIC_SMEM(float, partial);  // [cols] dw, then [cols] db (LayerNorm)
-  __shared__ float scratch[32];
+  __shared__ float2 scratch[32];
   const int64_t n = p.cols;
+  const int nv = static_cast<int>(n / V);
+  const float inv_n = 1.f / static_cast<float>(n);
   const bool want_w = p.dweight != nullptr, want_b = kLayerNorm && p.dbias != nullptr;
   float* pw = partial;
   float* pb = partial + n;
-  for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
-    if (want_w) pw[c] = 0.f;
-    if (want_b) pb[c] = 0.f;
-  }
-  const W* w = static_cast<const W*>(p.weight);
+  // A thread owns the columns of its accesses, here as in registers: no barrier guards them.
+  each_access<kVecs>(nv, [&](int, int j) {
+    const float zero[V] = {};
+    if (want_w) store_floats<V>(pw + j * V, zero);
+    if (want_b) store_floats<V>(pb + j * V, zero);
+  });
   const int64_t first = blockIdx.x * rows_per_strip, last = imin(p.rows, first + rows_per_strip);
   for (int64_t row = first; row < last; ++row) {
-    const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
-    const T* dy = static_cast<const T*>(p.dy) + row * p.dy_stride;
     T* dx = static_cast<T*>(p.dx) + row * p.dx_stride;
+    const RowShare<T, V, kVecs> x(static_cast<const T*>(p.x) + row * p.x_stride, nv);
+    const RowShare<T, V, kVecs> dy(static_cast<const T*>(p.dy) + row * p.dy_stride, nv);
     const float mean = kLayerNorm ? p.mean[row] : 0.f, rstd = p.rstd[row];
     // g = dy * w, xhat = (x - mean) * rstd: dx = rstd (g - mean(g) - xhat mean(g xhat)),
     // without the mean(g) term for RMSNorm.
-    float sg = 0.f, sgx = 0.f;
-    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
-      const float g = to_float(dy[c]) * (w != nullptr ? to_float(w[c]) : 1.f);
-      const float xhat = (to_float(x[c]) - mean) * rstd;
-      sg += g;
-      sgx += g * xhat;
+    float2 sums = make_float2(0.f, 0.f);  // (sum of g xhat, sum of g)
+    each_access<kVecs>(nv, [&](int k, int j) {
+      float wv[V];
+      load_weights<V>(p.weight, p.weight_dtype, j, wv);
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const float g = dy.at(k, j, i) * wv[i];
+        sums.x += g * ((x.at(k, j, i) - mean) * rstd);
+        sums.y += g;
+      }
+    });
+    if (kLayerNorm) {
+      sums = block_sum2(sums, scratch);
+    } else {
+      sums.x = block_sum(sums.x, reinterpret_cast<float*>(scratch));
     }
-    const float inv_n = 1.f / static_cast<float>(n);
-    const float mgx = block_sum(sgx, scratch) * inv_n;
-    const float mg = kLayerNorm ? block_sum(sg, scratch) * inv_n : 0.f;
-    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
-      const float d = to_float(dy[c]);
-      const float g = d * (w != nullptr ? to_float(w[c]) : 1.f);
-      const float xhat = (to_float(x[c]) - mean) * rstd;
-      dx[c] = from_float<T>(rstd * (g - mg - xhat * mgx));
-      if (want_w) pw[c] += d * xhat;  // each column belongs to one thread: no races
-      if (want_b) pb[c] += d;
-    }
+    const float mgx = sums.x * inv_n, mg = kLayerNorm ? sums.y * inv_n : 0.f;
+    each_access<kVecs>(nv, [&](int k, int j) {
+      float wv[V], aw[V] = {}, ab[V] = {};
+      load_weights<V>(p.weight, p.weight_dtype, j, wv);
+      if (want_w) load_floats<V>(pw + j * V, aw);
+      if (want_b) load_floats<V>(pb + j * V, ab);
+      Vec<T, V> out;
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const float d = dy.at(k, j, i);
+        const float xhat = (x.at(k, j, i) - mean) * rstd;
+        out.v[i] = from_float<T>(rstd * (d * wv[i] - mg - xhat * mgx));
+        aw[i] += d * xhat;
+        ab[i] += d;
+      }
+      store_vec<V>(dx + j * V, out);
+      if (want_w) store_floats<V>(pw + j * V, aw);
+      if (want_b) store_floats<V>(pb + j * V, ab);
+    });
   }
   if (!want_w && !want_b) return;
+  // The strip's partials: workspace [strips, cols] for dw, then [strips, cols] for db.
   float* out = static_cast<float*>(p.workspace);
   const int64_t nstrips = gridDim.x;
-  for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
-    if (want_w) out[blockIdx.x * n + c] = pw[c];
-    if (want_b) out[(nstrips + blockIdx.x) * n + c] = pb[c];
-  }
+  each_access<kVecs>(nv, [&](int, int j) {
+    float a[V];
+    if (want_w) {
+      load_floats<V>(pw + j * V, a);
+      store_floats<V>(out + blockIdx.x * n + j * V, a);
+    }
+    if (want_b) {
+      load_floats<V>(pb + j * V, a);
+      store_floats<V>(out + (nstrips + blockIdx.x) * n + j * V, a);
+    }
+  });
 }
 
-// Sums the strips' partials per column: [strips, cols] -> [cols] (and the bias block after).
+// Sums the strips' partials per column: [strips, cols] -> [cols] (blockIdx.y 1: the bias
+// block after). A block takes 32 columns; its 8 warps each sum a share of the strips in
+// 128-byte rows, then one warp adds the 8 sums.
+constexpr int kSumWarps = 8;
 template <typename W>
-__global__ void column_sum_kernel(const float* partial, int64_t nstrips, int64_t cols, W* dw, W* db) {
-  const int64_t c = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  if (c >= cols) return;
-  const int which = blockIdx.y;  // 0: weight, 1: bias
-  W* out = which == 0 ? dw : db;
-  if (out == nullptr) return;
-  const float* src = partial + which * nstrips * cols;
+__global__ void __launch_bounds__(32 * kSumWarps)
+    column_sum_kernel(const float* partial, int64_t nstrips, int64_t cols, W* dw, W* db) {
+  __shared__ float sums[kSumWarps][32];
+  W* out = blockIdx.y == 0 ? dw : db;
+  if (out == nullptr) return;  // the same for the whole block
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t c = blockIdx.x * int64_t{32} + lane;
+  const float* src = partial + blockIdx.y * nstrips * cols;
   float s = 0.f;
-  for (int64_t r = 0; r < nstrips; ++r) s += src[r * cols + c];
-  out[c] = from_float<W>(s);
+  if (c < cols) {
+    for (int64_t r = warp; r < nstrips; r += kSumWarps) s += src[r * cols + c];
+  }
+  sums[warp][lane] = s;
+  __syncthreads();
+  if (warp != 0 || c >= cols) return;
+  float t = 0.f;
+#pragma unroll
+  for (int i = 0; i < kSumWarps; ++i) t += sums[i][lane];
+  out[c] = from_float<W>(t);
 }
 
-template <typename T, typename W>
+// ---- launches -----------------------------------------------------------------------------
+template <typename T, int V>
 cudaError_t fwd(const dtrain_norm_fwd_params& p, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(p.rows));
-  const int threads = threads_for(p.cols);
-  auto* kernel = p.layer_norm ? norm_fwd_kernel<T, W, true> : norm_fwd_kernel<T, W, false>;
-  DTRAIN_LAUNCH(kernel, grid, threads, 0, stream, p);
-  return launched();
+  const int64_t nv = p.cols / V;
+  return with_vecs<V>(nv, [&](auto vecs) {
+    constexpr int kVecs = decltype(vecs)::value;
+    auto* kernel = p.layer_norm ? norm_fwd_kernel<T, true, V, kVecs> : norm_fwd_kernel<T, false, V, kVecs>;
+    DTRAIN_LAUNCH(kernel, static_cast<unsigned>(p.rows), row_threads((nv + kVecs - 1) / kVecs), 0, stream, p);
+    return launched();
+  });
 }
 
-template <typename T, typename W>
+template <typename T>
+cudaError_t fwd(const dtrain_norm_fwd_params& p, cudaStream_t stream) {
+  const bool vec = p.cols % vec16<T>() == 0 && rows_aligned<T>(p.x, p.x_stride) && rows_aligned<T>(p.y, p.y_stride) &&
+                   aligned(p.weight, 16) && aligned(p.bias, 16);
+  return vec ? fwd<T, vec16<T>()>(p, stream) : fwd<T, 1>(p, stream);
+}
+
+// How a backward runs: the kernel instance, its block, shared memory and strips of rows.
+// The workspace size comes from the same plan.
+struct BwdPlan {
+  void (*kernel)(dtrain_norm_bwd_params, int64_t);
+  int threads;
+  size_t smem;
+  int64_t strips, rows_per_strip;
+};
+
+template <typename T, int V>
+void pick_bwd(const dtrain_norm_bwd_params& p, BwdPlan& plan) {
+  const int64_t nv = p.cols / V;
+  with_vecs<V>(nv, [&](auto vecs) {
+    constexpr int kVecs = decltype(vecs)::value;
+    plan.kernel = p.layer_norm ? norm_bwd_kernel<T, true, V, kVecs> : norm_bwd_kernel<T, false, V, kVecs>;
+    plan.threads = row_threads((nv + kVecs - 1) / kVecs);
+    return cudaSuccess;
+  });
+}
+
+template <typename T>
+BwdPlan plan_bwd(const dtrain_norm_bwd_params& p) {
+  BwdPlan plan{};
+  const bool vec = p.cols % vec16<T>() == 0 && rows_aligned<T>(p.x, p.x_stride) &&
+                   rows_aligned<T>(p.dy, p.dy_stride) && rows_aligned<T>(p.dx, p.dx_stride) && aligned(p.weight, 16);
+  if (vec) {
+    pick_bwd<T, vec16<T>()>(p, plan);
+  } else {
+    pick_bwd<T, 1>(p, plan);
+  }
+  plan.smem = sizeof(float) * static_cast<size_t>(p.cols) * (p.layer_norm ? 2 : 1);
+  // One strip per block the GPU holds at once, and at least kMinStripRows rows each.
+  int device = 0, sms = 108, per_sm = 4;
+  if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (cudaFuncSetAttribute(plan.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan.smem)) !=
+          cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, plan.kernel, plan.threads, plan.smem) != cudaSuccess) {
+    per_sm = 1;
+  }
+  cudaGetLastError();  // a failed query only changes the grid
+  const int64_t want = std::max<int64_t>(
+      1, std::min<int64_t>(int64_t{std::max(per_sm, 1)} * sms, (p.rows + kMinStripRows - 1) / kMinStripRows));
+  plan.rows_per_strip = (p.rows + want - 1) / want;
+  plan.strips = (p.rows + plan.rows_per_strip - 1) / plan.rows_per_strip;
+  return plan;
+}
+
+template <typename T>
 cudaError_t bwd(const dtrain_norm_bwd_params& p, cudaStream_t stream) {
-  const int64_t nstrips = strips(p.rows);
-  const int64_t per = (p.rows + nstrips - 1) / nstrips;
-  const int64_t used = (p.rows + per - 1) / per;
-  const int threads = threads_for(p.cols);
-  const size_t smem = sizeof(float) * static_cast<size_t>(p.cols) * (p.layer_norm ? 2 : 1);
-  auto* kernel = p.layer_norm ? norm_bwd_kernel<T, W, true> : norm_bwd_kernel<T, W, false>;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  const BwdPlan plan = plan_bwd<T>(p);
+  cudaError_t e =
+      cudaFuncSetAttribute(plan.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan.smem));
   if (e != cudaSuccess) return e;
-  DTRAIN_LAUNCH(kernel, static_cast<unsigned>(used), threads, smem, stream, p, per);
+  DTRAIN_LAUNCH(plan.kernel, static_cast<unsigned>(plan.strips), plan.threads, plan.smem, stream, p,
+                plan.rows_per_strip);
   if ((e = launched()) != cudaSuccess) return e;
   if (p.dweight == nullptr && p.dbias == nullptr) return cudaSuccess;
-  const dim3 grid(static_cast<unsigned>((p.cols + 255) / 256), p.layer_norm && p.dbias != nullptr ? 2 : 1);
-  auto* sum = column_sum_kernel<W>;
-  DTRAIN_LAUNCH(sum, grid, 256, 0, stream, static_cast<const float*>(p.workspace), used, p.cols,
-                static_cast<W*>(p.dweight), static_cast<W*>(p.dbias));
-  return launched();
+  const dim3 grid(static_cast<unsigned>((p.cols + 31) / 32), p.layer_norm && p.dbias != nullptr ? 2 : 1);
+  return dispatch_dtype(p.weight_dtype, [&](auto w) {
+    using W = decltype(w);
+    auto* sum = column_sum_kernel<W>;
+    DTRAIN_LAUNCH(sum, grid, 32 * kSumWarps, 0, stream, static_cast<const float*>(p.workspace), plan.strips, p.cols,
+                  static_cast<W*>(p.dweight), static_cast<W*>(p.dbias));
+    return launched();
+  });
 }
 
-// Calls f.template operator()<T, W>() for the (dtype, weight dtype) pair.
-template <typename F>
-cudaError_t dispatch(dtrain_kernel_dtype t, dtrain_kernel_dtype w, F&& f) {
-  auto with_w = [&](auto tag) -> cudaError_t {
-    using T = decltype(tag);
-    switch (w) {
-      case DTRAIN_KERNEL_F32: return f(T{}, float{});
-      case DTRAIN_KERNEL_BF16: return f(T{}, __nv_bfloat16{});
-      case DTRAIN_KERNEL_F16: return f(T{}, __half{});
-    }
+cudaError_t check_bwd(const dtrain_norm_bwd_params* params) {
+  if (params == nullptr) return cudaErrorInvalidValue;
+  const auto& p = *params;
+  if (p.rows < 0 || p.cols <= 0 || p.cols > kMaxCols || p.rows > INT32_MAX) return cudaErrorInvalidValue;
+  if (p.rows == 0) return cudaSuccess;
+  if (!p.dy || !p.x || !p.dx || !p.rstd || (p.layer_norm && !p.mean)) return cudaErrorInvalidValue;
+  if ((p.dweight != nullptr || p.dbias != nullptr) && (p.workspace == nullptr || !aligned(p.workspace, 16))) {
     return cudaErrorInvalidValue;
-  };
-  switch (t) {
-    case DTRAIN_KERNEL_F32: return with_w(float{});
-    case DTRAIN_KERNEL_BF16: return with_w(__nv_bfloat16{});
-    case DTRAIN_KERNEL_F16: return with_w(__half{});
   }
-  return cudaErrorInvalidValue;
+  if (p.dweight != nullptr && p.weight == nullptr) return cudaErrorInvalidValue;
+  if (!p.layer_norm && p.dbias != nullptr) return cudaErrorInvalidValue;
+  if (!known_dtype(p.weight_dtype)) return cudaErrorInvalidValue;
+  return cudaSuccess;
 }
 
 }  // namespace
@@ -178,10 +344,15 @@ cudaError_t dispatch(dtrain_kernel_dtype t, dtrain_kernel_dtype w, F&& f) {
 
 extern "C" int64_t dtrain_norm_max_cols(void) { return dtrain_kernels::kMaxCols; }
 
-extern "C" size_t dtrain_norm_workspace_bytes(int64_t rows, int64_t cols) {
-  if (rows <= 0 || cols <= 0) return 0;
-  const int64_t nstrips = dtrain_kernels::strips(rows);
-  return sizeof(float) * 2 * static_cast<size_t>(nstrips) * static_cast<size_t>(cols);
+extern "C" size_t dtrain_norm_workspace_bytes(const dtrain_norm_bwd_params* params) {
+  using namespace dtrain_kernels;
+  if (params == nullptr || params->rows <= 0 || params->cols <= 0 || params->cols > kMaxCols) return 0;
+  int64_t strips = 0;
+  dispatch_dtype(params->dtype, [&](auto t) {
+    strips = plan_bwd<decltype(t)>(*params).strips;
+    return cudaSuccess;
+  });
+  return sizeof(float) * 2 * static_cast<size_t>(strips) * static_cast<size_t>(params->cols);
 }
 
 extern "C" cudaError_t dtrain_norm_fwd(const dtrain_norm_fwd_params* params, cudaStream_t stream) {
@@ -193,18 +364,13 @@ extern "C" cudaError_t dtrain_norm_fwd(const dtrain_norm_fwd_params* params, cud
   }
   if (p.rows == 0) return cudaSuccess;
   if (p.x == nullptr || p.y == nullptr || (!p.layer_norm && p.bias != nullptr)) return cudaErrorInvalidValue;
-  return dispatch(p.dtype, p.weight_dtype, [&](auto t, auto w) { return fwd<decltype(t), decltype(w)>(p, stream); });
+  if (!known_dtype(p.weight_dtype)) return cudaErrorInvalidValue;
+  return dispatch_dtype(p.dtype, [&](auto t) { return fwd<decltype(t)>(p, stream); });
 }
 
 extern "C" cudaError_t dtrain_norm_bwd(const dtrain_norm_bwd_params* params, cudaStream_t stream) {
   using namespace dtrain_kernels;
-  if (params == nullptr) return cudaErrorInvalidValue;
+  if (cudaError_t e = check_bwd(params); e != cudaSuccess || params->rows == 0) return e;
   const auto& p = *params;
-  if (p.rows < 0 || p.cols <= 0 || p.cols > kMaxCols || p.rows > INT32_MAX) return cudaErrorInvalidValue;
-  if (p.rows == 0) return cudaSuccess;
-  if (!p.dy || !p.x || !p.dx || !p.rstd || (p.layer_norm && !p.mean)) return cudaErrorInvalidValue;
-  if ((p.dweight != nullptr || p.dbias != nullptr) && p.workspace == nullptr) return cudaErrorInvalidValue;
-  if (p.dweight != nullptr && p.weight == nullptr) return cudaErrorInvalidValue;
-  if (!p.layer_norm && p.dbias != nullptr) return cudaErrorInvalidValue;
-  return dispatch(p.dtype, p.weight_dtype, [&](auto t, auto w) { return bwd<decltype(t), decltype(w)>(p, stream); });
+  return dispatch_dtype(p.dtype, [&](auto t) { return bwd<decltype(t)>(p, stream); });
 }

@@ -1,6 +1,7 @@
 // Fused multi-tensor AdamW (dtrain_kernels/adamw.h): the segments are cut into chunks, and
 // one launch covers up to kMaxSegments segments and kMaxBlocks chunks whose addresses
-// travel in the kernel's parameter block (no device-side table, no allocation).
+// travel in the kernel's parameter block (no device-side table, no allocation). Segments
+// whose pointers are aligned move 4 elements per access (16 bytes of float32).
 #include "common.cuh"
 #include "dtrain_kernels/adamw.h"
 
@@ -8,10 +9,9 @@ namespace dtrain_kernels {
 namespace {
 
 constexpr int kMaxSegments = 32;
-constexpr int kMaxBlocks = 320;
+constexpr int kMaxBlocks = 320;  // with the segments, the parameter block stays within 4 KB
 constexpr int kThreads = 512;
 constexpr int64_t kChunk = 16384;  // elements per block
-constexpr int kIlp = 4;           // elements per thread and iteration
 
 struct Batch {
   float* param[kMaxSegments];
@@ -21,6 +21,7 @@ struct Batch {
   void* model[kMaxSegments];
   int64_t numel[kMaxSegments];
   float decay[kMaxSegments];      // 1 - lr * weight_decay
+  unsigned char vec[kMaxSegments];  // every pointer of the segment allows 4-element accesses
   unsigned char segment[kMaxBlocks];
   int chunk[kMaxBlocks];
 };
@@ -31,12 +32,21 @@ struct Hyper {
   const int* skip;
 };
 
-template <typename G, typename M>
-__global__ void __launch_bounds__(kThreads) adamw_kernel(Batch batch, Hyper h) {
-  if (h.skip != nullptr && *h.skip != 0) return;
-  const int s = batch.segment[blockIdx.x];
-  const int64_t begin = static_cast<int64_t>(batch.chunk[blockIdx.x]) * kChunk;
-  const int64_t end = imin(batch.numel[s], begin + kChunk);
+// One element: false, and p, m, v unchanged, when the scaled gradient is not finite.
+__device__ __forceinline__ bool adamw_update(float& p, float g, float& m, float& v, float decay, const Hyper& h) {
+  const float gs = g * h.grad_scale;
+  if (!isfinite(gs)) return false;
+  m = h.beta1 * m + (1.f - h.beta1) * gs;
+  v = h.beta2 * v + (1.f - h.beta2) * gs * gs;
+  p = p * decay - h.step_size * m / (sqrtf(v) * h.inv_sqrt_bc2 + h.eps);
+  return true;
+}
+
+// Elements [begin, end) of segment s (begin and end - begin multiples of V), V per access
+// and kIlp accesses per thread loaded before any math. True when a gradient was not finite.
+template <int V, int kIlp, typename G, typename M>
+__device__ __forceinline__ bool update_range(const Batch& batch, int s, int64_t begin, int64_t end, const Hyper& h) {
+  constexpr int64_t kStep = int64_t{kThreads} * V;
   float* __restrict__ p = batch.param[s];
   const G* __restrict__ g = static_cast<const G*>(batch.grad[s]);
   float* __restrict__ m = batch.exp_avg[s];
@@ -44,36 +54,51 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(Batch batch, Hyper h) {
   M* __restrict__ out = static_cast<M*>(batch.model[s]);
   const float decay = batch.decay[s];
   bool bad = false;
-  // kIlp independent elements per thread and iteration: loads issued before any math.
-  for (int64_t base = begin + threadIdx.x; base < end; base += int64_t{kThreads} * kIlp) {
-    float pr[kIlp], gr[kIlp], mr[kIlp], vr[kIlp];
+  for (int64_t base = begin + int64_t{threadIdx.x} * V; base < end; base += kStep * kIlp) {
+    Vec<float, V> pr[kIlp], mr[kIlp], vr[kIlp];
+    Vec<G, V> gr[kIlp];
 #pragma unroll
     for (int i = 0; i < kIlp; ++i) {
-      const int64_t e = base + int64_t{i} * kThreads;
+      const int64_t e = base + i * kStep;
       if (e < end) {
-        pr[i] = p[e];
-        gr[i] = to_float(g[e]);
-        mr[i] = m[e];
-        vr[i] = v[e];
+        pr[i] = load_vec<V>(p + e);
+        gr[i] = load_vec<V>(g + e);
+        mr[i] = load_vec<V>(m + e);
+        vr[i] = load_vec<V>(v + e);
       }
     }
 #pragma unroll
     for (int i = 0; i < kIlp; ++i) {
-      const int64_t e = base + int64_t{i} * kThreads;
+      const int64_t e = base + i * kStep;
       if (e >= end) continue;
-      const float gi = gr[i] * h.grad_scale;
-      if (!isfinite(gi)) {
-        bad = true;
-        continue;
+      Vec<M, V> model;
+#pragma unroll
+      for (int l = 0; l < V; ++l) {
+        bad |= !adamw_update(pr[i].v[l], to_float(gr[i].v[l]), mr[i].v[l], vr[i].v[l], decay, h);
+        model.v[l] = from_float<M>(pr[i].v[l]);
       }
-      const float mi = h.beta1 * mr[i] + (1.f - h.beta1) * gi;
-      const float vi = h.beta2 * vr[i] + (1.f - h.beta2) * gi * gi;
-      const float pi = pr[i] * decay - h.step_size * mi / (sqrtf(vi) * h.inv_sqrt_bc2 + h.eps);
-      p[e] = pi;
-      m[e] = mi;
-      v[e] = vi;
-      if (out != nullptr) out[e] = from_float<M>(pi);
+      store_vec<V>(p + e, pr[i]);
+      store_vec<V>(m + e, mr[i]);
+      store_vec<V>(v + e, vr[i]);
+      if (out != nullptr) store_vec<V>(out + e, model);
     }
+  }
+  return bad;
+}
+
+template <typename G, typename M>
+__global__ void __launch_bounds__(kThreads) adamw_kernel(Batch batch, Hyper h) {
+  if (h.skip != nullptr && *h.skip != 0) return;
+  const int s = batch.segment[blockIdx.x];
+  const int64_t begin = static_cast<int64_t>(batch.chunk[blockIdx.x]) * kChunk;
+  const int64_t end = imin(batch.numel[s], begin + kChunk);
+  bool bad;
+  if (batch.vec[s]) {  // chunks start at multiples of 4: only the segment's last few elements are single
+    const int64_t vend = begin + (end - begin) / 4 * 4;
+    bad = update_range<4, 2, G, M>(batch, s, begin, vend, h);
+    bad |= update_range<1, 1, G, M>(batch, s, vend, end, h);
+  } else {
+    bad = update_range<1, 4, G, M>(batch, s, begin, end, h);
   }
   if (bad && h.found_inf != nullptr) *h.found_inf = 1;
 }
@@ -102,6 +127,8 @@ cudaError_t launch_all(const dtrain_adamw_segment* segs, int n, const Hyper& h, 
     batch.model[nseg] = sg.model_param;
     batch.numel[nseg] = sg.numel;
     batch.decay[nseg] = 1.f - lr * sg.weight_decay;
+    batch.vec[nseg] = aligned(sg.param, 16) && aligned(sg.exp_avg, 16) && aligned(sg.exp_avg_sq, 16) &&
+                      aligned(sg.grad, 4 * sizeof(G)) && aligned(sg.model_param, 4 * sizeof(M));
     const int64_t chunks = (sg.numel + kChunk - 1) / kChunk;
     for (int64_t c = 0; c < chunks; ++c) {
       if (nblocks == kMaxBlocks) {
@@ -115,6 +142,7 @@ cudaError_t launch_all(const dtrain_adamw_segment* segs, int n, const Hyper& h, 
         batch.model[0] = batch.model[keep];
         batch.numel[0] = batch.numel[keep];
         batch.decay[0] = batch.decay[keep];
+        batch.vec[0] = batch.vec[keep];
       }
       batch.segment[nblocks] = static_cast<unsigned char>(nseg);
       batch.chunk[nblocks] = static_cast<int>(c);

@@ -4,6 +4,8 @@
 
 #include <torch/torch.h>
 
+#include <cstdint>
+
 #include "dtrain/core/error.hpp"
 #include "ops/kernel_launch.hpp"
 
@@ -38,6 +40,15 @@ bool kernel_takes(const at::Tensor& x2, const at::Tensor& weight, const at::Tens
          x2.size(1) <= dtrain_norm_max_cols();
 }
 
+// The weight or bias as the kernel reads it fastest: contiguous and 16-byte aligned (a view
+// into a flat FSDP buffer may start anywhere; copying [cols] elements keeps the kernel's
+// 16-byte accesses for the whole activation).
+at::Tensor kernel_vector(const at::Tensor& t) {
+  if (!t.defined()) return t;
+  auto c = t.contiguous();
+  return reinterpret_cast<std::uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone();
+}
+
 dtrain_kernel_dtype weight_type(const at::Tensor& weight, const at::Tensor& bias, const char* op) {
   if (weight.defined()) return detail::kernel_dtype(weight, op, "weight");
   if (bias.defined()) return detail::kernel_dtype(bias, op, "bias");
@@ -64,7 +75,7 @@ class NormFn : public torch::autograd::Function<NormFn> {
     if (kernel_takes(x2, weight, bias)) {
       const char* op = layer ? "layer_norm" : "rms_norm";
       const c10::cuda::CUDAGuard guard(x.device());
-      auto w = weight.defined() ? weight.contiguous() : weight, b = bias.defined() ? bias.contiguous() : bias;
+      auto w = kernel_vector(weight), b = kernel_vector(bias);
       y = at::empty_like(x2);
       rstd = at::empty({rows}, x2.options().dtype(at::kFloat));
       if (layer) mean = at::empty({rows}, x2.options().dtype(at::kFloat));
@@ -116,15 +127,10 @@ class NormFn : public torch::autograd::Function<NormFn> {
       const char* op = layer ? "layer_norm" : "rms_norm";
       const c10::cuda::CUDAGuard guard(x2.device());
       if (dy.scalar_type() != x2.scalar_type()) dy = dy.to(x2.scalar_type());
-      auto w = weight.defined() ? weight.contiguous() : weight;
+      auto w = kernel_vector(weight);
       dx = at::empty_like(x2);
       if (weight.defined()) dw = at::empty_like(w);
       if (bias.defined()) db = at::empty_like(bias);
-      at::Tensor workspace;
-      if (dw.defined() || db.defined()) {
-        workspace = at::empty({static_cast<std::int64_t>(dtrain_norm_workspace_bytes(rows, cols) / sizeof(float))},
-                              x2.options().dtype(at::kFloat));
-      }
       dtrain_norm_bwd_params p{};
       p.dy = dy.data_ptr();
       p.x = x2.data_ptr();
@@ -134,12 +140,17 @@ class NormFn : public torch::autograd::Function<NormFn> {
       p.dx = dx.data_ptr();
       p.dweight = dw.defined() ? dw.data_ptr() : nullptr;
       p.dbias = db.defined() ? db.data_ptr() : nullptr;
-      p.workspace = workspace.defined() ? workspace.data_ptr() : nullptr;
       p.rows = rows;
       p.cols = p.dy_stride = p.x_stride = p.dx_stride = cols;
       p.layer_norm = layer ? 1 : 0;
       p.dtype = detail::kernel_dtype(x2, op, "x");
       p.weight_dtype = weight_type(w, bias, op);
+      at::Tensor workspace;  // sized for these params (the kernel's plan reads their alignment)
+      if (dw.defined() || db.defined()) {
+        workspace = at::empty({static_cast<std::int64_t>(dtrain_norm_workspace_bytes(&p) / sizeof(float))},
+                              x2.options().dtype(at::kFloat));
+        p.workspace = workspace.data_ptr();
+      }
       DTRAIN_CUDA_CHECK(dtrain_norm_bwd(&p, detail::current_stream(x2)));
     } else
 #endif

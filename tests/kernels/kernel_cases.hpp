@@ -76,12 +76,16 @@ AdamState adamw_reference(const AdamState& s, double lr, double b1, double b2, d
 std::vector<AdamState> adam_states(const std::vector<std::int64_t>& sizes, at::ScalarType grad_type, bool model) {
   std::vector<AdamState> out;
   for (std::size_t i = 0; i < sizes.size(); ++i) {
+    // Every fifth segment starts one element into its buffers: not 16-byte aligned, so the
+    // kernel takes it one element per access (the others 4).
+    const std::int64_t off = i % 5 == 4 ? 1 : 0;
+    auto place = [&](const at::Tensor& t) { return dev(torch::cat({t.narrow(0, 0, off), t})).narrow(0, off, t.numel()); };
     AdamState s;
-    s.p = dev(torch::randn({sizes[i]}));
-    s.g = dev(torch::randn({sizes[i]}).to(grad_type));
-    s.m = dev(torch::randn({sizes[i]}) * 0.1);
-    s.v = dev(torch::rand({sizes[i]}) * 0.01);
-    if (model) s.model = poisoned({sizes[i]}, at::kBFloat16);
+    s.p = place(torch::randn({sizes[i]}));
+    s.g = place(torch::randn({sizes[i]}).to(grad_type));
+    s.m = place(torch::randn({sizes[i]}) * 0.1);
+    s.v = place(torch::rand({sizes[i]}) * 0.01);
+    if (model) s.model = poisoned({sizes[i] + off}, at::kBFloat16).narrow(0, off, sizes[i]);
     s.wd = i % 2 == 0 ? 0.1f : 0.f;
     out.push_back(s);
   }
@@ -118,6 +122,7 @@ TEST(KERNEL_SUITE(AdamW), ManySegmentsAndChunksMatchFloat64) {
   std::vector<std::int64_t> sizes(40, 17);
   sizes[3] = 330 * 16384 + 5;
   sizes[7] = 1;
+  sizes[9] = 2 * 16384 + 3;  // offset by one element (see adam_states), over three chunks
   for (auto grad_type : {at::kFloat, at::kBFloat16}) {
     auto states = adam_states(sizes, grad_type, grad_type == at::kBFloat16);
     std::vector<AdamState> before;
@@ -168,8 +173,10 @@ TEST(KERNEL_SUITE(AdamW), NonFiniteGradientsAreFlaggedAndSkipStopsEverything) {
 TEST(KERNEL_SUITE(Norm), ForwardAndBackwardMatchFloat64) {
   KERNEL_DEVICE_OR_SKIP();
   torch::manual_seed(3);
-  std::vector<std::pair<std::int64_t, std::int64_t>> shapes = {{37, 96}, {37, 1000}};
-  if (kLargeCases) shapes.insert(shapes.end(), {{4099, 768}, {1000, 4096}, {70, 16384}});
+  // Rows a multiple of 16 bytes take the kernels' 16-byte accesses, 1001 and 16383 one
+  // element per access.
+  std::vector<std::pair<std::int64_t, std::int64_t>> shapes = {{37, 96}, {37, 1000}, {37, 1001}};
+  if (kLargeCases) shapes.insert(shapes.end(), {{4099, 768}, {1000, 4096}, {70, 16384}, {300, 16383}});
   for (bool layer : {false, true}) {
     for (auto type : {at::kFloat, at::kBFloat16}) {
       for (const auto& [rows, cols] : shapes) {
@@ -208,7 +215,6 @@ TEST(KERNEL_SUITE(Norm), ForwardAndBackwardMatchFloat64) {
         EXPECT_LT(max_abs(y, yr), tol);
 
         auto dx = poisoned({rows, cols}, type), dw = poisoned({cols}, at::kFloat), db = poisoned({cols}, at::kFloat);
-        auto ws = poisoned({static_cast<std::int64_t>(dtrain_norm_workspace_bytes(rows, cols) / 4)}, at::kFloat);
         dtrain_norm_bwd_params g{};
         g.dy = dyd.data_ptr();
         g.x = xd.data_ptr();
@@ -218,12 +224,13 @@ TEST(KERNEL_SUITE(Norm), ForwardAndBackwardMatchFloat64) {
         g.dx = dx.data_ptr();
         g.dweight = dw.data_ptr();
         g.dbias = layer ? db.data_ptr() : nullptr;
-        g.workspace = ws.data_ptr();
         g.rows = rows;
         g.cols = g.dy_stride = g.x_stride = g.dx_stride = cols;
         g.layer_norm = layer;
         g.dtype = f.dtype;
         g.weight_dtype = DTRAIN_KERNEL_F32;
+        auto ws = poisoned({static_cast<std::int64_t>(dtrain_norm_workspace_bytes(&g) / 4)}, at::kFloat);
+        g.workspace = ws.data_ptr();
         ASSERT_EQ(dtrain_norm_bwd(&g, nullptr), cudaSuccess);
         kernel_sync();
         EXPECT_LT(max_abs(dx, xr.grad()), tol);
@@ -243,8 +250,9 @@ TEST(KERNEL_SUITE(Norm), ForwardAndBackwardMatchFloat64) {
 TEST(KERNEL_SUITE(CrossEntropy), LossAndGradientsMatchFloat64WithIgnoredRows) {
   KERNEL_DEVICE_OR_SKIP();
   torch::manual_seed(4);
-  std::vector<std::pair<std::int64_t, std::int64_t>> shapes = {{20, 5003}};
-  if (kLargeCases) shapes.push_back({517, 50304});
+  // 5008 and 50304 take the kernels' 16-byte accesses, 5003 and 50257 one element per access.
+  std::vector<std::pair<std::int64_t, std::int64_t>> shapes = {{20, 5003}, {20, 5008}};
+  if (kLargeCases) shapes.insert(shapes.end(), {{517, 50304}, {64, 50257}});
   for (const auto& [rows, vocab] : shapes) {
     for (auto type : {at::kFloat, at::kBFloat16}) {
       SCOPED_TRACE(std::string(c10::toString(type)) + " " + std::to_string(rows) + "x" + std::to_string(vocab));

@@ -6,8 +6,9 @@
  *   p -= lr / bias_correction1 * m / (sqrt(v / bias_correction2) + eps)
  * and, when model_param is set, the bfloat16/float16 model copy of p is written in the
  * same pass. Bias corrections (1 - beta^t) come from the host. A non-finite g leaves that
- * element's p, m, v untouched and sets *found_inf = 1 (when given); when *skip is nonzero
- * at launch (a flag an earlier kernel computed) nothing is updated. */
+ * element's p, m, v as they were (the model copy is written from p either way) and sets
+ * *found_inf = 1 (when given); when *skip is nonzero at launch (a flag an earlier kernel
+ * computed) nothing is updated. */
 #pragma once
 
 #include "dtrain_kernels/common.h"
@@ -36,8 +37,9 @@ typedef struct {
   const int* skip;                          /* device flag: nonzero skips the update; or NULL */
 } dtrain_adamw_params;
 
-/* segments: a host array of n entries (device pointers inside); pointers 16-byte aligned
- * give vectorised access, any alignment is correct. */
+/* segments: a host array of n entries (device pointers inside). A segment whose param,
+ * exp_avg and exp_avg_sq are 16-byte aligned (grad and model_param to 4 elements) moves 4
+ * elements per access; any alignment is correct. */
 cudaError_t dtrain_adamw(const dtrain_adamw_segment* segments, int n, const dtrain_adamw_params* params,
                          cudaStream_t stream);
 

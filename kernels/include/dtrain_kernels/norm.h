@@ -4,7 +4,10 @@
  *   LayerNorm: y = (x - mean) * rstd * w + b, rstd = 1 / sqrt(var(x) + eps)
  * The forward saves rstd (and mean) per row; the backward computes dx per row and the
  * weight/bias gradients reduced over all rows: blocks write float32 partial sums into a
- * workspace (dtrain_norm_workspace_bytes), a second kernel sums them. */
+ * workspace (dtrain_norm_workspace_bytes), a second kernel sums them. Rows whose start
+ * (pointer and stride) is 16-byte aligned, with cols a multiple of 16 bytes and 16-byte
+ * aligned weight and bias, are read and written in 16-byte accesses; anything else is
+ * correct at one element per access. */
 #pragma once
 
 #include "dtrain_kernels/common.h"
@@ -35,7 +38,8 @@ typedef struct {
   void* dx;             /* [rows, cols], row stride dx_stride, dtype */
   void* dweight;        /* [cols] weight_dtype, or NULL (not wanted / no weight) */
   void* dbias;          /* [cols] weight_dtype, or NULL (LayerNorm with a bias) */
-  void* workspace;      /* dtrain_norm_workspace_bytes(rows, cols) bytes when dweight/dbias */
+  void* workspace;      /* dtrain_norm_workspace_bytes(this) bytes, 16-byte aligned, when
+                           dweight/dbias */
   int64_t rows, cols, dy_stride, x_stride, dx_stride;
   int layer_norm;
   dtrain_kernel_dtype dtype, weight_dtype;
@@ -43,8 +47,9 @@ typedef struct {
 
 cudaError_t dtrain_norm_fwd(const dtrain_norm_fwd_params* params, cudaStream_t stream);
 cudaError_t dtrain_norm_bwd(const dtrain_norm_bwd_params* params, cudaStream_t stream);
-/* Workspace the backward needs for [rows, cols] on the current device. */
-size_t dtrain_norm_workspace_bytes(int64_t rows, int64_t cols);
+/* Workspace the backward with these params needs on the current device (it depends on the
+ * shapes, dtypes and the alignment of the row pointers; the workspace field is not read). */
+size_t dtrain_norm_workspace_bytes(const dtrain_norm_bwd_params* params);
 /* The largest cols the kernels take (shared memory holds a block's partial sums). */
 int64_t dtrain_norm_max_cols(void);
 
