@@ -31,6 +31,8 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_
   ::dtrain_emu::mbarrier_arrive_expect_tx(bar, bytes);
 }
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, int parity) { ::dtrain_emu::mbarrier_wait(bar, parity); }
+// The emulator reports a wait that can never complete as a deadlock.
+__device__ __forceinline__ void mbarrier_wait_or_trap(uint64_t* bar, int parity) { mbarrier_wait(bar, parity); }
 // The box at (c0, c1, c2, c3) of `map` into dst (1024-byte aligned), completing on bar.
 __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
                                             uint64_t* bar) {
@@ -61,16 +63,37 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(bar)), "r"(bytes)
                : "memory");
 }
+__device__ __forceinline__ bool mbarrier_try_wait(uint32_t addr, int parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(addr), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+__device__ __forceinline__ uint64_t global_time_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, int parity) {
   const uint32_t addr = shared_address(bar);
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(addr), "r"(parity)
-        : "memory");
-  } while (done == 0);
+  while (!mbarrier_try_wait(addr, parity)) {
+  }
+}
+// A wait longer than kMbarrierTimeoutNs is a pipeline that can never complete (a copy not
+// issued, a wrong byte count or parity, a consumer stuck): the kernel traps, so that the
+// caller gets an error ("unspecified launch failure") instead of a hang. It costs
+// registers, so the producer, which has them to spare, is the one that keeps watch.
+constexpr uint64_t kMbarrierTimeoutNs = 10'000'000'000ull;
+__device__ __forceinline__ void mbarrier_wait_or_trap(uint64_t* bar, int parity) {
+  const uint32_t addr = shared_address(bar);
+  if (mbarrier_try_wait(addr, parity)) return;
+  const uint64_t start = global_time_ns();
+  while (!mbarrier_try_wait(addr, parity)) {
+    if (global_time_ns() - start > kMbarrierTimeoutNs) __trap();
+  }
 }
 __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
                                             uint64_t* bar) {

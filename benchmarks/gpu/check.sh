@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # GPU check: benchmarks/gpu/check.sh [OUTDIR]. Run on a machine with one CUDA GPU, python3's
 # torch wheel, nvcc, cmake and ninja but no MPI and no package access (carry/ from
-# scripts/carry.sh travels with the tree). Builds without MPI for the local GPU, runs the
-# unit, GPU and CLI tests (NCCL backend at world size 1), trains the tiny model on the GPU
-# (fp32, bf16, fp16, full sharding; one traced run merged by merge_traces), runs pp_bench's
-# runtime with one stage on CUDA, a MoE model in bf16 and moe_bench (ep 1) on CUDA, trains
-# with dtrain's kernels (flash attention, fused norm / cross-entropy / AdamW) and runs
-# kernel_bench, and runs train_bench for gpt2-124m in fp32 and bf16 over every sharding
-# strategy (batch 8 x 1024; bf16 also with the kernels), and bf16 at batch 32. Full logs and JSON lines
-# go to OUTDIR (default build-gpu/out); a phase that fails is recorded and the next one
-# still runs; a summary table comes last.
+# scripts/carry.sh travels with the tree). Builds without MPI for the local GPU; tests the
+# kernels (gpu_kernels once per attention kernel: mma.sync, and wgmma on Hopper, whose
+# failure makes the later phases keep to mma.sync) and runs kernel_bench; runs the unit,
+# GPU and CLI tests (NCCL backend at world size 1); trains the tiny model on the GPU (fp32,
+# bf16, fp16, full sharding; one traced run merged by merge_traces); runs pp_bench's
+# runtime with one stage on CUDA, a MoE model in bf16 and moe_bench (ep 1) on CUDA; trains
+# with dtrain's kernels (flash attention, fused norm / cross-entropy / AdamW); and runs
+# train_bench for gpt2-124m in fp32 and bf16 over every sharding strategy (batch 8 x 1024;
+# bf16 also with the kernels), and bf16 at batch 32. Full logs and JSON lines go to OUTDIR
+# (default build-gpu/out); a phase that fails is recorded and the next one still runs; a
+# summary table comes last.
 # Exit status: 0 when every phase passed. DTRAIN_CHECK_BENCH overrides train_bench's model
 # and shape (default "--preset gpt2-124m --batch 8 --seq 1024"), e.g. for a CPU dry run.
 set -uo pipefail
@@ -55,9 +57,24 @@ phase configure 300 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DDTRAIN_WITH_MPI=OFF -DCMAKE_CUDA_ARCHITECTURES="${arch:-90}" || { cat "$summary"; exit 1; }
 phase build 900 cmake --build "$build" --parallel "$(nproc)" || { cat "$summary"; exit 1; }
 
+# The kernels first (issue 8), one attention kernel at a time, so that a broken one (wrong
+# results, or a trap: the TMA producer traps after 10 s in a stuck pipeline) cannot hide the
+# other; if the wgmma kernels fail, every later phase keeps to mma.sync.
+phase kernels_mma 240 env DTRAIN_ATTENTION_KERNEL=mma "$build/tests/gpu_kernels"
+if [ "$arch" = 90a ]; then
+  if ! phase kernels_wgmma 240 env DTRAIN_ATTENTION_KERNEL=wgmma "$build/tests/gpu_kernels" \
+    --gtest_filter='*Attention*'; then
+    export DTRAIN_ATTENTION_KERNEL=mma
+    echo "kernels_wgmma failed: the later phases run with DTRAIN_ATTENTION_KERNEL=mma" >>"$summary"
+  fi
+fi
+# Kernel benchmarks against LibTorch's ops (attention at 1k, 4k, 16k; the memory-bound ops
+# against a device copy).
+phase kernel_bench 240 "$build/benchmarks/kernel_bench" --json "$out/kernel_bench.jsonl"
+
 # Tests: the CPU unit tests, the NCCL/CUDA tests and the CLI tests (no MPI here).
-phase tests 600 env OMP_NUM_THREADS=2 ctest --test-dir "$build" --output-on-failure -j 8 \
-  -L "unit|gpu|cli" -E install_consumer
+phase tests 300 env OMP_NUM_THREADS=2 ctest --test-dir "$build" --output-on-failure -j 8 \
+  -L "unit|gpu|cli" -E "install_consumer|gpu_kernels"
 
 # Training on the GPU (NCCL backend, one rank): the tiny model must learn.
 data="$build/gpu-data"
@@ -66,7 +83,7 @@ phase data 120 "$build/examples/prepare_data" --input LICENSE README.md docs/*.m
 train() {  # train NAME ARGS...: tiny model for 200 steps
   local name="$1"
   shift
-  phase "$name" 300 "$build/examples/pretrain_gpt" --config examples/configs/tiny.json \
+  phase "$name" 180 "$build/examples/pretrain_gpt" --config examples/configs/tiny.json \
     --steps 200 --eval-every 0 --train-data "$data/docs_train_*.bin" \
     --val-data "$data/docs_val_*.bin" --progress off --log-every 50 \
     --metrics "$out/$name.jsonl" "$@"
@@ -88,13 +105,10 @@ phase moe_bench 120 "$build/benchmarks/moe_bench" --ep 1 --tokens 16384 --d-mode
 phase pp_bench 120 "$build/benchmarks/pp_bench" --d-model 1024 --seq 256 --schedules gpipe,1f1b \
   --microbatches 4 --json "$out/pp_bench.jsonl"
 
-# The kernels (issue 8): flash attention, norms, cross-entropy and AdamW on the GPU, the
-# tiny model trained with all of them (head dim 64), and the kernel benchmarks against
-# LibTorch's ops (attention at 1k, 4k, 16k; the memory-bound ops against a device copy).
+# The tiny model trained with all of dtrain's kernels (head dim 64).
 train train_tiny_fused_bf16 --precision bf16 --n-head 1 --attention flash --fused-norm --fused-ce --fused-adamw
 train train_tiny_fused_full_bf16 --n-head 1 --fsdp full --param-dtype bfloat16 --attention flash --fused-norm \
   --fused-ce --fused-adamw
-phase kernel_bench 240 "$build/benchmarks/kernel_bench" --json "$out/kernel_bench.jsonl"
 
 # Throughput and memory: dtrain's trainer against a plain LibTorch loop, gpt2-124m.
 for precision in fp32 bf16; do
@@ -118,6 +132,9 @@ echo
 echo "== GPU check summary ($(head -1 "$out/machine.txt"), $((SECONDS - start_all)) s)"
 sed -n 2p "$out/machine.txt"
 grep -E "tests passed|tests failed" "$out/tests.log" | tail -1
+for k in kernels_mma kernels_wgmma; do
+  [ -f "$out/$k.log" ] && printf '%-22s %s\n' "$k" "$(grep -E "^\[  (PASSED|FAILED)  \]" "$out/$k.log" | tr '\n' ' ')"
+done
 for f in "$out"/train_tiny_*.log; do
   [ -f "$f" ] || continue
   printf '%-22s %s\n' "$(basename "$f" .log)" "$(grep -oE "done: .*" "$f" | tail -1)"

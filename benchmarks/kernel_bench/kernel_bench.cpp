@@ -23,8 +23,6 @@
 #include "common/bench_util.hpp"
 #include "dtrain/dtrain.hpp"
 #ifdef DTRAIN_WITH_CUDA
-#include <c10/cuda/CUDAStream.h>
-
 #include "dtrain_kernels/attention.h"
 #endif
 
@@ -81,36 +79,22 @@ nlohmann::json opt(const std::optional<double>& v) { return v ? nlohmann::json(*
 
 // ---- attention -------------------------------------------------------------------------
 
-#ifdef DTRAIN_WITH_CUDA
-// The forward through the kernels' C API with one named kernel (dtrain's op takes AUTO:
-// wgmma on Hopper), q, k, v contiguous [B, H, S, D] on CUDA.
-at::Tensor kernel_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                          dtrain_attention_kernel kernel) {
-  auto o = at::empty_like(q);
-  auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
-  auto strides = [](const at::Tensor& t) { return dtrain_attention_strides{t.stride(0), t.stride(1), t.stride(2)}; };
-  dtrain_attention_fwd_params p{};
-  p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr(), p.o = o.data_ptr(), p.lse = lse.data_ptr<float>();
-  p.q_stride = strides(q), p.k_stride = strides(k), p.v_stride = strides(v), p.o_stride = strides(o);
-  p.batch = q.size(0), p.heads = q.size(1), p.kv_heads = k.size(1), p.seq_q = q.size(2), p.seq_k = k.size(2);
-  p.head_dim = q.size(3);
-  p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(q.size(3))));
-  p.causal = causal ? 1 : 0;
-  p.dtype = q.scalar_type() == at::kHalf ? DTRAIN_KERNEL_F16 : DTRAIN_KERNEL_BF16;
-  p.kernel = kernel;
-  const cudaError_t e = dtrain_attention_fwd(&p, c10::cuda::getCurrentCUDAStream(q.device().index()).stream());
-  if (e != cudaSuccess) throw std::runtime_error(std::string("dtrain_attention_fwd: ") + cudaGetErrorString(e));
-  return o;
-}
-#endif
-
 void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
   const auto dtype = cuda(dev) ? torch::kBFloat16 : torch::kFloat;
   std::printf("# attention (%s, %s): TFLOP/s, fwd and fwd+bwd; ratio = dtrain / best LibTorch backend\n",
               cuda(dev) ? "cuda" : "cpu", c10::toString(dtype));
-  // On Hopper dtrain's forward is the wgmma kernel; mma_f is the mma.sync one beside it.
-  std::printf("%6s %4s %6s %4s %5s %10s %10s %10s %10s %10s %10s %10s %8s %8s\n", "seq", "dim", "causal", "B", "H",
-              "dtrain_f", "mma_f", "flash_f", "cudnn_f", "dtrain_fb", "flash_fb", "cudnn_fb", "ratio_f", "ratio_fb");
+  // dtrain's op runs the kernel DTRAIN_ATTENTION_KERNEL names (auto: wgmma on Hopper); where
+  // that is wgmma, mma_f and mma_fb time the mma.sync kernels beside it.
+  const std::string kernel = dtrain::env::attention_kernel();
+  bool both = false;
+#ifdef DTRAIN_WITH_CUDA
+  both = cuda(dev) && kernel == "auto" && dtrain_attention_kernel_available(DTRAIN_ATTENTION_KERNEL_WGMMA);
+#endif
+  std::printf("# dtrain_f, dtrain_fb: %s=%s%s\n", dtrain::env::kAttentionKernel, kernel.c_str(),
+              both ? " (wgmma here); mma_f, mma_fb: mma.sync" : "");
+  std::printf("%6s %4s %6s %4s %5s %10s %10s %10s %10s %10s %10s %10s %10s %8s %8s\n", "seq", "dim", "causal", "B",
+              "H", "dtrain_f", "mma_f", "flash_f", "cudnn_f", "dtrain_fb", "mma_fb", "flash_fb", "cudnn_fb", "ratio_f",
+              "ratio_fb");
   std::vector<std::int64_t> seqs = o.seq;
   if (seqs.empty()) seqs = cuda(dev) ? std::vector<std::int64_t>{1024, 4096, 16384} : std::vector<std::int64_t>{256, 512};
   const std::int64_t tokens = o.tokens > 0 ? o.tokens : (cuda(dev) ? 16384 : 1024);
@@ -149,18 +133,15 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
           return flops / (*ms * 1e-3) / 1e12;
         };
         const auto f_ours = tf(try_time(dev, it, o.rounds, fwd(ours)), fwd_flops);
-        std::optional<double> f_mma;
-#ifdef DTRAIN_WITH_CUDA
-        if (cuda(dev) && dtrain_attention_kernel_available(DTRAIN_ATTENTION_KERNEL_WGMMA)) {
-          std::function<at::Tensor()> mma = [&] {
-            return kernel_forward(q, k, v, causal, DTRAIN_ATTENTION_KERNEL_MMA);
-          };
-          f_mma = tf(try_time(dev, it, o.rounds, fwd(mma)), fwd_flops);
+        const auto fb_ours = tf(try_time(dev, it, o.rounds, fwdbwd(ours)), 3.5 * fwd_flops);
+        std::optional<double> f_mma, fb_mma;
+        if (both) {
+          dtrain::env::ScopedOverride mma(dtrain::env::kAttentionKernel, "mma");
+          f_mma = tf(try_time(dev, it, o.rounds, fwd(ours)), fwd_flops);
+          fb_mma = tf(try_time(dev, it, o.rounds, fwdbwd(ours)), 3.5 * fwd_flops);
         }
-#endif
         const auto f_flash = tf(try_time(dev, it, o.rounds, fwd(flash)), fwd_flops);
         const auto f_cudnn = cudnn ? tf(try_time(dev, it, o.rounds, fwd(cudnn)), fwd_flops) : std::nullopt;
-        const auto fb_ours = tf(try_time(dev, it, o.rounds, fwdbwd(ours)), 3.5 * fwd_flops);
         const auto fb_flash = tf(try_time(dev, it, o.rounds, fwdbwd(flash)), 3.5 * fwd_flops);
         const auto fb_cudnn = cudnn ? tf(try_time(dev, it, o.rounds, fwdbwd(cudnn)), 3.5 * fwd_flops) : std::nullopt;
         auto best = [](std::optional<double> a, std::optional<double> b) {
@@ -169,13 +150,14 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
         const double rf = f_ours && best(f_flash, f_cudnn) > 0 ? *f_ours / best(f_flash, f_cudnn) : 0;
         const double rfb = fb_ours && best(fb_flash, fb_cudnn) > 0 ? *fb_ours / best(fb_flash, fb_cudnn) : 0;
         auto cell = [](std::optional<double> v) { return v ? *v : -1.0; };
-        std::printf("%6lld %4lld %6d %4lld %5lld %10.2f %10.2f %10.2f %10.2f %10.2f %10.2f %10.2f %8.2f %8.2f\n",
+        std::printf("%6lld %4lld %6d %4lld %5lld %10.2f %10.2f %10.2f %10.2f %10.2f %10.2f %10.2f %10.2f %8.2f %8.2f\n",
                     static_cast<long long>(s), static_cast<long long>(d), causal ? 1 : 0, static_cast<long long>(b),
                     static_cast<long long>(h), cell(f_ours), cell(f_mma), cell(f_flash), cell(f_cudnn), cell(fb_ours),
-                    cell(fb_flash), cell(fb_cudnn), rf, rfb);
+                    cell(fb_mma), cell(fb_flash), cell(fb_cudnn), rf, rfb);
         out.line({{"bench", "kernel"}, {"op", "attention"}, {"device", cuda(dev) ? "cuda" : "cpu"},
                   {"dtype", c10::toString(dtype)}, {"seq", s}, {"head_dim", d}, {"causal", causal}, {"batch", b},
-                  {"heads", h}, {"fwd_tflops", opt(f_ours)}, {"fwd_tflops_mma", opt(f_mma)},
+                  {"heads", h}, {"kernel", kernel}, {"fwd_tflops", opt(f_ours)}, {"fwd_tflops_mma", opt(f_mma)},
+                  {"fwdbwd_tflops_mma", opt(fb_mma)},
                   {"fwd_tflops_sdpa_flash", opt(f_flash)},
                   {"fwd_tflops_sdpa_cudnn", opt(f_cudnn)}, {"fwdbwd_tflops", opt(fb_ours)},
                   {"fwdbwd_tflops_sdpa_flash", opt(fb_flash)}, {"fwdbwd_tflops_sdpa_cudnn", opt(fb_cudnn)},

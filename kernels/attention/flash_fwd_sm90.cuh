@@ -80,19 +80,23 @@ __global__ void __launch_bounds__(FlashSm90Config<D>::kThreads, 1)
     // tile (phase parity flips every S tiles; a fresh barrier passes parity 1 at once).
     for (int n = 0; n < n_tiles; ++n) {
       const int st = n % S, parity = (n / S) & 1;
-      mbarrier_wait(k_empty + st, parity ^ 1);
+      mbarrier_wait_or_trap(k_empty + st, parity ^ 1);
       mbarrier_arrive_expect_tx(k_full + st, kTileBytes);
 #pragma unroll
       for (int c = 0; c < D / kBox; ++c) {
         tma_load_4d(kbuf(st) + c * BN * kBox, &tm_k, c * kBox, n * BN, hk, static_cast<int>(b), k_full + st);
       }
-      mbarrier_wait(v_empty + st, parity ^ 1);
+      mbarrier_wait_or_trap(v_empty + st, parity ^ 1);
       mbarrier_arrive_expect_tx(v_full + st, kTileBytes);
 #pragma unroll
       for (int c = 0; c < D / kBox; ++c) {
         tma_load_4d(vbuf(st) + c * BN * kBox, &tm_v, c * kBox, n * BN, hk, static_cast<int>(b), v_full + st);
       }
     }
+    // Keep watch until the consumers release the last V tile (after their last MMA), so
+    // that a consumer stuck in the pipeline traps too.
+    const int last = n_tiles - 1;
+    mbarrier_wait_or_trap(v_empty + last % S, (last / S) & 1);
     return;
   }
 
@@ -199,6 +203,7 @@ __global__ void __launch_bounds__(FlashSm90Config<D>::kThreads, 1)
     wgmma_wait<0>();
     wgmma_fence_regs(acc[0]);
     wgmma_fence_regs(pf);
+    mbarrier_arrive(v_empty + last % S);  // what the producer's watch waits for
   }
 
   store_output<T>(p, b, h, row0, acc, row_max, row_sum);

@@ -55,4 +55,25 @@ bool log_all_ranks() {
   return v ? parse_bool(kLogAllRanks, *v) : false;
 }
 
+std::string attention_kernel() {
+  const std::string v = get(kAttentionKernel).value_or("auto");
+  if (v != "auto" && v != "mma" && v != "wgmma") {
+    throw InvalidArgument(detail::str_cat(kAttentionKernel, "='", v, "' is not a kernel; allowed: auto, mma, wgmma"));
+  }
+  return v;
+}
+
+ScopedOverride::ScopedOverride(const char* name, const std::string& value) : name_(name) {
+  if (const char* v = std::getenv(name)) old_ = v;
+  ::setenv(name, value.c_str(), 1);
+}
+
+ScopedOverride::~ScopedOverride() {
+  if (old_) {
+    ::setenv(name_, old_->c_str(), 1);
+  } else {
+    ::unsetenv(name_);
+  }
+}
+
 }  // namespace dtrain::env

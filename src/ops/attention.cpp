@@ -9,6 +9,7 @@
 #include <cmath>
 #include <limits>
 
+#include "dtrain/core/env.hpp"
 #include "dtrain/core/error.hpp"
 #include "ops/kernel_launch.hpp"
 
@@ -132,6 +133,19 @@ void check_kernel_inputs(const at::Tensor& q) {
                   " is not supported by the kernel; allowed: 64, 128 (or use --attention sdpa)");
 }
 
+// The kernel DTRAIN_ATTENTION_KERNEL asks for; one this build and device cannot run is an
+// error naming the variable.
+dtrain_attention_kernel chosen_kernel() {
+  const std::string name = env::attention_kernel();
+  const auto kernel = name == "mma"     ? DTRAIN_ATTENTION_KERNEL_MMA
+                      : name == "wgmma" ? DTRAIN_ATTENTION_KERNEL_WGMMA
+                                        : DTRAIN_ATTENTION_KERNEL_AUTO;
+  DTRAIN_OP_CHECK(dtrain_attention_kernel_available(kernel), kOp, env::kAttentionKernel, "=", name,
+                  " cannot run here (wgmma needs a compute capability 9.0 GPU and a library built for sm_90a); "
+                  "allowed here: auto, mma");
+  return kernel;
+}
+
 template <typename Params>
 void fill_shape(Params& p, const at::Tensor& q, const at::Tensor& k, bool causal, double scale) {
   p.batch = q.size(0);
@@ -143,6 +157,7 @@ void fill_shape(Params& p, const at::Tensor& q, const at::Tensor& k, bool causal
   p.scale = static_cast<float>(scale);
   p.causal = causal ? 1 : 0;
   p.dtype = detail::kernel_dtype(q, kOp, "q");
+  p.kernel = chosen_kernel();
 }
 
 std::pair<at::Tensor, at::Tensor> kernel_forward(at::Tensor q, at::Tensor k, at::Tensor v, bool causal,

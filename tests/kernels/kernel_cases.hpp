@@ -15,6 +15,7 @@
 #include <tuple>
 #include <vector>
 
+#include "dtrain/core/env.hpp"
 #include "dtrain_kernels/adamw.h"
 #include "dtrain_kernels/attention.h"
 #include "dtrain_kernels/cross_entropy.h"
@@ -304,6 +305,18 @@ std::string name(const AttnCase& c) {
 
 dtrain_attention_strides strides(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
+// The attention kernels to test: every one this device runs, or the one
+// DTRAIN_ATTENTION_KERNEL names (so that a broken kernel can be kept out of a run).
+std::vector<dtrain_attention_kernel> attention_kernels() {
+  const std::string only = dtrain::env::attention_kernel();
+  std::vector<dtrain_attention_kernel> out;
+  for (auto kernel : {DTRAIN_ATTENTION_KERNEL_MMA, DTRAIN_ATTENTION_KERNEL_WGMMA}) {
+    const bool named = only == "auto" || (only == "mma") == (kernel == DTRAIN_ATTENTION_KERNEL_MMA);
+    if (named && dtrain_attention_kernel_available(kernel)) out.push_back(kernel);
+  }
+  return out;
+}
+
 // The forward's params for q, o [batch, heads, seq_q, dim], k, v [batch, kv_heads, seq_k,
 // dim] and lse, in their own strides.
 dtrain_attention_fwd_params fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& o,
@@ -387,9 +400,9 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
     at::Tensor o, lse;
     dtrain_attention_fwd_params f{};
     // Every forward kernel this device runs (mma.sync; wgmma on Hopper and in the
-    // emulator), each into fresh poisoned outputs; the backward takes the last one's.
-    for (auto kernel : {DTRAIN_ATTENTION_KERNEL_MMA, DTRAIN_ATTENTION_KERNEL_WGMMA}) {
-    if (!dtrain_attention_kernel_available(kernel)) continue;
+    // emulator; see attention_kernels), each into fresh poisoned outputs; the backward
+    // takes the last one's.
+    for (auto kernel : attention_kernels()) {
     SCOPED_TRACE(kernel == DTRAIN_ATTENTION_KERNEL_MMA ? "mma.sync forward" : "wgmma forward");
     o = poisoned({c.batch, c.heads, c.seq_q, c.dim}, c.type);
     lse = poisoned({c.batch, c.heads, c.seq_q}, at::kFloat);
@@ -411,8 +424,7 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
     }
 
     // Every backward kernel this device runs, each into fresh poisoned outputs.
-    for (auto kernel : {DTRAIN_ATTENTION_KERNEL_MMA, DTRAIN_ATTENTION_KERNEL_WGMMA}) {
-    if (!dtrain_attention_kernel_available(kernel)) continue;
+    for (auto kernel : attention_kernels()) {
     SCOPED_TRACE(kernel == DTRAIN_ATTENTION_KERNEL_MMA ? "mma.sync backward" : "wgmma backward");
     auto dq = poisoned({c.batch, c.heads, c.seq_q, c.dim}, c.type);
     auto dk = poisoned(k.sizes(), c.type), dv = poisoned(v.sizes(), c.type);

@@ -3,6 +3,7 @@
 #include "kernel_cases.hpp"
 
 #include "common/corpus.hpp"
+#include "dtrain/core/env.hpp"
 #include "dtrain/core/error.hpp"
 #include "dtrain/ops/adamw.hpp"
 #include "dtrain/ops/attention.hpp"
@@ -18,8 +19,17 @@ namespace {
 
 // The autograd op on CUDA against the same op's reference path in float64 on the host:
 // within twice the error of the reference path run in the same 16-bit dtype on the GPU.
+// The op with each kernel DTRAIN_ATTENTION_KERNEL can name here (see attention_kernels).
 TEST(GpuOps, FlashAttentionAutogradMatchesTheReferencePath) {
   SKIP_WITHOUT_GPU();
+  if (!dtrain_attention_kernel_available(DTRAIN_ATTENTION_KERNEL_WGMMA)) {
+    env::ScopedOverride wgmma(env::kAttentionKernel, "wgmma");
+    auto q = torch::randn({1, 2, 8, 64}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16));
+    EXPECT_THROW(ops::flash_attention(q, q, q, true), InvalidArgument) << "wgmma asked for where it cannot run";
+  }
+  for (auto kernel : attention_kernels()) {
+  env::ScopedOverride only(env::kAttentionKernel, kernel == DTRAIN_ATTENTION_KERNEL_MMA ? "mma" : "wgmma");
+  SCOPED_TRACE(kernel == DTRAIN_ATTENTION_KERNEL_MMA ? "mma.sync" : "wgmma");
   torch::manual_seed(11);
   for (bool causal : {true, false}) {
     for (std::int64_t d : {64, 128}) {
@@ -44,6 +54,7 @@ TEST(GpuOps, FlashAttentionAutogradMatchesTheReferencePath) {
                                       << ", sdpa " << base;
       }
     }
+  }
   }
   auto q = torch::randn({1, 2, 8, 96}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16));
   EXPECT_THROW(ops::flash_attention(q, q, q, true), InvalidArgument);  // head dim 96

@@ -122,6 +122,23 @@ TEST(Env, ParsersNameVariableValueAndAllowed) {
   EXPECT_EQ(env::comm_timeout().count(), 2500);
   ::unsetenv(env::kCommTimeoutS);
   EXPECT_EQ(env::comm_timeout().count(), 600000);
+  EXPECT_EQ(env::attention_kernel(), "auto");
+  {
+    env::ScopedOverride mma(env::kAttentionKernel, "mma");
+    EXPECT_EQ(env::attention_kernel(), "mma");
+    {
+      env::ScopedOverride bad(env::kAttentionKernel, "fa3");
+      try {
+        env::attention_kernel();
+        ADD_FAILURE();
+      } catch (const InvalidArgument& e) {
+        EXPECT_NE(std::string(e.what()).find("DTRAIN_ATTENTION_KERNEL='fa3' is not a kernel; allowed: auto, mma, wgmma"),
+                  std::string::npos);
+      }
+    }
+    EXPECT_EQ(env::attention_kernel(), "mma") << "the inner override restored the outer value";
+  }
+  EXPECT_EQ(env::get(env::kAttentionKernel), std::nullopt) << "unset again";
 }
 
 TEST(Logging, FormatReplacesPlaceholdersInOrder) {
