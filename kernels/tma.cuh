@@ -1,9 +1,11 @@
 // Hopper (sm_90) asynchronous copies for the attention kernels: bulk tensor copies (TMA)
 // of boxes described by a tensor map, written to shared memory with the 128-byte swizzle
 // that wgmma's swizzled descriptors read; the mbarriers whose transaction counts say when
-// a copy has landed; named barriers (bar.sync / bar.arrive on a subset of the block's
-// warps) and warpgroup register reconfiguration (setmaxnreg). The emulator runs the same
-// calls (kernels/emulator).
+// a copy has landed; bulk reductions from shared into global memory (float32 adds, in
+// bulk groups a thread commits and waits for: .read when its source may be written again,
+// plain before the block ends); named barriers (bar.sync / bar.arrive on a subset of the
+// block's warps) and warpgroup register reconfiguration (setmaxnreg). The emulator runs
+// the same calls (kernels/emulator).
 #pragma once
 
 #include <cuda.h>  // CUtensorMap
@@ -49,6 +51,18 @@ template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_inc() {}
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_dec() {}
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const float* src, uint32_t bytes) {
+  ::dtrain_emu::bulk_reduce_add_f32(dst, src, bytes);
+}
+__device__ __forceinline__ void bulk_commit() { ::dtrain_emu::bulk_commit(); }
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_read() {
+  ::dtrain_emu::bulk_wait(kPending);
+}
+template <int kPending>
+__device__ __forceinline__ void bulk_wait() {
+  ::dtrain_emu::bulk_wait(kPending);
+}
 #elif DTRAIN_HAVE_WGMMA
 __device__ __forceinline__ void mbarrier_init(uint64_t* bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_address(bar)), "r"(count) : "memory");
@@ -116,6 +130,20 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const float* src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+               "r"(shared_address(src)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 #endif
 

@@ -80,6 +80,21 @@ int pick_kernel(dtrain_attention_kernel kernel) {
   return -1;
 }
 
+// Runs the kernel a launch asking for p.kernel gets here. The wgmma kernels load through
+// tensor maps; strides the driver cannot describe (cudaErrorNotSupported, before anything
+// is launched) send AUTO to mma.sync and make an explicit WGMMA fail.
+template <template <typename, int> class Mma, template <typename, int> class Wgmma, typename Params>
+cudaError_t run_picked(const Params& p, cudaStream_t stream) {
+  const int kernel = pick_kernel(p.kernel);
+  if (kernel < 0) return cudaErrorInvalidValue;
+  if (kernel == 0) return dispatch<Mma>(p, stream);
+  const cudaError_t e = dispatch<Wgmma>(p, stream);
+  if (e == cudaErrorNotSupported) {
+    return p.kernel == DTRAIN_ATTENTION_KERNEL_AUTO ? dispatch<Mma>(p, stream) : cudaErrorInvalidValue;
+  }
+  return e;
+}
+
 template <typename T, int D>
 struct Bwd {
   static cudaError_t run(const dtrain_attention_bwd_params& p, cudaStream_t s) { return run_flash_bwd<T, D>(p, s); }
@@ -109,16 +124,7 @@ extern "C" cudaError_t dtrain_attention_fwd(const dtrain_attention_fwd_params* p
     return cudaErrorInvalidValue;
   }
   if (!aligned(p.q, 16) || !aligned(p.k, 16) || !aligned(p.v, 16) || !aligned(p.o, 4)) return cudaErrorInvalidValue;
-  const int kernel = pick_kernel(p.kernel);
-  if (kernel < 0) return cudaErrorInvalidValue;
-  if (kernel == 0) return dispatch<Fwd>(p, stream);
-  // The wgmma forward loads through tensor maps; strides the driver cannot describe send
-  // AUTO to mma.sync and make an explicit WGMMA fail.
-  const cudaError_t e = dispatch<FwdSm90>(p, stream);
-  if (e == cudaErrorNotSupported) {
-    return p.kernel == DTRAIN_ATTENTION_KERNEL_AUTO ? dispatch<Fwd>(p, stream) : cudaErrorInvalidValue;
-  }
-  return e;
+  return run_picked<Fwd, FwdSm90>(p, stream);
 }
 
 extern "C" size_t dtrain_attention_bwd_workspace_bytes(const dtrain_attention_bwd_params* params) {
@@ -142,7 +148,5 @@ extern "C" cudaError_t dtrain_attention_bwd(const dtrain_attention_bwd_params* p
       !aligned(p.dq, 2) || !aligned(p.dk, 4) || !aligned(p.dv, 4) || !aligned(p.workspace, 4)) {
     return cudaErrorInvalidValue;
   }
-  const int kernel = pick_kernel(p.kernel);
-  if (kernel < 0) return cudaErrorInvalidValue;
-  return kernel == 1 ? dispatch<BwdSm90>(p, stream) : dispatch<Bwd>(p, stream);
+  return run_picked<Bwd, BwdSm90>(p, stream);
 }

@@ -79,11 +79,12 @@ __device__ __forceinline__ void probabilities_t(float (&st)[kN][4], const float*
 }
 
 // A query tile's log-sum-exp (log2 domain; +inf for padding rows, whose p is then 0) and
-// delta into shared memory; stat is the row of (b, h, query 0) in lse and delta.
+// delta into shared memory, by kThreads threads of which this is number `me`; stat is the
+// row of (b, h, query 0) in lse and delta.
 template <int kBlockM, int kThreads>
 __device__ __forceinline__ void stage_row_stats(float* lse_s, float* delta_s, const dtrain_attention_bwd_params& p,
-                                                const float* delta, int64_t stat, int64_t m0) {
-  for (int i = threadIdx.x; i < kBlockM; i += kThreads) {
+                                                const float* delta, int64_t stat, int64_t m0, int me) {
+  for (int i = me; i < kBlockM; i += kThreads) {
     const bool ok = m0 + i < p.seq_q;
     lse_s[i] = ok ? p.lse[stat + m0 + i] * kLog2e : INFINITY;
     delta_s[i] = ok ? delta[stat + m0 + i] : 0.f;
@@ -192,7 +193,7 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads)
       load_tile_async<BM, D, kThreads>(qs, P, q + m0 * p.q_stride.seq, p.q_stride.seq, p.seq_q - m0);
       load_tile_async<BM, D, kThreads>(dos, P, dout + m0 * p.dout_stride.seq, p.dout_stride.seq, p.seq_q - m0);
       cp_async_commit();
-      stage_row_stats<BM, kThreads>(lse_s, delta_s, p, delta, stat, m0);
+      stage_row_stats<BM, kThreads>(lse_s, delta_s, p, delta, stat, m0, threadIdx.x);
       cp_async_wait<0>();
       __syncthreads();
 

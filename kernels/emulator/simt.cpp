@@ -80,6 +80,16 @@ struct Mbarrier {
   std::uint64_t phase = 0;     // completed phases
   std::vector<TmaCopy> copies;
 };
+// A bulk reduction a thread has issued and not yet retired (its group's wait adds it).
+struct BulkOp {
+  float* dst;
+  std::uint32_t src, bytes;  // shared-memory offset
+  int group;                 // 0 until committed
+};
+struct BulkThread {
+  std::vector<BulkOp> ops;
+  int commits = 0;
+};
 struct NamedBarrier {
   int threads = 0, arrived = 0;
   std::uint64_t gen = 0;
@@ -89,6 +99,7 @@ struct State {
   std::vector<Fiber> fibers;
   std::vector<Barrier> warps, groups;
   std::vector<WgmmaThread> wgmma;
+  std::vector<BulkThread> bulk;
   Barrier block;
   ucontext_t scheduler;
   int current = 0;
@@ -110,6 +121,9 @@ void entry() {
   const int me = s.current;
   try {
     (*s.body)();
+    if (!s.bulk[me].ops.empty()) {
+      throw std::runtime_error("emulator: a thread ended with bulk reductions it did not wait for");
+    }
   } catch (const std::exception& e) {
     if (s.error.empty()) s.error = e.what();
   }
@@ -144,6 +158,7 @@ void run_block(int threads) {
   s.groups.assign((threads + 127) / 128, Barrier{});
   for (int g = 0; g * 128 < threads; ++g) s.groups[g].alive = std::min(128, threads - g * 128);
   s.wgmma.assign(threads, WgmmaThread{});
+  s.bulk.assign(threads, BulkThread{});
   s.mbarriers.clear();
   for (auto& n : s.named) n = NamedBarrier{};
   // One warp at a time runs until all its threads wait at the block barrier (or end), so
@@ -643,6 +658,39 @@ void tma_load(void* dst, const void* map, const int* coords, void* bar) {
     }
   }
   mbarrier_at(bar, "tma_load").copies.push_back(c);
+}
+
+void bulk_reduce_add_f32(float* dst, const void* src, std::uint32_t bytes) {
+  const std::uint32_t off = shared_address(src);
+  if (bytes == 0 || bytes % 16 != 0) throw std::runtime_error("emulator: bulk reduction size must be a positive multiple of 16");
+  if (off % 16 != 0 || reinterpret_cast<std::uintptr_t>(dst) % 16 != 0) {
+    throw std::runtime_error("emulator: bulk reduction addresses must be 16-byte aligned");
+  }
+  if (off + bytes > s.smem.size()) throw std::runtime_error("emulator: bulk reduction source past the shared memory");
+  s.bulk[s.current].ops.push_back({dst, off, bytes, 0});
+}
+
+void bulk_commit() {
+  auto& th = s.bulk[s.current];
+  ++th.commits;
+  for (auto& op : th.ops) {
+    if (op.group == 0) op.group = th.commits;
+  }
+}
+
+void bulk_wait(int pending) {
+  auto& th = s.bulk[s.current];
+  const int through = th.commits - pending;  // groups 1..through retire
+  std::vector<BulkOp> keep;
+  for (const auto& op : th.ops) {
+    if (op.group == 0 || op.group > through) {
+      keep.push_back(op);
+      continue;
+    }
+    const float* src = reinterpret_cast<const float*>(s.smem.data() + op.src);
+    for (std::uint32_t i = 0; i < op.bytes / 4; ++i) op.dst[i] += src[i];
+  }
+  th.ops = std::move(keep);
 }
 
 namespace {

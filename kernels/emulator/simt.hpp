@@ -94,6 +94,16 @@ void mbarrier_wait(void* bar, int parity);
 // asynchronous: the copy lands when a thread waits on bar (as late as it may), so a read
 // of dst before that wait sees what was there before.
 void tma_load(void* dst, const void* map, const int* coords, void* bar);
+// cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32: adds `bytes` (a multiple of
+// 16) of float32 at src (shared memory) into dst (global memory), both 16-byte aligned, in
+// this thread's current bulk group. Like the hardware it is asynchronous: the adds happen
+// at the bulk_wait that retires the group, reading shared memory as it is then. A thread
+// that ends with reductions not waited for throws (the block's shared memory goes away).
+void bulk_reduce_add_f32(float* dst, const void* src, std::uint32_t bytes);
+void bulk_commit();
+// Retires all but the newest `pending` committed bulk groups of this thread (wait_group and
+// wait_group.read alike).
+void bulk_wait(int pending);
 // bar.sync / bar.arrive on named barrier id (1..15) of `threads` threads.
 void named_barrier_sync(int id, int threads);
 void named_barrier_arrive(int id, int threads);
