@@ -10,6 +10,7 @@
 
 #include <cuda.h>  // CUtensorMap
 
+#include "dtrain_kernels/attention.h"
 #include "wgmma.cuh"
 
 namespace dtrain_kernels {
@@ -22,6 +23,19 @@ namespace dtrain_kernels {
 // describe these strides or pointer (or no driver has cuTensorMapEncodeTiled).
 cudaError_t make_tensor_map_4d(CUtensorMap* map, const void* base, bool bf16, const uint64_t (&dims)[4],
                                const int64_t (&strides)[3], uint32_t box0, uint32_t box1);
+
+// Columns per box with the 128-byte swizzle: one 128-byte row of 16-bit elements.
+constexpr int kSwizzleBox = 64;
+
+// The map of an attention operand [batch, heads, seq, d] with element strides s (unit
+// along d): boxes of kSwizzleBox columns x `rows` rows.
+inline cudaError_t attention_operand_map(CUtensorMap* map, const void* base, bool bf16, int64_t batch, int64_t heads,
+                                         int64_t seq, int64_t d, const dtrain_attention_strides& s, uint32_t rows) {
+  const uint64_t dims[4] = {static_cast<uint64_t>(d), static_cast<uint64_t>(seq), static_cast<uint64_t>(heads),
+                            static_cast<uint64_t>(batch)};
+  const int64_t strides[3] = {s.seq, s.head, s.batch};
+  return make_tensor_map_4d(map, base, bf16, dims, strides, kSwizzleBox, rows);
+}
 
 // ---- device --------------------------------------------------------------------------------
 #ifdef DTRAIN_KERNELS_EMULATE

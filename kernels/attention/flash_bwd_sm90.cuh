@@ -23,7 +23,7 @@ struct FlashBwdSm90Config {
   static constexpr int kBlockN = 64 * kConsumers;  // keys per block
   static constexpr int kBlockM = 64;               // queries per tile
   static constexpr int kStages = D == 64 ? 3 : 2;  // Q / dO ring
-  static constexpr int kBox = 64;                  // columns per copy: one 128-byte swizzled row
+  static constexpr int kBox = kSwizzleBox;         // columns per copy
   static constexpr int kDqPitch = D + 4;           // floats per staged dQ row: 16 bytes apart in the banks
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   // 16-bit tiles, each [D / 64][rows][64]: K and V (kBlockN rows), kStages Q and dO tiles
@@ -240,7 +240,9 @@ __global__ void __launch_bounds__(FlashBwdSm90Config<D>::kThreads, 1)
     named_barrier_sync(bar, 128);
     if (warp == 0) {  // one bulk reduction per valid query row, into its row of the dQ buffer
       const int rows = static_cast<int>(imin(BM, p.seq_q - m0));
-      for (int r = lane; r < rows; r += 32) bulk_reduce_add_f32(dq_accum + (stat + m0 + r) * D, dqs + r * kPitch, D * 4);
+      for (int r = lane; r < rows; r += 32) {
+        bulk_reduce_add_f32(dq_accum + (stat + m0 + r) * D, dqs + r * kPitch, D * 4);
+      }
       bulk_commit();
     }
   }
@@ -260,18 +262,13 @@ cudaError_t run_flash_bwd_sm90(const dtrain_attention_bwd_params& p, cudaStream_
   constexpr bool bf16 = std::is_same<T, __nv_bfloat16>::value;
   if (!aligned(p.workspace, 16)) return cudaErrorNotSupported;  // the bulk reductions' rows
   CUtensorMap tm_q, tm_k, tm_v, tm_do;
-  const uint64_t q_dims[4] = {uint64_t{D}, static_cast<uint64_t>(p.seq_q), static_cast<uint64_t>(p.heads),
-                              static_cast<uint64_t>(p.batch)};
-  const uint64_t kv_dims[4] = {uint64_t{D}, static_cast<uint64_t>(p.seq_k), static_cast<uint64_t>(p.kv_heads),
-                               static_cast<uint64_t>(p.batch)};
-  const int64_t q_strides[3] = {p.q_stride.seq, p.q_stride.head, p.q_stride.batch};
-  const int64_t k_strides[3] = {p.k_stride.seq, p.k_stride.head, p.k_stride.batch};
-  const int64_t v_strides[3] = {p.v_stride.seq, p.v_stride.head, p.v_stride.batch};
-  const int64_t do_strides[3] = {p.dout_stride.seq, p.dout_stride.head, p.dout_stride.batch};
-  cudaError_t e = make_tensor_map_4d(&tm_q, p.q, bf16, q_dims, q_strides, C::kBox, C::kBlockM);
-  if (e == cudaSuccess) e = make_tensor_map_4d(&tm_k, p.k, bf16, kv_dims, k_strides, C::kBox, C::kBlockN);
-  if (e == cudaSuccess) e = make_tensor_map_4d(&tm_v, p.v, bf16, kv_dims, v_strides, C::kBox, C::kBlockN);
-  if (e == cudaSuccess) e = make_tensor_map_4d(&tm_do, p.dout, bf16, q_dims, do_strides, C::kBox, C::kBlockM);
+  cudaError_t e = attention_operand_map(&tm_q, p.q, bf16, p.batch, p.heads, p.seq_q, D, p.q_stride, C::kBlockM);
+  if (e == cudaSuccess) e = attention_operand_map(&tm_k, p.k, bf16, p.batch, p.kv_heads, p.seq_k,
+                                                  D, p.k_stride, C::kBlockN);
+  if (e == cudaSuccess) e = attention_operand_map(&tm_v, p.v, bf16, p.batch, p.kv_heads, p.seq_k,
+                                                  D, p.v_stride, C::kBlockN);
+  if (e == cudaSuccess) e = attention_operand_map(&tm_do, p.dout, bf16, p.batch, p.heads, p.seq_q,
+                                                  D, p.dout_stride, C::kBlockM);
   if (e != cudaSuccess) return e;
   return run_bwd_passes<T, D>(p, stream, [&](float* dq_accum, const float* delta) {
     auto* kernel = flash_bwd_sm90_kernel<T, D>;

@@ -24,7 +24,7 @@ struct FlashSm90Config {
   static constexpr int kBlockM = 64 * kConsumers;
   static constexpr int kBlockN = 128;
   static constexpr int kStages = D == 64 ? 3 : 2;  // K/V ring
-  static constexpr int kBox = 64;                  // columns per copy: one 128-byte swizzled row
+  static constexpr int kBox = kSwizzleBox;         // columns per copy
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   // Q, then kStages K and kStages V tiles ([D / 64][rows][64] each), then the mbarriers
   // (Q full; per stage K full, V full, K empty, V empty); 1024 bytes of slack to align the
@@ -217,16 +217,11 @@ cudaError_t run_flash_fwd_sm90(const dtrain_attention_fwd_params& p, cudaStream_
   using C = FlashSm90Config<D>;
   constexpr bool bf16 = std::is_same<T, __nv_bfloat16>::value;
   CUtensorMap tm_q, tm_k, tm_v;
-  const uint64_t q_dims[4] = {uint64_t{D}, static_cast<uint64_t>(p.seq_q), static_cast<uint64_t>(p.heads),
-                              static_cast<uint64_t>(p.batch)};
-  const uint64_t kv_dims[4] = {uint64_t{D}, static_cast<uint64_t>(p.seq_k), static_cast<uint64_t>(p.kv_heads),
-                               static_cast<uint64_t>(p.batch)};
-  const int64_t q_strides[3] = {p.q_stride.seq, p.q_stride.head, p.q_stride.batch};
-  const int64_t k_strides[3] = {p.k_stride.seq, p.k_stride.head, p.k_stride.batch};
-  const int64_t v_strides[3] = {p.v_stride.seq, p.v_stride.head, p.v_stride.batch};
-  cudaError_t e = make_tensor_map_4d(&tm_q, p.q, bf16, q_dims, q_strides, C::kBox, C::kBlockM);
-  if (e == cudaSuccess) e = make_tensor_map_4d(&tm_k, p.k, bf16, kv_dims, k_strides, C::kBox, C::kBlockN);
-  if (e == cudaSuccess) e = make_tensor_map_4d(&tm_v, p.v, bf16, kv_dims, v_strides, C::kBox, C::kBlockN);
+  cudaError_t e = attention_operand_map(&tm_q, p.q, bf16, p.batch, p.heads, p.seq_q, D, p.q_stride, C::kBlockM);
+  if (e == cudaSuccess) e = attention_operand_map(&tm_k, p.k, bf16, p.batch, p.kv_heads, p.seq_k,
+                                                  D, p.k_stride, C::kBlockN);
+  if (e == cudaSuccess) e = attention_operand_map(&tm_v, p.v, bf16, p.batch, p.kv_heads, p.seq_k,
+                                                  D, p.v_stride, C::kBlockN);
   if (e != cudaSuccess) return e;
   return launch_fwd<C::kBlockM>(flash_fwd_sm90_kernel<T, D>, p, C::kThreads, C::kSmemBytes, stream, tm_q, tm_k, tm_v);
 }

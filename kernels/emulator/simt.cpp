@@ -115,6 +115,16 @@ State s;
 
 void yield() { swapcontext(&s.fibers[s.current].ctx, &s.scheduler); }
 
+// Closes a thread's open group of asynchronous operations (wgmma or bulk): the ops issued
+// since the last commit get its number.
+template <typename Thread>
+void commit_group(Thread& th) {
+  ++th.commits;
+  for (auto& op : th.ops) {
+    if (op.group == 0) op.group = th.commits;
+  }
+}
+
 void land_copies(Mbarrier& m);  // below
 
 void entry() {
@@ -497,13 +507,7 @@ void wgmma(float* d, int n, std::uint64_t desc_a, const std::uint32_t* a_regs, s
 
 void wgmma_fence() { s.wgmma[s.current].fenced = true; }
 
-void wgmma_commit() {
-  auto& th = s.wgmma[s.current];
-  ++th.commits;
-  for (auto& op : th.ops) {
-    if (op.group == 0) op.group = th.commits;
-  }
-}
+void wgmma_commit() { commit_group(s.wgmma[s.current]); }
 
 void wgmma_wait(int pending) {
   auto& th = s.wgmma[s.current];
@@ -670,13 +674,7 @@ void bulk_reduce_add_f32(float* dst, const void* src, std::uint32_t bytes) {
   s.bulk[s.current].ops.push_back({dst, off, bytes, 0});
 }
 
-void bulk_commit() {
-  auto& th = s.bulk[s.current];
-  ++th.commits;
-  for (auto& op : th.ops) {
-    if (op.group == 0) op.group = th.commits;
-  }
-}
+void bulk_commit() { commit_group(s.bulk[s.current]); }
 
 void bulk_wait(int pending) {
   auto& th = s.bulk[s.current];
