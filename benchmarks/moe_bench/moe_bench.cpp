@@ -49,7 +49,6 @@ Row run(const Options& o, const dtrain::CommPtr& world, c10::Device device, int 
   models::Moe moe(mo, o.d_model, o.hidden, ctx->tp_comm(), false, ctx->ep_comm());
   // Dense baseline: the same active width per token.
   const auto w = o.topk * o.hidden;
-  auto opts = torch::TensorOptions().device(device);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + ctx->dp_rank());
   auto w1 = (torch::randn({w, o.d_model}, gen) * 0.02).to(device).requires_grad_(true);
   auto w3 = (torch::randn({w, o.d_model}, gen) * 0.02).to(device).requires_grad_(true);

@@ -57,7 +57,7 @@ TEST_F(PpTest, EveryScheduleMatchesTheWholeModel) {
         auto model = models.back();
         chunks.push_back({[model](const at::Tensor& x) mutable { return model->forward_stage(x); },
                           [model](const at::Tensor& h, const at::Tensor& t) mutable { return model->loss_from_hidden(h, t); },
-                          model->parameters()});
+                          model->parameters(), {}});
       }
       pp::PipelineOptions o;
       o.schedule = kind;
