@@ -6,6 +6,10 @@
 // dx, and adds the row's dy * xhat (and dy) into its own columns' partial sums in shared
 // memory; the strip's partials go to the workspace and a column kernel sums the strips.
 #include <algorithm>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <type_traits>
 
 #include "common.cuh"
@@ -266,6 +270,37 @@ struct BwdPlan {
   int64_t strips, rows_per_strip;
 };
 
+// An SM count and how many blocks of `kernel` (threads, smem) an SM holds at once (after
+// allowing the kernel that much dynamic shared memory, which the launch does again).
+// Cached per device, kernel and size: every backward and its workspace query ask.
+struct Occupancy {
+  int sms, per_sm;
+};
+Occupancy occupancy(void (*kernel)(dtrain_norm_bwd_params, int64_t), int threads, size_t smem) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) device = -1;
+  const auto key = std::make_tuple(device, reinterpret_cast<std::uintptr_t>(kernel), threads, smem);
+  static std::mutex mu;
+  static std::map<decltype(key), Occupancy> cache;
+  {
+    const std::lock_guard<std::mutex> lock(mu);
+    const auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  Occupancy o{108, 1};
+  if (device >= 0) cudaDeviceGetAttribute(&o.sms, cudaDevAttrMultiProcessorCount, device);
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) !=
+          cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o.per_sm, kernel, threads, smem) != cudaSuccess) {
+    o.per_sm = 1;
+  }
+  o.per_sm = std::max(o.per_sm, 1);
+  cudaGetLastError();  // a failed query only changes the grid
+  const std::lock_guard<std::mutex> lock(mu);
+  cache.emplace(key, o);
+  return o;
+}
+
 template <typename T, int V>
 void pick_bwd(const dtrain_norm_bwd_params& p, BwdPlan& plan) {
   const int64_t nv = p.cols / V;
@@ -289,16 +324,9 @@ BwdPlan plan_bwd(const dtrain_norm_bwd_params& p) {
   }
   plan.smem = sizeof(float) * static_cast<size_t>(p.cols) * (p.layer_norm ? 2 : 1);
   // One strip per block the GPU holds at once, and at least kMinStripRows rows each.
-  int device = 0, sms = 108, per_sm = 4;
-  if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (cudaFuncSetAttribute(plan.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan.smem)) !=
-          cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, plan.kernel, plan.threads, plan.smem) != cudaSuccess) {
-    per_sm = 1;
-  }
-  cudaGetLastError();  // a failed query only changes the grid
+  const Occupancy o = occupancy(plan.kernel, plan.threads, plan.smem);
   const int64_t want = std::max<int64_t>(
-      1, std::min<int64_t>(int64_t{std::max(per_sm, 1)} * sms, (p.rows + kMinStripRows - 1) / kMinStripRows));
+      1, std::min<int64_t>(int64_t{o.per_sm} * o.sms, (p.rows + kMinStripRows - 1) / kMinStripRows));
   plan.rows_per_strip = (p.rows + want - 1) / want;
   plan.strips = (p.rows + plan.rows_per_strip - 1) / plan.rows_per_strip;
   return plan;
