@@ -1,144 +1,16 @@
-// Fused RMSNorm / LayerNorm (dtrain_kernels/norm.h). A thread's share of a row is read
-// from global memory once and held in registers, in 16-byte accesses where rows are
-// aligned (else one element per access; unaligned rows over 4096 elements are read at each
-// use instead, from L1). Forward: one block per row, float32 statistics, y written once.
-// Backward: a block owns a strip of rows; per row it reduces the two sums dx needs, writes
-// dx, and adds the row's dy * xhat (and dy) into its own columns' partial sums in shared
-// memory; the strip's partials go to the workspace and a column kernel sums the strips.
-#include <algorithm>
-#include <cstdint>
+// Fused RMSNorm / LayerNorm backward (dtrain_kernels/norm.h). A block owns a strip of rows;
+// per row it reduces the two sums dx needs, writes dx, and adds the row's dy * xhat (and
+// dy) into its own columns' partial sums in shared memory; the strip's partials go to the
+// workspace, and a column kernel sums the strips into dweight (and dbias).
 #include <map>
 #include <mutex>
 #include <tuple>
-#include <type_traits>
 
-#include "common.cuh"
-#include "dtrain_kernels/norm.h"
+#include "norm/norm.cuh"
 
 namespace dtrain_kernels {
 namespace {
 
-constexpr int kMaxThreads = 512;
-constexpr int64_t kMaxCols = 16384;    // the backward's partials: 2 x 64 KiB of shared memory
-constexpr int kMaxElems = 32;          // per thread: kMaxCols / kMaxThreads
-constexpr int kHeldVecs = 8;           // accesses per thread held in registers, at most
-constexpr int64_t kMinStripRows = 16;  // keeps the partials a small share of the backward's traffic
-
-// Threads for a row of n accesses: one access each, up to kMaxThreads.
-int row_threads(int64_t n) {
-  return static_cast<int>(std::min<int64_t>(kMaxThreads, std::max<int64_t>(32, (n + 31) / 32 * 32)));
-}
-
-// Rows of T at ptr with this stride can be read in 16-byte accesses.
-template <typename T>
-bool rows_aligned(const void* ptr, int64_t stride) {
-  return aligned(ptr, 16) && stride % vec16<T>() == 0;
-}
-
-// Calls f(k, j) for each access j (V elements) of this thread: j = threadIdx.x +
-// k blockDim.x, unrolled over k < kVecs when the row is held, else in a loop (k = 0).
-template <int kVecs, typename F>
-__device__ __forceinline__ void each_access(int nv, F&& f) {
-  if constexpr (kVecs <= kHeldVecs) {
-#pragma unroll
-    for (int k = 0; k < kVecs; ++k) {
-      const int j = threadIdx.x + k * blockDim.x;
-      if (j < nv) f(k, j);
-    }
-  } else {
-    for (int j = threadIdx.x; j < nv; j += blockDim.x) f(0, j);
-  }
-}
-
-// This thread's accesses of one row: loaded once and held (kVecs <= kHeldVecs), or read at
-// each use.
-template <typename T, int V, int kVecs>
-struct RowShare {
-  static constexpr bool kHeld = kVecs <= kHeldVecs;
-  const T* row;
-  Vec<T, V> held[kHeld ? kVecs : 1];
-  __device__ __forceinline__ RowShare(const T* r, int nv) : row(r) {
-    if constexpr (kHeld) each_access<kVecs>(nv, [&](int k, int j) { held[k] = load_vec<V>(row + j * V); });
-  }
-  __device__ __forceinline__ float at(int k, int j, int i) const {
-    if constexpr (kHeld) {
-      return to_float(held[k].v[i]);
-    } else {
-      return to_float(row[j * V + i]);
-    }
-  }
-};
-
-// V weights of access j, from w of dtype wt (ones when there is no w).
-template <int V>
-__device__ __forceinline__ void load_weights(const void* w, dtrain_kernel_dtype wt, int j, float (&out)[V]) {
-  if (w == nullptr) {
-#pragma unroll
-    for (int i = 0; i < V; ++i) out[i] = 1.f;
-  } else if (wt == DTRAIN_KERNEL_F32) {
-    load_floats<V>(static_cast<const float*>(w) + j * V, out);
-  } else if (wt == DTRAIN_KERNEL_BF16) {
-    load_floats<V>(static_cast<const __nv_bfloat16*>(w) + j * V, out);
-  } else {
-    load_floats<V>(static_cast<const __half*>(w) + j * V, out);
-  }
-}
-
-// Calls f(std::integral_constant<int, kVecs>) with the fewest accesses per thread kVecs
-// (1, 2, 4, ... up to kMaxElems / V; at one element per access 8, then 32) for which
-// kMaxThreads threads cover a row of nv accesses: registers are sized for kVecs.
-template <int V, int kVecs = (V == 1 ? 8 : 1), typename F>
-cudaError_t with_vecs(int64_t nv, F&& f) {
-  constexpr int kNext = kVecs * (V == 1 ? 4 : 2);
-  if constexpr (kNext <= kMaxElems / V) {
-    if (nv > int64_t{kVecs} * kMaxThreads) return with_vecs<V, kNext>(nv, f);
-  }
-  return f(std::integral_constant<int, kVecs>{});
-}
-
-// ---- forward ------------------------------------------------------------------------------
-template <typename T, bool kLayerNorm, int V, int kVecs>
-__global__ void __launch_bounds__(kMaxThreads) norm_fwd_kernel(dtrain_norm_fwd_params p) {
-  __shared__ float scratch[32];
-  const int64_t row = blockIdx.x;
-  T* y = static_cast<T*>(p.y) + row * p.y_stride;
-  const int nv = static_cast<int>(p.cols / V);
-  const float inv_n = 1.f / static_cast<float>(p.cols);
-  const RowShare<T, V, kVecs> x(static_cast<const T*>(p.x) + row * p.x_stride, nv);
-  float mean = 0.f;
-  if (kLayerNorm) {
-    float s = 0.f;
-    each_access<kVecs>(nv, [&](int k, int j) {
-#pragma unroll
-      for (int i = 0; i < V; ++i) s += x.at(k, j, i);
-    });
-    mean = block_sum(s, scratch) * inv_n;
-  }
-  float ss = 0.f;
-  each_access<kVecs>(nv, [&](int k, int j) {
-#pragma unroll
-    for (int i = 0; i < V; ++i) {
-      const float d = x.at(k, j, i) - mean;
-      ss += d * d;
-    }
-  });
-  const float rstd = rsqrtf(block_sum(ss, scratch) * inv_n + p.eps);
-  each_access<kVecs>(nv, [&](int k, int j) {
-    float wv[V], bv[V] = {};
-    load_weights<V>(p.weight, p.weight_dtype, j, wv);
-    if (kLayerNorm && p.bias != nullptr) load_weights<V>(p.bias, p.weight_dtype, j, bv);
-    Vec<T, V> out;
-#pragma unroll
-    for (int i = 0; i < V; ++i) out.v[i] = from_float<T>((x.at(k, j, i) - mean) * rstd * wv[i] + bv[i]);
-    store_vec<V>(y + j * V, out);
-  });
-  if (threadIdx.x == 0) {
-    if (p.rstd != nullptr) p.rstd[row] = rstd;
-    if (kLayerNorm && p.mean != nullptr) p.mean[row] = mean;
-  }
-}
-
-// ---- backward -----------------------------------------------------------------------------
 template <typename T, bool kLayerNorm, int V, int kVecs>
 __global__ void __launch_bounds__(kMaxThreads) norm_bwd_kernel(dtrain_norm_bwd_params p, int64_t rows_per_strip) {
   DTRAIN_DYNAMIC_SMEM(float, partial);  // [cols] dw, then [cols] db (LayerNorm)
@@ -240,25 +112,6 @@ __global__ void __launch_bounds__(32 * kSumWarps)
 #pragma unroll
   for (int i = 0; i < kSumWarps; ++i) t += sums[i][lane];
   out[c] = from_float<W>(t);
-}
-
-// ---- launches -----------------------------------------------------------------------------
-template <typename T, int V>
-cudaError_t fwd(const dtrain_norm_fwd_params& p, cudaStream_t stream) {
-  const int64_t nv = p.cols / V;
-  return with_vecs<V>(nv, [&](auto vecs) {
-    constexpr int kVecs = decltype(vecs)::value;
-    auto* kernel = p.layer_norm ? norm_fwd_kernel<T, true, V, kVecs> : norm_fwd_kernel<T, false, V, kVecs>;
-    DTRAIN_LAUNCH(kernel, static_cast<unsigned>(p.rows), row_threads((nv + kVecs - 1) / kVecs), 0, stream, p);
-    return launched();
-  });
-}
-
-template <typename T>
-cudaError_t fwd(const dtrain_norm_fwd_params& p, cudaStream_t stream) {
-  const bool vec = p.cols % vec16<T>() == 0 && rows_aligned<T>(p.x, p.x_stride) && rows_aligned<T>(p.y, p.y_stride) &&
-                   aligned(p.weight, 16) && aligned(p.bias, 16);
-  return vec ? fwd<T, vec16<T>()>(p, stream) : fwd<T, 1>(p, stream);
 }
 
 // How a backward runs: the kernel instance, its block, shared memory and strips of rows.
@@ -370,8 +223,6 @@ cudaError_t check_bwd(const dtrain_norm_bwd_params* params) {
 }  // namespace
 }  // namespace dtrain_kernels
 
-extern "C" int64_t dtrain_norm_max_cols(void) { return dtrain_kernels::kMaxCols; }
-
 extern "C" size_t dtrain_norm_workspace_bytes(const dtrain_norm_bwd_params* params) {
   using namespace dtrain_kernels;
   if (params == nullptr || params->rows <= 0 || params->cols <= 0 || params->cols > kMaxCols) return 0;
@@ -381,19 +232,6 @@ extern "C" size_t dtrain_norm_workspace_bytes(const dtrain_norm_bwd_params* para
     return cudaSuccess;
   });
   return sizeof(float) * 2 * static_cast<size_t>(strips) * static_cast<size_t>(params->cols);
-}
-
-extern "C" cudaError_t dtrain_norm_fwd(const dtrain_norm_fwd_params* params, cudaStream_t stream) {
-  using namespace dtrain_kernels;
-  if (params == nullptr) return cudaErrorInvalidValue;
-  const auto& p = *params;
-  if (p.rows < 0 || p.cols <= 0 || p.cols > kMaxCols || p.rows > INT32_MAX || !(p.eps >= 0.f)) {
-    return cudaErrorInvalidValue;
-  }
-  if (p.rows == 0) return cudaSuccess;
-  if (p.x == nullptr || p.y == nullptr || (!p.layer_norm && p.bias != nullptr)) return cudaErrorInvalidValue;
-  if (!known_dtype(p.weight_dtype)) return cudaErrorInvalidValue;
-  return dispatch_dtype(p.dtype, [&](auto t) { return fwd<decltype(t)>(p, stream); });
 }
 
 extern "C" cudaError_t dtrain_norm_bwd(const dtrain_norm_bwd_params* params, cudaStream_t stream) {
