@@ -27,10 +27,9 @@ TEST_F(FsdpTest, Zero1MatchesSingleProcessForTenSteps) {
   auto o = options(corpus);
   o.fsdp = "zero1";
   Trainer sharded(dp_context(), cfg, o);
-  Trainer ref(ParallelContext::single_process(), cfg, options(corpus));
   ASSERT_NE(sharded.sharded(), nullptr);
   EXPECT_EQ(sharded.sharded()->stats().units, cfg.n_layer + 2);  // embed, blocks, head
-  expect_equivalent(sharded, ref);
+  expect_equivalent_to_single_process(sharded, cfg, corpus);
 }
 
 // The llama family with one sample per micro-batch: 12 / n micro-batches accumulate
@@ -45,8 +44,7 @@ TEST_F(FsdpTest, Zero2WithAccumulationMatchesSingleProcess) {
   o.fsdp = "zero2";
   o.micro_batch = 1;
   Trainer sharded(dp_context(), cfg, o);
-  Trainer ref(ParallelContext::single_process(), cfg, options(corpus));
-  expect_equivalent(sharded, ref);
+  expect_equivalent_to_single_process(sharded, cfg, corpus);
 }
 
 TEST_F(FsdpTest, Zero2ReduceScattersDuringBackwardAndKeepsOnlyShards) {
@@ -119,8 +117,7 @@ TEST_F(FsdpTest, FullShardingOptionsLeaveResultsUnchanged) {
   o.fsdp_prefetch = 2;
   o.fsdp_reshard_after_forward = false;
   Trainer sharded(dp_context(), cfg, o);
-  Trainer ref(ParallelContext::single_process(), cfg, options(corpus));
-  expect_equivalent(sharded, ref);
+  expect_equivalent_to_single_process(sharded, cfg, corpus);
 }
 
 // Mixed precision: bfloat16 parameters, float32 masters and optimizer state, float32 or
@@ -480,8 +477,7 @@ TEST_F(FsdpTest, FullShardingWithAccumulationLlama) {
   o.fsdp = "full";
   o.micro_batch = 1;
   Trainer sharded(dp_context(), cfg, o);
-  Trainer ref(ParallelContext::single_process(), cfg, options(corpus));
-  expect_equivalent(sharded, ref);
+  expect_equivalent_to_single_process(sharded, cfg, corpus);
 }
 
 // Between uses each rank holds only shards: after a step nothing is gathered, and during
@@ -698,8 +694,7 @@ TEST_F(FsdpTest, HybridMatchesSingleProcessForTenSteps) {
   auto o = options(corpus);
   o.fsdp = "hybrid";
   Trainer sharded(ctx, cfg, o);
-  Trainer ref(ParallelContext::single_process(), cfg, options(corpus));
-  expect_equivalent(sharded, ref);
+  expect_equivalent_to_single_process(sharded, cfg, corpus);
 }
 
 TEST_F(FsdpTest, HybridNeedsDpShardAndUnknownStrategiesAreNamed) {

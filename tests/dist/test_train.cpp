@@ -16,9 +16,8 @@ TEST_F(TrainTest, DataParallelMatchesSingleProcessForTenSteps) {
   auto o = options(corpus);
   o.ddp.bucket_bytes = 64 * 1024;  // several buckets
   Trainer dp(dp_context(), cfg, o);
-  Trainer ref(ParallelContext::single_process(), cfg, options(corpus));
   EXPECT_EQ(dp.data_parallel()->stats().buckets > 1, nranks() > 1);
-  expect_equivalent(dp, ref);
+  expect_equivalent_to_single_process(dp, cfg, corpus);
 }
 
 // The llama family (RMSNorm, RoPE, SwiGLU, grouped-query attention, untied head) with
@@ -33,8 +32,7 @@ TEST_F(TrainTest, AccumulationUnderDataParallelMatchesSingleProcess) {
   o.micro_batch = 1;  // 12 / n micro-batches per rank
   Trainer dp(dp_context(), tiny, o);
   EXPECT_EQ(dp.grad_accumulation(), 12 / nranks());
-  Trainer ref(ParallelContext::single_process(), tiny, options(corpus));
-  expect_equivalent(dp, ref);
+  expect_equivalent_to_single_process(dp, tiny, corpus);
 }
 
 TEST_F(TrainTest, BucketAllReducesStartDuringBackward) {

@@ -5,6 +5,10 @@
 
 #include <torch/torch.h>
 
+#include <iomanip>
+#include <map>
+#include <sstream>
+
 #include "common/corpus.hpp"
 #include "dist_test.hpp"
 #include "dtrain/train/trainer.hpp"
@@ -28,6 +32,20 @@ inline TrainOptions options(const TestCorpus& corpus) {
   return o;
 }
 
+// Every field of cfg, as text: the key under which a process keeps a config's
+// single-process run (a field added to GptConfig must be added here).
+inline std::string describe(const models::GptConfig& c) {
+  std::ostringstream s;
+  s << std::setprecision(17) << c.family << ' ' << c.vocab_size << ' ' << c.context << ' ' << c.n_layer << ' '
+    << c.n_head << ' ' << c.n_kv_head << ' ' << c.d_model << ' ' << c.ffn_hidden << ' ' << c.rope_theta << ' '
+    << c.norm_eps << ' ' << c.init_std << ' ' << c.tie_embeddings << ' ' << c.activation_checkpointing << ' '
+    << c.dropout << " moe " << c.moe.experts << ' ' << c.moe.topk << ' ' << c.moe.every << ' ' << c.moe.ffn_hidden
+    << ' ' << c.moe.capacity_factor << ' ' << c.moe.score << ' ' << c.moe.aux_loss_coeff << ' '
+    << c.moe.z_loss_coeff << ' ' << c.moe.bias_update_rate << " ops " << static_cast<int>(c.attention) << ' '
+    << c.fused_norm << ' ' << c.fused_ce;
+  return s.str();
+}
+
 class TrainTest : public DistTest {
  protected:
   ContextPtr dp_context() { return std::make_shared<ParallelContext>(world(), ParallelConfig{}); }
@@ -37,6 +55,29 @@ class TrainTest : public DistTest {
     const auto a = dp.run(), b = ref.run();
     expect_same_steps(a, b);
     expect_same_parameters(dp.full_parameters(), ref.model()->parameter_list(), param_atol);
+  }
+
+  // dp against the single-process run of cfg under options(corpus). That run is the same
+  // for every strategy and corpus tag (each corpus holds the same text), so a process
+  // computes it once per config and keeps its steps and final parameters: the tests that
+  // compare many strategies with one config no longer repeat it on every rank.
+  void expect_equivalent_to_single_process(Trainer& dp, const models::GptConfig& cfg, const TestCorpus& corpus,
+                                           double param_atol = 5e-5) {
+    struct Run {
+      std::vector<train::StepMetrics> steps;
+      NamedParameters params;
+    };
+    static std::map<std::string, Run> runs;
+    const auto key = describe(cfg);
+    auto it = runs.find(key);
+    if (it == runs.end()) {
+      Trainer ref(ParallelContext::single_process(), cfg, options(corpus));
+      Run run{ref.run(), {}};
+      for (const auto& [name, p] : ref.model()->parameter_list()) run.params.emplace_back(name, p.detach().clone());
+      it = runs.emplace(key, std::move(run)).first;
+    }
+    expect_same_steps(dp.run(), it->second.steps);
+    expect_same_parameters(dp.full_parameters(), it->second.params, param_atol);
   }
 
   // Per-step losses (rtol 1e-5) and gradient norms (rtol 1e-4); some step must clip.
