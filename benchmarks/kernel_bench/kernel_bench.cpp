@@ -1,6 +1,7 @@
 // kernel_bench: dtrain's ops against LibTorch's on the same device in the same run.
-// Attention forward and forward+backward TFLOP/s (4 B H S^2 D forward, 2.5x that for the
-// backward, halved when causal) against at::scaled_dot_product_attention's flash and
+// Attention forward, forward+backward and backward TFLOP/s (4 B H S^2 D forward, 2.5x that
+// for the backward, halved when causal; the backward's time is forward+backward's less the
+// forward's) against at::scaled_dot_product_attention's flash and
 // cuDNN backends (CUDA) or its default (CPU); fused AdamW GB/s against at::_fused_adamw_
 // (CUDA) or torch::optim::AdamW (CPU) and against a device copy of the same bytes; RMSNorm,
 // LayerNorm and cross-entropy GB/s (forward, backward) against at::rms_norm,
@@ -81,7 +82,8 @@ nlohmann::json opt(const std::optional<double>& v) { return v ? nlohmann::json(*
 
 void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
   const auto dtype = cuda(dev) ? torch::kBFloat16 : torch::kFloat;
-  std::printf("# attention (%s, %s): TFLOP/s, fwd and fwd+bwd; ratio = dtrain / best LibTorch backend\n",
+  std::printf("# attention (%s, %s): TFLOP/s, fwd, fwd+bwd and bwd (fwd+bwd time less fwd time); ratio = dtrain / "
+              "best LibTorch backend\n",
               cuda(dev) ? "cuda" : "cpu", c10::toString(dtype));
   // dtrain's op runs the kernel DTRAIN_ATTENTION_KERNEL names (auto: wgmma on Hopper); where
   // that is wgmma, mma_f and mma_fb time the mma.sync kernels beside it.
@@ -92,9 +94,9 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
 #endif
   std::printf("# dtrain_f, dtrain_fb: %s=%s%s\n", dtrain::env::kAttentionKernel, kernel.c_str(),
               both ? " (wgmma here); mma_f, mma_fb: mma.sync" : "");
-  std::printf("%6s %4s %6s %4s %5s %10s %10s %10s %10s %10s %10s %10s %10s %8s %8s\n", "seq", "dim", "causal", "B",
-              "H", "dtrain_f", "mma_f", "flash_f", "cudnn_f", "dtrain_fb", "mma_fb", "flash_fb", "cudnn_fb", "ratio_f",
-              "ratio_fb");
+  std::printf("%6s %4s %6s %4s %5s %9s %9s %9s %9s %9s %9s %9s %9s %9s %9s %9s %9s %8s %8s %8s\n", "seq", "dim",
+              "causal", "B", "H", "dtrain_f", "mma_f", "flash_f", "cudnn_f", "dtrain_fb", "mma_fb", "flash_fb",
+              "cudnn_fb", "dtrain_b", "mma_b", "flash_b", "cudnn_b", "ratio_f", "ratio_fb", "ratio_b");
   std::vector<std::int64_t> seqs = o.seq;
   if (seqs.empty()) seqs = cuda(dev) ? std::vector<std::int64_t>{1024, 4096, 16384} : std::vector<std::int64_t>{256, 512};
   const std::int64_t tokens = o.tokens > 0 ? o.tokens : (cuda(dev) ? 16384 : 1024);
@@ -128,40 +130,52 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
           flash = [&] { return at::scaled_dot_product_attention(q, k, v, {}, 0.0, causal); };  // CPU default
         }
         const int it = std::max(1, s >= 16384 ? iters / 4 : iters);
-        auto tf = [&](std::optional<double> ms, double flops) -> std::optional<double> {
-          if (!ms) return std::nullopt;
-          return flops / (*ms * 1e-3) / 1e12;
+        // TFLOP/s of one implementation: forward, forward+backward, and the backward alone
+        // (the difference of the two times; unknown when it is not positive).
+        struct Rates {
+          std::optional<double> f, fb, b;
         };
-        const auto f_ours = tf(try_time(dev, it, o.rounds, fwd(ours)), fwd_flops);
-        const auto fb_ours = tf(try_time(dev, it, o.rounds, fwdbwd(ours)), 3.5 * fwd_flops);
-        std::optional<double> f_mma, fb_mma;
+        auto rates = [&](const std::function<at::Tensor()>& f) {
+          const auto f_ms = try_time(dev, it, o.rounds, fwd(f)), fb_ms = try_time(dev, it, o.rounds, fwdbwd(f));
+          auto tf = [](std::optional<double> ms, double flops) -> std::optional<double> {
+            if (!ms || *ms <= 0) return std::nullopt;
+            return flops / (*ms * 1e-3) / 1e12;
+          };
+          return Rates{tf(f_ms, fwd_flops), tf(fb_ms, 3.5 * fwd_flops),
+                       f_ms && fb_ms ? tf(*fb_ms - *f_ms, 2.5 * fwd_flops) : std::nullopt};
+        };
+        const Rates r_ours = rates(ours);
+        Rates r_mma;
         if (both) {
           dtrain::env::ScopedOverride mma(dtrain::env::kAttentionKernel, "mma");
-          f_mma = tf(try_time(dev, it, o.rounds, fwd(ours)), fwd_flops);
-          fb_mma = tf(try_time(dev, it, o.rounds, fwdbwd(ours)), 3.5 * fwd_flops);
+          r_mma = rates(ours);
         }
-        const auto f_flash = tf(try_time(dev, it, o.rounds, fwd(flash)), fwd_flops);
-        const auto f_cudnn = cudnn ? tf(try_time(dev, it, o.rounds, fwd(cudnn)), fwd_flops) : std::nullopt;
-        const auto fb_flash = tf(try_time(dev, it, o.rounds, fwdbwd(flash)), 3.5 * fwd_flops);
-        const auto fb_cudnn = cudnn ? tf(try_time(dev, it, o.rounds, fwdbwd(cudnn)), 3.5 * fwd_flops) : std::nullopt;
-        auto best = [](std::optional<double> a, std::optional<double> b) {
-          return std::max(a.value_or(0), b.value_or(0));
+        const Rates r_flash = rates(flash), r_cudnn = cudnn ? rates(cudnn) : Rates{};
+        // dtrain over the better LibTorch backend (0 when either side is unknown).
+        auto ratio = [](std::optional<double> ours, std::optional<double> a, std::optional<double> b) {
+          const double best = std::max(a.value_or(0), b.value_or(0));
+          return ours && best > 0 ? *ours / best : 0.0;
         };
-        const double rf = f_ours && best(f_flash, f_cudnn) > 0 ? *f_ours / best(f_flash, f_cudnn) : 0;
-        const double rfb = fb_ours && best(fb_flash, fb_cudnn) > 0 ? *fb_ours / best(fb_flash, fb_cudnn) : 0;
+        const double rf = ratio(r_ours.f, r_flash.f, r_cudnn.f), rfb = ratio(r_ours.fb, r_flash.fb, r_cudnn.fb),
+                     rb = ratio(r_ours.b, r_flash.b, r_cudnn.b);
         auto cell = [](std::optional<double> v) { return v ? *v : -1.0; };
-        std::printf("%6lld %4lld %6d %4lld %5lld %10.2f %10.2f %10.2f %10.2f %10.2f %10.2f %10.2f %10.2f %8.2f %8.2f\n",
-                    static_cast<long long>(s), static_cast<long long>(d), causal ? 1 : 0, static_cast<long long>(b),
-                    static_cast<long long>(h), cell(f_ours), cell(f_mma), cell(f_flash), cell(f_cudnn), cell(fb_ours),
-                    cell(fb_mma), cell(fb_flash), cell(fb_cudnn), rf, rfb);
+        std::printf(
+            "%6lld %4lld %6d %4lld %5lld %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f %8.2f "
+            "%8.2f %8.2f\n",
+            static_cast<long long>(s), static_cast<long long>(d), causal ? 1 : 0, static_cast<long long>(b),
+            static_cast<long long>(h), cell(r_ours.f), cell(r_mma.f), cell(r_flash.f), cell(r_cudnn.f), cell(r_ours.fb),
+            cell(r_mma.fb), cell(r_flash.fb), cell(r_cudnn.fb), cell(r_ours.b), cell(r_mma.b), cell(r_flash.b),
+            cell(r_cudnn.b), rf, rfb, rb);
         out.line({{"bench", "kernel"}, {"op", "attention"}, {"device", cuda(dev) ? "cuda" : "cpu"},
                   {"dtype", c10::toString(dtype)}, {"seq", s}, {"head_dim", d}, {"causal", causal}, {"batch", b},
-                  {"heads", h}, {"kernel", kernel}, {"fwd_tflops", opt(f_ours)}, {"fwd_tflops_mma", opt(f_mma)},
-                  {"fwdbwd_tflops_mma", opt(fb_mma)},
-                  {"fwd_tflops_sdpa_flash", opt(f_flash)},
-                  {"fwd_tflops_sdpa_cudnn", opt(f_cudnn)}, {"fwdbwd_tflops", opt(fb_ours)},
-                  {"fwdbwd_tflops_sdpa_flash", opt(fb_flash)}, {"fwdbwd_tflops_sdpa_cudnn", opt(fb_cudnn)},
-                  {"fwd_ratio", rf}, {"fwdbwd_ratio", rfb}});
+                  {"heads", h}, {"kernel", kernel}, {"fwd_tflops", opt(r_ours.f)},
+                  {"fwd_tflops_mma", opt(r_mma.f)}, {"fwd_tflops_sdpa_flash", opt(r_flash.f)},
+                  {"fwd_tflops_sdpa_cudnn", opt(r_cudnn.f)}, {"fwdbwd_tflops", opt(r_ours.fb)},
+                  {"fwdbwd_tflops_mma", opt(r_mma.fb)}, {"fwdbwd_tflops_sdpa_flash", opt(r_flash.fb)},
+                  {"fwdbwd_tflops_sdpa_cudnn", opt(r_cudnn.fb)}, {"bwd_tflops", opt(r_ours.b)},
+                  {"bwd_tflops_mma", opt(r_mma.b)}, {"bwd_tflops_sdpa_flash", opt(r_flash.b)},
+                  {"bwd_tflops_sdpa_cudnn", opt(r_cudnn.b)}, {"fwd_ratio", rf}, {"fwdbwd_ratio", rfb},
+                  {"bwd_ratio", rb}});
       }
     }
   }
