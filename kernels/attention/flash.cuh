@@ -3,6 +3,8 @@
 // that they compile in parallel.
 #pragma once
 
+#include "attention/tile_order.cuh"
+#include "common.cuh"
 #include "dtrain_kernels/attention.h"
 
 namespace dtrain_kernels {
@@ -33,6 +35,39 @@ template <typename T, int D>
 cudaError_t run_flash_bwd(const dtrain_attention_bwd_params& p, cudaStream_t stream);
 template <typename T, int D>
 cudaError_t run_flash_bwd_sm90(const dtrain_attention_bwd_params& p, cudaStream_t stream);  // wgmma
+
+// This block's TileOrder in a (tiles, heads, batch) grid. kSectioned false: the launch
+// order as it is (rank = blockIdx.x), which needs no division: the mma.sync kernels, whose
+// 255 registers have no room for the coordinates tile_order computes (blockIdx costs none,
+// being re-read at will), take that.
+template <bool kSectioned>
+__device__ __forceinline__ TileOrder this_block_order(int64_t section) {
+  if constexpr (kSectioned) {
+    const int64_t tiles = gridDim.x, pairs = int64_t{gridDim.y} * gridDim.z;
+    const int64_t block = blockIdx.x + tiles * (blockIdx.y + int64_t{gridDim.y} * blockIdx.z);
+    return tile_order(block, tiles, pairs, section);
+  } else {
+    return {blockIdx.y + int64_t{gridDim.y} * blockIdx.z, blockIdx.x};
+  }
+}
+
+// The keys a backward block owns, as (b, hk, n0), in tile_order: a causal key block sees
+// fewer query tiles the later it starts, so rank r is key block r; a section's pairs share
+// their heads' Q, dO and float32 dQ in L2.
+struct BwdBlock {
+  int64_t b, hk, n0;
+};
+template <typename T, int kBlockN, bool kSectioned>
+__device__ __forceinline__ BwdBlock bwd_block(const dtrain_attention_bwd_params& p) {
+  if constexpr (kSectioned) {
+    const int64_t group = p.heads / p.kv_heads;
+    const TileOrder o = this_block_order<true>(
+        section_pairs(p.causal, group * p.seq_q * p.head_dim * (2 * int64_t{sizeof(T)} + 4)));
+    return {o.pair / p.kv_heads, o.pair % p.kv_heads, o.rank * kBlockN};
+  } else {
+    return {blockIdx.z, blockIdx.y, int64_t{blockIdx.x} * kBlockN};
+  }
+}
 
 // The backward's workspace: dq in float32 [batch, heads, seq_q, head_dim] (accumulated
 // by atomics), then delta = rowsum(dout * o) [batch, heads, seq_q].

@@ -160,7 +160,8 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads)
   float* lse_s = reinterpret_cast<float*>(dss + BM * PS);
   float* delta_s = lse_s + BM;
 
-  const int64_t b = blockIdx.z, hk = blockIdx.y, n0 = int64_t{blockIdx.x} * BN;
+  const BwdBlock blk = bwd_block<T, BN, false>(p);
+  const int64_t b = blk.b, hk = blk.hk, n0 = blk.n0;
   const int group = static_cast<int>(p.heads / p.kv_heads);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t key0 = n0 + warp * 16 + g, key1 = key0 + 8;  // keys of c0,c1 and of c2,c3

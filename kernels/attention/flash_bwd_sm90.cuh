@@ -59,7 +59,8 @@ __global__ void __launch_bounds__(FlashBwdSm90Config<D>::kThreads, 1)
   uint64_t* bars = reinterpret_cast<uint64_t*>(stats + 2 * S * BM);
   uint64_t *kv_full = bars, *full = bars + 1, *empty = bars + 1 + S;
 
-  const int64_t b = blockIdx.z, hk = blockIdx.y, n0 = int64_t{blockIdx.x} * BN;
+  const BwdBlock blk = bwd_block<T, BN, true>(p);
+  const int64_t b = blk.b, hk = blk.hk, n0 = blk.n0;
   const int group = static_cast<int>(p.heads / p.kv_heads);
   // Causal: query tiles wholly before the block's first key see none of its keys.
   const int64_t m_begin = p.causal ? n0 / BM * BM : 0;

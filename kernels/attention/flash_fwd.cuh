@@ -28,7 +28,7 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads) flash_fwd_kernel(dtr
   T* ks = qs + BM * P;
   T* vs = ks + BN * P;
 
-  const FwdBlock<T, BM, BN> blk(p);
+  const FwdBlock<T, BM, BN, false> blk(p);
   const int64_t b = blk.b, h = blk.h, m0 = blk.m0;
   const T *q = blk.q, *k = blk.k, *v = blk.v;
   const int n_tiles = blk.n_tiles;

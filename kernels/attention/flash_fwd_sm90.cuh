@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(FlashSm90Config<D>::kThreads, 1)
   uint64_t *q_full = bars, *k_full = bars + 1, *v_full = bars + 1 + S, *k_empty = bars + 1 + 2 * S,
            *v_empty = bars + 1 + 3 * S;
 
-  const FwdBlock<T, BM, BN> blk(p);
+  const FwdBlock<T, BM, BN, true> blk(p);
   const int64_t b = blk.b, h = blk.h, m0 = blk.m0;
   const int n_tiles = blk.n_tiles;
   const int group = threadIdx.x / 128;

@@ -11,10 +11,11 @@
 namespace dtrain_kernels {
 
 // The query block a forward block owns, as (b, h, m0): causal grids start with the last
-// query blocks, which have the most key tiles, so that the short ones fill the tail. q is
-// its first row; k and v are its kv head's (GQA); n_tiles counts the key tiles of kBlockN
-// it visits (causal: none past its last row, all masked there).
-template <typename T, int kBlockM, int kBlockN>
+// query blocks, which have the most key tiles, so that the short ones fill the tail; with
+// kSectioned, in tile_order's sections of heads whose K and V fit in L2. q is its first
+// row; k and v are its kv head's (GQA); n_tiles counts the key tiles of kBlockN it visits
+// (causal: none past its last row, all masked there).
+template <typename T, int kBlockM, int kBlockN, bool kSectioned>
 struct FwdBlock {
   int64_t b, h, m0;
   const T* q;
@@ -22,8 +23,15 @@ struct FwdBlock {
   const T* v;
   int n_tiles;
   __device__ __forceinline__ explicit FwdBlock(const dtrain_attention_fwd_params& p) {
-    const int64_t m_block = p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    b = blockIdx.z, h = blockIdx.y, m0 = m_block * kBlockM;
+    const TileOrder o =
+        this_block_order<kSectioned>(section_pairs(p.causal, p.seq_k * p.head_dim * 2 * int64_t{sizeof(T)}));
+    const int64_t m_block = p.causal ? gridDim.x - 1 - o.rank : o.rank;
+    if constexpr (kSectioned) {
+      b = o.pair / p.heads, h = o.pair % p.heads;
+    } else {
+      b = blockIdx.z, h = blockIdx.y;
+    }
+    m0 = m_block * kBlockM;
     const int64_t hk = h / (p.heads / p.kv_heads);
     q = static_cast<const T*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head + m0 * p.q_stride.seq;
     k = static_cast<const T*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;

@@ -1,0 +1,68 @@
+#!/usr/bin/env python3
+"""Models how a causal attention grid ends on a GPU: the Hopper kernels' blocks (one per SM,
+for their shared memory) start in launch order as SMs free up, each taking time in proportion
+to its tiles. Prints the makespan over the ideal (total work / SMs) for the launch order the
+kernels had (a (batch, head) pair's tiles in a row, heaviest first) and for tile_order
+(kernels/attention/tile_order.cuh: sections of pairs sized for L2, every pair's heaviest tile
+first within one). A model, not a measurement: kernel_bench times the kernels.
+
+  python3 scripts/tile_order_model.py [--sms 132]
+"""
+import argparse
+import heapq
+
+L2_SECTION_BYTES = 32 << 20  # kL2SectionBytes
+
+
+def tile_order(block, tiles, pairs, section):  # a transcription of tile_order()
+    sections = (pairs + section - 1) // section
+    base, small = pairs // sections, sections - pairs % sections
+    boundary = small * base * tiles
+    if block < boundary:
+        g, first = base, block // (base * tiles) * base
+    else:
+        g = base + 1
+        first = small * base + (block - boundary) // (g * tiles) * g
+    r = block - first * tiles
+    return first + r % g, r // g
+
+
+def makespan(work, sms):
+    free = [0.0] * sms
+    end = 0.0
+    for w in work:
+        t = heapq.heappop(free) + w
+        end = max(end, t)
+        heapq.heappush(free, t)
+    return end
+
+
+def ratios(tiles, pairs, work_of_rank, section, sms):
+    before = [work_of_rank(r) for _ in range(pairs) for r in range(tiles)]
+    after = [work_of_rank(tile_order(b, tiles, pairs, section)[1]) for b in range(tiles * pairs)]
+    ideal = sum(before) / sms
+    return makespan(before, sms) / ideal, makespan(after, sms) / ideal
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sms", type=int, default=132)
+    a = ap.parse_args()
+    print(f"{'pass':8} {'B':>3} {'H':>3} {'S':>6} {'D':>4} {'section':>7} {'before':>7} {'after':>7}")
+    for b, h, s, d in [(16, 16, 1024, 128), (4, 16, 4096, 128), (2, 16, 4096, 128), (1, 16, 16384, 128),
+                       (16, 32, 1024, 64), (4, 32, 4096, 64), (1, 32, 16384, 64), (8, 12, 1024, 64)]:
+        pairs = b * h
+        # Forward: 128 query rows per block; block m sees m + 1 key tiles of 128.
+        m = (s + 127) // 128
+        section = max(1, L2_SECTION_BYTES // (s * d * 2 * 2))
+        r0, r1 = ratios(m, pairs, lambda r: m - r, section, a.sms)
+        print(f"{'forward':8} {b:3} {h:3} {s:6} {d:4} {section:7} {r0:7.3f} {r1:7.3f}")
+        # Backward: 128 keys per block; key block n sees the query tiles of 64 from its first key.
+        n = (s + 127) // 128
+        section = max(1, L2_SECTION_BYTES // (s * d * (2 * 2 + 4)))
+        r0, r1 = ratios(n, pairs, lambda r: (s - r * 128 + 63) // 64, section, a.sms)
+        print(f"{'backward':8} {b:3} {h:3} {s:6} {d:4} {section:7} {r0:7.3f} {r1:7.3f}")
+
+
+if __name__ == "__main__":
+    main()
