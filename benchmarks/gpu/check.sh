@@ -11,9 +11,10 @@
 # train_bench for gpt2-124m in fp32 and bf16 over every sharding strategy (batch 8 x 1024;
 # bf16 also with the kernels), and bf16 at batch 32. Full logs and JSON lines go to OUTDIR
 # (default build-gpu/out); a phase that fails is recorded and the next one still runs; a
-# summary table comes last.
-# Exit status: 0 when every phase passed. DTRAIN_CHECK_BENCH overrides train_bench's model
-# and shape (default "--preset gpt2-124m --batch 8 --seq 1024"), e.g. for a CPU dry run.
+# summary table comes last, with the kernel issue's targets (benchmarks/gpu/targets.py).
+# Exit status: 0 when every phase passed (a missed target is a result, not a failure).
+# DTRAIN_CHECK_BENCH overrides train_bench's model and shape (default "--preset gpt2-124m
+# --batch 8 --seq 1024"), e.g. for a CPU dry run.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="${1:-build-gpu/out}"
@@ -140,6 +141,8 @@ for f in "$out"/train_tiny_*.log; do
   printf '%-22s %s\n' "$(basename "$f" .log)" "$(grep -oE "done: .*" "$f" | tail -1)"
 done
 [ -f "$out/kernel_bench.log" ] && { echo "-- kernel_bench"; grep -vE '^\{' "$out/kernel_bench.log"; }
+# The issue's targets (a missed one is a result, not a failed phase).
+[ -f "$out/kernel_bench.jsonl" ] && { echo "-- targets"; python3 benchmarks/gpu/targets.py "$out/kernel_bench.jsonl" | tee "$out/targets.txt"; }
 for run in fp32 bf16 bf16_fused bf16_b32; do
   f="$out/train_bench_$run.log"
   [ -f "$f" ] && { echo "-- train_bench $run"; grep -E "^(strategy|plain|ddp|zero1|zero2|full) " "$f"; }
