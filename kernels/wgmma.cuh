@@ -134,7 +134,7 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 // Orders this thread's generic-proxy writes to shared memory (cp.async, stores) before
 // the async proxy's reads (wgmma); a barrier must follow.
-__device__ __forceinline__ void fence_async_shared() {}
+__device__ __forceinline__ void fence_async_shared() { ::dtrain_emu::fence_proxy_async(); }
 #elif DTRAIN_HAVE_WGMMA
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }

@@ -105,6 +105,11 @@ struct State {
   int current = 0;
   const std::function<void()>* body = nullptr;
   std::vector<unsigned char> smem;
+  // Shared memory as the async proxy (wgmma operands, bulk reductions' sources) sees it:
+  // bulk copies write it; plain stores reach it only through a fence_proxy_async, taken
+  // lazily: the next async read after a fence first brings it up to date with smem.
+  std::vector<unsigned char> async_smem;
+  bool async_fenced = false;
   std::vector<unsigned char> slots;  // [threads][kSlot]
   std::map<std::uint32_t, Mbarrier> mbarriers;  // by shared-memory offset
   NamedBarrier named[16];
@@ -254,6 +259,8 @@ void launch(dim3 grid, dim3 block, std::size_t smem, const std::function<void()>
       for (unsigned x = 0; x < grid.x; ++x) {
         block_idx = {x, y, z};
         s.smem.assign(smem, 0xff);
+        s.async_smem = s.smem;
+        s.async_fenced = false;
         run_block(threads);
       }
     }
@@ -261,6 +268,19 @@ void launch(dim3 grid, dim3 block, std::size_t smem, const std::function<void()>
 }
 
 void* dynamic_smem() { return s.smem.data(); }
+
+void fence_proxy_async() { s.async_fenced = true; }
+
+namespace {
+// Shared memory as an async-proxy read sees it now (see State::async_smem).
+const unsigned char* async_view() {
+  if (s.async_fenced) {
+    s.async_smem = s.smem;
+    s.async_fenced = false;
+  }
+  return s.async_smem.data();
+}
+}  // namespace
 
 namespace {
 // The running thread arrives at barrier b (the block's, its warp's or its warpgroup's) and,
@@ -424,12 +444,13 @@ std::size_t desc_offset(const Desc& d, int mn, int k, bool mn_major) {
          (mn_major ? (k % 8) * 16 + (mn % 8) * 2 : (mn % 8) * 16 + (k % 8) * 2);
 }
 
-float desc_element(const Desc& d, int mn, int k, bool mn_major, bool bf16) {
+// An operand element from mem, the async proxy's view of shared memory.
+float desc_element(const unsigned char* mem, const Desc& d, int mn, int k, bool mn_major, bool bf16) {
   std::size_t off = desc_offset(d, mn, k, mn_major);
   if (d.swizzle128) off = swizzle128(off);
   if (off + 2 > s.smem.size()) throw std::runtime_error("emulator: wgmma operand past the dynamic shared memory");
   std::uint16_t bits;
-  std::memcpy(&bits, s.smem.data() + off, 2);
+  std::memcpy(&bits, mem + off, 2);
   return element(bits, 0, bf16);
 }
 
@@ -445,6 +466,7 @@ void wgmma_product(std::size_t i, bool check_before) {
   if (check_before && std::memcmp(op.d, op.before.data(), op.before.size() * sizeof(float)) != 0) {
     throw std::runtime_error("emulator: wgmma accumulators changed between the issue and the wait");
   }
+  const unsigned char* mem = async_view();
   float A[16][16];
   std::vector<float> B(static_cast<std::size_t>(16) * op.n);
   for (int r = 0; r < 16; ++r) {
@@ -453,14 +475,14 @@ void wgmma_product(std::size_t i, bool check_before) {
         const auto& src = s.wgmma[base + 32 * w + 4 * (r % 8) + (k % 8) / 2].ops[i];
         A[r][k] = element(src.a[r / 8 + 2 * (k / 8)], k % 2, op.bf16);
       } else {
-        A[r][k] = desc_element(decode(op.desc_a), 16 * w + r, k, false, op.bf16);
+        A[r][k] = desc_element(mem, decode(op.desc_a), 16 * w + r, k, false, op.bf16);
       }
     }
   }
   const Desc db = decode(op.desc_b);
   for (int k = 0; k < 16; ++k) {
     for (int c = 0; c < op.n; ++c) {
-      B[static_cast<std::size_t>(k) * op.n + c] = desc_element(db, c, k, op.trans_b, op.bf16);
+      B[static_cast<std::size_t>(k) * op.n + c] = desc_element(mem, db, c, k, op.trans_b, op.bf16);
     }
   }
   for (int j = 0; j < op.n / 8; ++j) {
@@ -586,10 +608,12 @@ void land_copies(Mbarrier& m) {
       }
       std::size_t off = c.dst + e * t.elem_bytes;
       if (t.swizzle == 128) off = swizzle128(off);
-      if (inside) {
-        std::memcpy(s.smem.data() + off, src, t.elem_bytes);
-      } else {
-        std::memset(s.smem.data() + off, 0, t.elem_bytes);
+      for (unsigned char* mem : {s.smem.data(), s.async_smem.data()}) {  // the async proxy's own write
+        if (inside) {
+          std::memcpy(mem + off, src, t.elem_bytes);
+        } else {
+          std::memset(mem + off, 0, t.elem_bytes);
+        }
       }
     }
     m.tx -= static_cast<std::int64_t>(bytes);
@@ -685,7 +709,7 @@ void bulk_wait(int pending) {
       keep.push_back(op);
       continue;
     }
-    const float* src = reinterpret_cast<const float*>(s.smem.data() + op.src);
+    const float* src = reinterpret_cast<const float*>(async_view() + op.src);
     for (std::uint32_t i = 0; i < op.bytes / 4; ++i) op.dst[i] += src[i];
   }
   th.ops = std::move(keep);

@@ -59,13 +59,19 @@ std::uint32_t shared_address(const void* p);
 // (K-major, or N-major when trans_b); accumulate == false: d = A B. Descriptors: start
 // address, leading and stride byte offsets, no swizzle (anything else throws).
 // Like the hardware, the product happens asynchronously: at the wgmma_wait that retires
-// its group, reading shared memory and d as they are then. Stricter than the hardware, it
+// its group, reading shared memory (as the async proxy sees it) and d as they are then. Stricter than the hardware, it
 // throws when a wgmma follows a wait with no wgmma_fence between them, when d changed
 // between the issue and the wait, or when the threads of the group disagree on the shape
 // or the descriptors.
 void wgmma(float* d, int n, std::uint64_t desc_a, const std::uint32_t* a_regs, std::uint64_t desc_b, bool trans_b,
            bool accumulate, bool bf16);
 void wgmma_fence();
+// fence.proxy.async: this block's plain stores to shared memory so far become visible to
+// the async proxy (wgmma operands, bulk reductions). Without one, those reads see shared
+// memory as bulk copies and earlier fences left it (the emulator publishes every thread's
+// stores at the next async read after any thread's fence: laxer than the hardware, whose
+// fence covers its own thread's stores only).
+void fence_proxy_async();
 void wgmma_commit();
 // Retires all but the newest `pending` committed groups of this thread's warpgroup.
 void wgmma_wait(int pending);
@@ -97,7 +103,8 @@ void tma_load(void* dst, const void* map, const int* coords, void* bar);
 // cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32: adds `bytes` (a multiple of
 // 16) of float32 at src (shared memory) into dst (global memory), both 16-byte aligned, in
 // this thread's current bulk group. Like the hardware it is asynchronous: the adds happen
-// at the bulk_wait that retires the group, reading shared memory as it is then. A thread
+// at the bulk_wait that retires the group, reading shared memory as it is then (as the
+// async proxy sees it: see fence_proxy_async). A thread
 // that ends with reductions not waited for throws (the block's shared memory goes away).
 void bulk_reduce_add_f32(float* dst, const void* src, std::uint32_t bytes);
 void bulk_commit();
