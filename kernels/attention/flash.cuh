@@ -36,37 +36,38 @@ cudaError_t run_flash_bwd(const dtrain_attention_bwd_params& p, cudaStream_t str
 template <typename T, int D>
 cudaError_t run_flash_bwd_sm90(const dtrain_attention_bwd_params& p, cudaStream_t stream);  // wgmma
 
-// This block's TileOrder in a (tiles, heads, batch) grid. kSectioned false: the launch
-// order as it is (rank = blockIdx.x), which needs no division: the mma.sync kernels, whose
-// 255 registers have no room for the coordinates tile_order computes (blockIdx costs none,
-// being re-read at will), take that.
+// A block's (batch, head, rank) in a grid launched as (tiles, heads, batch) (heads: the q
+// heads in the forward, the kv heads in the backward). kSectioned: in tile_order, for
+// sections of `section` pairs. Else the launch order as it is (rank = blockIdx.x), which
+// costs no division: the mma.sync kernels take that, since at 255 registers they have no
+// room to hold divided-out coordinates (blockIdx is re-read at will).
+struct BlockCoords {
+  int64_t b, head, rank;
+};
 template <bool kSectioned>
-__device__ __forceinline__ TileOrder this_block_order(int64_t section) {
+__device__ __forceinline__ BlockCoords block_coords(int64_t section) {
   if constexpr (kSectioned) {
-    const int64_t tiles = gridDim.x, pairs = int64_t{gridDim.y} * gridDim.z;
-    const int64_t block = blockIdx.x + tiles * (blockIdx.y + int64_t{gridDim.y} * blockIdx.z);
-    return tile_order(block, tiles, pairs, section);
+    const int64_t tiles = gridDim.x, heads = gridDim.y;
+    const int64_t block = blockIdx.x + tiles * (blockIdx.y + heads * blockIdx.z);
+    const TileOrder o = tile_order(block, tiles, heads * gridDim.z, section);
+    return {o.pair / heads, o.pair % heads, o.rank};
   } else {
-    return {blockIdx.y + int64_t{gridDim.y} * blockIdx.z, blockIdx.x};
+    return {blockIdx.z, blockIdx.y, blockIdx.x};
   }
 }
 
-// The keys a backward block owns, as (b, hk, n0), in tile_order: a causal key block sees
-// fewer query tiles the later it starts, so rank r is key block r; a section's pairs share
-// their heads' Q, dO and float32 dQ in L2.
+// The keys a backward block owns, as (b, hk, n0): a causal key block sees fewer query
+// tiles the later it starts, so rank r is key block r; a section's pairs share their
+// heads' Q, dO and float32 dQ in L2.
 struct BwdBlock {
   int64_t b, hk, n0;
 };
 template <typename T, int kBlockN, bool kSectioned>
 __device__ __forceinline__ BwdBlock bwd_block(const dtrain_attention_bwd_params& p) {
-  if constexpr (kSectioned) {
-    const int64_t group = p.heads / p.kv_heads;
-    const TileOrder o = this_block_order<true>(
-        section_pairs(p.causal, group * p.seq_q * p.head_dim * (2 * int64_t{sizeof(T)} + 4)));
-    return {o.pair / p.kv_heads, o.pair % p.kv_heads, o.rank * kBlockN};
-  } else {
-    return {blockIdx.z, blockIdx.y, int64_t{blockIdx.x} * kBlockN};
-  }
+  const int64_t group = p.heads / p.kv_heads;
+  const BlockCoords c =
+      block_coords<kSectioned>(section_pairs(p.causal, group * p.seq_q * p.head_dim * (2 * int64_t{sizeof(T)} + 4)));
+  return {c.b, c.head, c.rank * kBlockN};
 }
 
 // The backward's workspace: dq in float32 [batch, heads, seq_q, head_dim] (accumulated

@@ -23,15 +23,9 @@ struct FwdBlock {
   const T* v;
   int n_tiles;
   __device__ __forceinline__ explicit FwdBlock(const dtrain_attention_fwd_params& p) {
-    const TileOrder o =
-        this_block_order<kSectioned>(section_pairs(p.causal, p.seq_k * p.head_dim * 2 * int64_t{sizeof(T)}));
-    const int64_t m_block = p.causal ? gridDim.x - 1 - o.rank : o.rank;
-    if constexpr (kSectioned) {
-      b = o.pair / p.heads, h = o.pair % p.heads;
-    } else {
-      b = blockIdx.z, h = blockIdx.y;
-    }
-    m0 = m_block * kBlockM;
+    const BlockCoords c =
+        block_coords<kSectioned>(section_pairs(p.causal, p.seq_k * p.head_dim * 2 * int64_t{sizeof(T)}));
+    b = c.b, h = c.head, m0 = (p.causal ? gridDim.x - 1 - c.rank : c.rank) * kBlockM;
     const int64_t hk = h / (p.heads / p.kv_heads);
     q = static_cast<const T*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head + m0 * p.q_stride.seq;
     k = static_cast<const T*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;
