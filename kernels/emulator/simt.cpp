@@ -280,9 +280,7 @@ const unsigned char* async_view() {
   }
   return s.async_smem.data();
 }
-}  // namespace
 
-namespace {
 // The running thread arrives at barrier b (the block's, its warp's or its warpgroup's) and,
 // unless it is the last to arrive, waits there.
 void arrive_and_wait(Barrier& b, Wait kind) {
