@@ -3,10 +3,11 @@
 # Extra CMake arguments: DTRAIN_CMAKE_ARGS. Later runs only rebuild what changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/env.sh
 build="${DTRAIN_BUILD_DIR:-build}"
 if [ ! -f "$build/build.ninja" ]; then
   # shellcheck disable=SC2086
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE="${DTRAIN_BUILD_TYPE:-Release}" \
     ${DTRAIN_CMAKE_ARGS:-}
 fi
-cmake --build "$build" --parallel "${DTRAIN_JOBS:-$(nproc)}"
+cmake --build "$build" --parallel "$DTRAIN_JOBS"

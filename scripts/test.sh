@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 scripts/build.sh
 source scripts/env.sh
-ctest --test-dir "${DTRAIN_BUILD_DIR:-build}" --output-on-failure -j "$(nproc)" "$@"
+ctest --test-dir "${DTRAIN_BUILD_DIR:-build}" --output-on-failure -j "$DTRAIN_JOBS" "$@"
