@@ -33,7 +33,7 @@ bool is_expert_parameter(const std::string& name) {
 
 MoeImpl::MoeImpl(const ep::MoeOptions& options, std::int64_t d_model, std::int64_t hidden, CommPtr tp,
                  bool sequence_parallel, CommPtr ep)
-    : options_(options), d_(d_model), hidden_(hidden), tp_(std::move(tp)), ep_(std::move(ep)),
+    : options_(options), d_(d_model), tp_(std::move(tp)), ep_(std::move(ep)),
       sequence_parallel_(sequence_parallel && tp_->size() > 1) {
   options_.validate();
   options_.validate_ep(ep_->size());

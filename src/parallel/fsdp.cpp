@@ -698,7 +698,8 @@ ShardedState ShardedDataParallel::sharded_state() const {
   }
   for (std::size_t k = 0; k < params_.size(); ++k) {
     const auto& u = *units_[unit_of_[k]];
-    const auto& [name, p] = params_[k];
+    const std::string& name = params_[k].first;  // not a structured binding: C++17
+    const at::Tensor& p = params_[k].second;      // lambdas cannot capture those
     const Span s = span_in_shard(offset_of_[k], p.numel(), rank * u.shard, u.shard);
     if (s.hi == s.lo) continue;
     auto piece = [&](const at::Tensor& shard) {

@@ -54,7 +54,7 @@ class MoeImpl : public torch::nn::Module {
  private:
   at::Tensor experts(const at::Tensor& rows, const std::vector<std::int64_t>& rows_per_expert);
   ep::MoeOptions options_;
-  std::int64_t d_, hidden_;
+  std::int64_t d_;
   CommPtr tp_, ep_;
   bool sequence_parallel_;
   double aux_scale_ = 1.0;
