@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs what dtrain needs, and nothing that is already there: Debian packages (compiler,
+# Installs what dtrain needs, and nothing that is already there: Debian packages (g++, clang,
 # CMake, Ninja, ccache, Open MPI, spdlog, CLI11, nlohmann-json, GoogleTest, and `fortunes`,
 # the prose the demo and a pretraining test train on) and LibTorch
 # (an importable torch, else `pip install torch==$DTRAIN_TORCH_VERSION`, default 2.11.0), and
@@ -13,7 +13,7 @@ say() { echo "[setup] $*"; }
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else "$@"; fi; }
 
 # ---- Debian packages --------------------------------------------------------------------
-pkgs=(g++ cmake ninja-build ccache pkg-config openmpi-bin libopenmpi-dev libspdlog-dev
+pkgs=(g++ clang cmake ninja-build ccache pkg-config openmpi-bin libopenmpi-dev libspdlog-dev
       libcli11-dev nlohmann-json3-dev libgtest-dev libgmock-dev fortunes)
 command -v python3 >/dev/null || pkgs+=(python3)
 python3 -m pip --version >/dev/null 2>&1 || pkgs+=(python3-pip)
