@@ -44,12 +44,15 @@ phase() {
   return "$rc"
 }
 
+# As scripts/build.sh: clang++ when present and CXX is unset (about half g++'s build time).
+if [ -z "${CXX:-}" ] && command -v clang++ >/dev/null; then export CXX=clang++; fi
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%MZ)"
   nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
   nvcc --version | tail -2
   echo "cores: $(nproc)"
+  echo "c++: $("${CXX:-c++}" --version | head -1)"
 } 2>&1 | tee "$out/machine.txt"
 arch="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)"
 [ "$arch" = 90 ] && arch=90a  # Hopper: the wgmma kernels need the sm_90a target
