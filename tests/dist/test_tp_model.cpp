@@ -45,8 +45,7 @@ class TpModelTest : public TrainTest {
     auto ref_o = o;
     o.fsdp = fsdp;
     Trainer parallel(ctx, cfg, o);
-    Trainer ref(ParallelContext::single_process(), cfg, ref_o);
-    expect_equivalent(parallel, ref);
+    expect_equivalent(parallel, single_process_reference(cfg, ref_o));
   }
 };
 

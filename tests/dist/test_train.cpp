@@ -1,6 +1,6 @@
 // The trainer with data parallelism against the single-process run: every rank trains the
-// tiny GPT with DP over the world and, in the same process, a single-process reference on
-// the whole global batch; after 10 steps losses agree within 1e-5 relative and parameters
+// tiny GPT with DP over the world and compares with a single-process reference on the
+// whole global batch (run on rank 0, broadcast: train_harness.hpp); after 10 steps losses agree within 1e-5 relative and parameters
 // within 1e-5 (float32). Also: accumulation under DP, overlap of the bucket all-reduces
 // with backward, and bad input on one rank stops every rank with no hang.
 #include <torch/torch.h>
