@@ -20,7 +20,20 @@
 namespace dtrain::testing {
 namespace {
 
-class FsdpTest : public TrainTest {};
+class FsdpTest : public TrainTest {
+ protected:
+  // Half-precision parameters, in float32, against the reference's: the same names in
+  // order, every element within atol.
+  static void expect_within(const NamedParameters& pa, const NamedParameters& pb, double atol,
+                            const std::string& what) {
+    EXPECT_EQ(pa.size(), pb.size()) << what;
+    for (std::size_t i = 0; i < std::min(pa.size(), pb.size()); ++i) {
+      EXPECT_EQ(pa[i].first, pb[i].first);
+      const double diff = (pa[i].second.to(torch::kFloat) - pb[i].second).abs().max().item<double>();
+      EXPECT_LE(diff, atol) << what << " " << pa[i].first;
+    }
+  }
+};
 
 TEST_F(FsdpTest, Zero1MatchesSingleProcessForTenSteps) {
   TestCorpus corpus("z1" + std::to_string(rank()));
@@ -149,14 +162,7 @@ TEST_F(FsdpTest, Bfloat16ParametersMatchSingleProcessBfloat16) {
         EXPECT_LT(b.back().loss, b.front().loss - 0.5) << "bfloat16 training must still learn";
       }
       sharded.gather_parameters();
-      const auto pa = sharded.model()->parameter_list();
-      const auto& pb = ref.params;
-      EXPECT_EQ(pa.size(), pb.size());
-      for (std::size_t i = 0; i < std::min(pa.size(), pb.size()); ++i) {
-        EXPECT_EQ(pa[i].first, pb[i].first);
-        const double diff = (pa[i].second.to(torch::kFloat) - pb[i].second).abs().max().item<double>();
-        EXPECT_LE(diff, 1e-2) << strategy << " " << reduce << " " << pa[i].first;
-      }
+      expect_within(sharded.model()->parameter_list(), ref.params, 1e-2, std::string(strategy) + " " + reduce);
     }
   }
 }
@@ -223,14 +229,7 @@ TEST_F(FsdpTest, Float16WithLossScalingMatchesSingleProcessFloat16) {
       EXPECT_EQ(a.back().loss_scale, 65536.0);
     }
     dp.gather_parameters();
-    const auto pa = dp.model()->parameter_list();
-    const auto& pb = ref.params;
-    EXPECT_EQ(pa.size(), pb.size());
-    for (std::size_t i = 0; i < std::min(pa.size(), pb.size()); ++i) {
-      EXPECT_EQ(pa[i].first, pb[i].first);
-      const double diff = (pa[i].second.to(torch::kFloat) - pb[i].second).abs().max().item<double>();
-      EXPECT_LE(diff, 1e-2) << strategy << " " << pa[i].first;
-    }
+    expect_within(dp.model()->parameter_list(), ref.params, 1e-2, strategy);
   }
 }
 
