@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Configures (once) and builds dtrain with Ninja into $DTRAIN_BUILD_DIR (default build/).
 # Extra CMake arguments: DTRAIN_CMAKE_ARGS. Later runs only rebuild what changed.
-# The C++ compiler is clang++ when present and CXX is unset: on LibTorch code it compiles
-# about twice as fast as g++ (docs/architecture.md, Build); CXX=g++ chooses GCC.
+# The C++ compiler is clang++ when present and CXX is unset: it builds LibTorch code
+# in about 60% of g++'s CPU time (docs/architecture.md, Build); CXX=g++ chooses GCC.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
