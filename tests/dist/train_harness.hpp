@@ -5,7 +5,6 @@
 
 #include <torch/torch.h>
 
-#include <algorithm>
 #include <iomanip>
 #include <map>
 #include <sstream>
@@ -63,68 +62,59 @@ class TrainTest : public DistTest {
   };
   Reference single_process_reference(const models::GptConfig& cfg, const TrainOptions& o) {
     constexpr std::int64_t kFields = 4;
-    std::string layout;  // "name:d0,d1,...;" per parameter
-    at::Tensor steps, values;
-    auto sizes = torch::full({3}, -1, torch::kLong);  // steps, layout bytes, values
+    const auto shapes = cfg.parameter_shapes();  // the model's parameters, in order
+    std::int64_t numel = 0;
+    for (const auto& [name, shape] : shapes) numel += c10::multiply_integers(shape);
+    auto steps = torch::full({1}, -1.0, torch::kDouble);  // [-1]: the reference failed
+    auto values = torch::empty({numel}, torch::kFloat);
     if (rank() == 0) {
       try {
         Trainer t(ParallelContext::single_process(), cfg, o);
         const auto run = t.run();
+        const auto params = t.full_parameters();
+        DTRAIN_CHECK(params.size() == shapes.size(), "the reference has ", params.size(), " parameters, ",
+                     "GptConfig::parameter_shapes() ", shapes.size());
+        std::int64_t at = 0;
+        for (std::size_t i = 0; i < params.size(); ++i) {
+          DTRAIN_CHECK(params[i].first == shapes[i].first && params[i].second.sizes() == shapes[i].second,
+                       "reference parameter ", i, " is ", params[i].first, ", not ", shapes[i].first);
+          values.narrow(0, at, params[i].second.numel()).copy_(params[i].second.detach().reshape(-1));
+          at += params[i].second.numel();
+        }
         steps = torch::empty({static_cast<std::int64_t>(run.size()), kFields}, torch::kDouble);
         auto s = steps.accessor<double, 2>();
         for (std::size_t i = 0; i < run.size(); ++i) {
           s[i][0] = run[i].loss, s[i][1] = run[i].grad_norm, s[i][2] = run[i].loss_scale;
           s[i][3] = run[i].skipped ? 1 : 0;
         }
-        std::vector<at::Tensor> flat;
-        for (const auto& [name, p] : t.full_parameters()) {
-          layout += name + ':';
-          for (const auto d : p.sizes()) layout += std::to_string(d) + ',';
-          layout += ';';
-          flat.push_back(p.detach().to(torch::kFloat).reshape(-1));
-        }
-        values = torch::cat(flat);
-        sizes = torch::tensor({steps.size(0), static_cast<std::int64_t>(layout.size()), values.numel()});
       } catch (const std::exception& e) {
         ADD_FAILURE() << "the single-process reference failed: " << e.what();
       }
     }
-    world()->broadcast(sizes)->wait();
-    const auto n = sizes.accessor<std::int64_t, 1>();
-    if (n[0] < 0) {
+    auto count = torch::full({1}, steps.dim() == 2 ? steps.size(0) : -1, torch::kLong);
+    world()->broadcast(count)->wait();
+    const std::int64_t n = count.item<std::int64_t>();
+    if (n < 0) {
       if (rank() != 0) ADD_FAILURE() << "rank 0's single-process reference failed";
       return {};
     }
-    if (rank() != 0) {
-      steps = torch::empty({n[0], kFields}, torch::kDouble);
-      values = torch::empty({n[2]}, torch::kFloat);
-    }
-    auto layout_bytes = torch::empty({n[1]}, torch::kByte);
-    if (rank() == 0) std::copy(layout.begin(), layout.end(), reinterpret_cast<char*>(layout_bytes.data_ptr()));
+    if (rank() != 0) steps = torch::empty({n, kFields}, torch::kDouble);
     world()->broadcast(steps)->wait();
-    world()->broadcast(layout_bytes)->wait();
     world()->broadcast(values)->wait();
-    layout.assign(reinterpret_cast<const char*>(layout_bytes.data_ptr()), static_cast<std::size_t>(n[1]));
 
     Reference ref;
     const auto s = steps.accessor<double, 2>();
-    for (std::int64_t i = 0; i < n[0]; ++i) {
+    for (std::int64_t i = 0; i < n; ++i) {
       train::StepMetrics m;
       m.step = i + 1;
       m.loss = s[i][0], m.grad_norm = s[i][1], m.loss_scale = s[i][2], m.skipped = s[i][3] != 0;
       ref.steps.push_back(m);
     }
-    std::istringstream in(layout);
-    std::string entry;
-    std::int64_t offset = 0;
-    while (std::getline(in, entry, ';')) {
-      const auto colon = entry.find(':');
-      std::vector<std::int64_t> shape;
-      std::istringstream dims(entry.substr(colon + 1));
-      for (std::string d; std::getline(dims, d, ',');) shape.push_back(std::stoll(d));
-      auto t = values.narrow(0, offset, c10::multiply_integers(shape)).view(shape);
-      offset += t.numel();
-      ref.params.emplace_back(entry.substr(0, colon), t);
+    std::int64_t at = 0;
+    for (const auto& [name, shape] : shapes) {
+      const auto k = c10::multiply_integers(shape);
+      ref.params.emplace_back(name, values.narrow(0, at, k).view(shape));
+      at += k;
     }
     return ref;
   }
