@@ -205,22 +205,41 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
-// A [rows, D] tile (row stride `stride` elements in global memory) into shared memory
-// with a row pitch of `pitch` elements; rows at and after `valid` are zero-filled.
-// Thread i copies the 16 bytes at column (i % per_row) of rows i / per_row + n * step.
-template <int kRows, int D, int kThreads, typename T>
-__device__ __forceinline__ void load_tile_async(T* dst, int pitch, const T* src, int64_t stride, int64_t valid) {
+// Columns [kC0, kC0 + kCols) of a [rows, D] tile (row stride `stride` elements in global
+// memory) into shared memory with a row pitch of `pitch` elements; rows at and after
+// `valid` and columns at and after `cols` (a multiple of 8) are zero-filled. Thread i
+// copies the 16 bytes at chunk (i % per_row) of rows i / per_row + n * step.
+template <int kRows, int kC0, int kCols, int kThreads, typename T>
+__device__ __forceinline__ void load_cols_async(T* dst, int pitch, const T* src, int64_t stride, int64_t valid,
+                                                int64_t cols) {
   constexpr int kVec = 16 / sizeof(T);
-  constexpr int kPerRow = D / kVec;
-  static_assert(kThreads % kPerRow == 0 && kRows % (kThreads / kPerRow) == 0, "whole rows per pass");
+  constexpr int kPerRow = kCols / kVec;
+  static_assert(kCols % kVec == 0 && kThreads % kPerRow == 0 && kRows % (kThreads / kPerRow) == 0,
+                "whole rows per pass");
   constexpr int kStep = kThreads / kPerRow;  // rows one pass of the block covers
-  const int r0 = threadIdx.x / kPerRow, c = (threadIdx.x % kPerRow) * kVec;
+  const int r0 = threadIdx.x / kPerRow, c = kC0 + (threadIdx.x % kPerRow) * kVec;
+  const bool col_ok = c < cols;
   const T* s = src + r0 * stride + c;
   T* d = dst + r0 * pitch + c;
 #pragma unroll
   for (int n = 0; n < kRows / kStep; ++n) {
-    const bool ok = r0 + n * kStep < valid;
+    const bool ok = col_ok && r0 + n * kStep < valid;
     cp_async16(d + n * kStep * pitch, ok ? s + n * kStep * stride : src, ok);
+  }
+}
+
+// A whole [kRows, D] tile (load_cols_async's conventions). A row of chunks that does not
+// divide the block (D 96: 12 of them) goes as ranges of 32 columns, each at a fixed column
+// per thread: one address per range, no per-chunk division. (ptxas, sm_90a: no spill in
+// the D 96 forward, 12 bytes in the backward; a division per chunk spilled 44 bytes in the
+// forward, ranges of 64 + 32 columns 32 in the backward.)
+template <int kRows, int D, int kThreads, typename T, int kC0 = 0>
+__device__ __forceinline__ void load_tile_async(T* dst, int pitch, const T* src, int64_t stride, int64_t valid,
+                                                int64_t cols) {
+  constexpr int kCols = kThreads % (D / (16 / sizeof(T))) == 0 ? D : 32;
+  load_cols_async<kRows, kC0, kCols, kThreads>(dst, pitch, src, stride, valid, cols);
+  if constexpr (kC0 + kCols < D) {
+    load_tile_async<kRows, D, kThreads, T, kC0 + kCols>(dst, pitch, src, stride, valid, cols);
   }
 }
 

@@ -109,8 +109,9 @@ phase moe_bench 120 "$build/benchmarks/moe_bench" --ep 1 --tokens 16384 --d-mode
 phase pp_bench 120 "$build/benchmarks/pp_bench" --d-model 1024 --seq 256 --schedules gpipe,1f1b \
   --microbatches 4 --json "$out/pp_bench.jsonl"
 
-# The tiny model trained with all of dtrain's kernels (head dim 64).
-train train_tiny_fused_bf16 --precision bf16 --n-head 1 --attention flash --fused-norm --fused-ce --fused-adamw
+# The tiny model trained with all of dtrain's kernels (head dim 16, zero-padded in the
+# attention kernels; then 64).
+train train_tiny_fused_bf16 --precision bf16 --attention flash --fused-norm --fused-ce --fused-adamw
 train train_tiny_fused_full_bf16 --n-head 1 --fsdp full --param-dtype bfloat16 --attention flash --fused-norm \
   --fused-ce --fused-adamw
 

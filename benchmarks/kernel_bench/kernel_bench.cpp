@@ -310,7 +310,7 @@ int main(int argc, char** argv) {
   app.add_option("--only", o.only, "all, attention, adamw, norm or ce")
       ->check(CLI::IsMember({"all", "attention", "adamw", "norm", "ce"}));
   app.add_option("--seq", o.seq, "attention sequence lengths")->delimiter(',');
-  app.add_option("--dims", o.dims, "attention head dims (64, 128)")->delimiter(',');
+  app.add_option("--dims", o.dims, "attention head dims (multiples of 8 up to 128; default 64,128)")->delimiter(',');
   app.add_option("--tokens", o.tokens, "attention: batch x seq (0: 16384 on CUDA, 1024 on CPU)");
   app.add_option("--hidden", o.hidden, "attention: heads x head_dim");
   app.add_option("--iters", o.iters, "calls per timing (0: 20 on CUDA, 3 on CPU)");

@@ -89,7 +89,7 @@ void define(CLI::App& app, Options& o) {
       ->check(CLI::IsMember({"none", "full"}))->group(model);
 
   const char* kernels = "Kernels";
-  app.add_option("--attention", o.attention, "sdpa (LibTorch's scaled_dot_product_attention) or flash (dtrain's kernel on CUDA: bf16/fp16, head dims 64 and 128, no dropout)")->group(kernels);
+  app.add_option("--attention", o.attention, "sdpa (LibTorch's scaled_dot_product_attention) or flash (dtrain's kernel on CUDA: bf16/fp16, head dims multiples of 8 up to 128, no dropout)")->group(kernels);
   app.add_flag("--fused-norm", o.fused_norm, "fused RMSNorm/LayerNorm (one kernel each way)")->group(kernels);
   app.add_flag("--fused-ce", o.fused_ce, "fused softmax cross-entropy from the logits' own dtype (tp 1)")->group(kernels);
   app.add_flag("--fused-adamw", t.adamw.fused, "one multi-tensor AdamW pass per step (with --fsdp: the 16-bit parameter shard written in the same pass)")->group(kernels);

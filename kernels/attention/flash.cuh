@@ -11,6 +11,17 @@ namespace dtrain_kernels {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
+// The head dims the kernels are instantiated for (D): mma.sync 32, 64, 96, 128; wgmma 64,
+// 128 (its tiles are whole 64-column boxes). Any multiple of 8 up to 128 runs in the
+// smallest D that holds it: the extra columns load as zeros (cp.async's zero fill, the
+// tensor maps' out-of-bounds fill), which changes no score and no product, and are never
+// stored.
+constexpr int64_t kMaxHeadDim = 128;
+inline int mma_kernel_dim(int64_t head_dim) {
+  return head_dim <= 32 ? 32 : head_dim <= 64 ? 64 : head_dim <= 96 ? 96 : 128;
+}
+inline int wgmma_kernel_dim(int64_t head_dim) { return head_dim <= 64 ? 64 : 128; }
+
 template <int D>
 struct FlashConfig {
   static constexpr int kWarps = 4;
@@ -70,11 +81,12 @@ __device__ __forceinline__ BwdBlock bwd_block(const dtrain_attention_bwd_params&
   return {c.b, c.head, c.rank * kBlockN};
 }
 
-// The backward's workspace: dq in float32 [batch, heads, seq_q, head_dim] (accumulated
-// by atomics), then delta = rowsum(dout * o) [batch, heads, seq_q].
+// The backward's workspace: dq in float32 [batch, heads, seq_q, D] (accumulated by
+// atomics or bulk reductions; D the kernel's head dim, at most wgmma's, which is the
+// larger), then delta = rowsum(dout * o) [batch, heads, seq_q].
 inline size_t flash_bwd_workspace_floats(const dtrain_attention_bwd_params& p) {
   const size_t rows = static_cast<size_t>(p.batch) * static_cast<size_t>(p.heads) * static_cast<size_t>(p.seq_q);
-  return rows * static_cast<size_t>(p.head_dim) + rows;
+  return rows * static_cast<size_t>(wgmma_kernel_dim(p.head_dim)) + rows;
 }
 
 }  // namespace dtrain_kernels

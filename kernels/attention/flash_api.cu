@@ -20,11 +20,23 @@ bool shape_ok(const Params& p) {
          p.scale > 0.f;
 }
 
+// Run<T, D>::run for the params' dtype and kernel head dim D (flash.cuh).
+template <template <typename, int> class Run, int D, typename Params>
+cudaError_t run_dim(const Params& p, cudaStream_t stream) {
+  return p.dtype == DTRAIN_KERNEL_BF16 ? Run<__nv_bfloat16, D>::run(p, stream) : Run<__half, D>::run(p, stream);
+}
 template <template <typename, int> class Run, typename Params>
-cudaError_t dispatch(const Params& p, cudaStream_t stream) {
-  const bool bf16 = p.dtype == DTRAIN_KERNEL_BF16;
-  if (p.head_dim == 64) return bf16 ? Run<__nv_bfloat16, 64>::run(p, stream) : Run<__half, 64>::run(p, stream);
-  return bf16 ? Run<__nv_bfloat16, 128>::run(p, stream) : Run<__half, 128>::run(p, stream);
+cudaError_t dispatch_mma(const Params& p, cudaStream_t stream) {
+  switch (mma_kernel_dim(p.head_dim)) {
+    case 32: return run_dim<Run, 32>(p, stream);
+    case 64: return run_dim<Run, 64>(p, stream);
+    case 96: return run_dim<Run, 96>(p, stream);
+    default: return run_dim<Run, 128>(p, stream);
+  }
+}
+template <template <typename, int> class Run, typename Params>
+cudaError_t dispatch_wgmma(const Params& p, cudaStream_t stream) {
+  return wgmma_kernel_dim(p.head_dim) == 64 ? run_dim<Run, 64>(p, stream) : run_dim<Run, 128>(p, stream);
 }
 
 template <typename T, int D>
@@ -87,10 +99,10 @@ template <template <typename, int> class Mma, template <typename, int> class Wgm
 cudaError_t run_picked(const Params& p, cudaStream_t stream) {
   const int kernel = pick_kernel(p.kernel);
   if (kernel < 0) return cudaErrorInvalidValue;
-  if (kernel == 0) return dispatch<Mma>(p, stream);
-  const cudaError_t e = dispatch<Wgmma>(p, stream);
+  if (kernel == 0) return dispatch_mma<Mma>(p, stream);
+  const cudaError_t e = dispatch_wgmma<Wgmma>(p, stream);
   if (e == cudaErrorNotSupported) {
-    return p.kernel == DTRAIN_ATTENTION_KERNEL_AUTO ? dispatch<Mma>(p, stream) : cudaErrorInvalidValue;
+    return p.kernel == DTRAIN_ATTENTION_KERNEL_AUTO ? dispatch_mma<Mma>(p, stream) : cudaErrorInvalidValue;
   }
   return e;
 }
@@ -109,7 +121,9 @@ struct BwdSm90 {
 }  // namespace
 }  // namespace dtrain_kernels
 
-extern "C" int dtrain_attention_supports_head_dim(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
+extern "C" int dtrain_attention_supports_head_dim(int64_t head_dim) {
+  return head_dim >= 8 && head_dim <= dtrain_kernels::kMaxHeadDim && head_dim % 8 == 0;
+}
 
 extern "C" int dtrain_attention_kernel_available(dtrain_attention_kernel kernel) {
   return dtrain_kernels::pick_kernel(kernel) >= 0 ? 1 : 0;

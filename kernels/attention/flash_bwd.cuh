@@ -16,7 +16,8 @@
 
 namespace dtrain_kernels {
 
-// delta[row] = sum_d dout[row, d] * o[row, d]; one warp per row; also zeroes dq_accum.
+// delta[row] = sum_d dout[row, d] * o[row, d]; one warp per row; also zeroes dq_accum
+// (rows of D floats: a head dim below D leaves zeros in the rest).
 template <typename T, int D>
 __global__ void flash_bwd_prepare_kernel(dtrain_attention_bwd_params p, float* dq_accum, float* delta) {
   const int64_t rows = p.batch * p.heads * p.seq_q;
@@ -29,7 +30,7 @@ __global__ void flash_bwd_prepare_kernel(dtrain_attention_bwd_params p, float* d
                i * p.dout_stride.seq;
   float s = 0.f;
   for (int c = lane; c < D; c += 32) {
-    s += to_float(o[c]) * to_float(d[c]);
+    if (c < p.head_dim) s += to_float(o[c]) * to_float(d[c]);
     dq_accum[row * D + c] = 0.f;
   }
   s = warp_sum(s);
@@ -41,6 +42,7 @@ __global__ void flash_bwd_convert_dq_kernel(dtrain_attention_bwd_params p, const
   const int64_t n = p.batch * p.heads * p.seq_q * D;
   for (int64_t e = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; e < n; e += int64_t{gridDim.x} * blockDim.x) {
     const int64_t c = e % D, row = e / D;
+    if (c >= p.head_dim) continue;
     const int64_t i = row % p.seq_q, h = (row / p.seq_q) % p.heads, b = row / (p.seq_q * p.heads);
     static_cast<T*>(p.dq)[b * p.dq_stride.batch + h * p.dq_stride.head + i * p.dq_stride.seq + c] =
         from_float<T>(dq_accum[e]);
@@ -106,7 +108,7 @@ __device__ __forceinline__ void add_dq(float* dq_accum, const dtrain_attention_b
   }
 }
 
-// dK (times the softmax scale) and dV of this thread's two keys.
+// dK (times the softmax scale) and dV of this thread's two keys (the head dim's columns).
 template <typename T, int D>
 __device__ __forceinline__ void store_dk_dv(const dtrain_attention_bwd_params& p, int64_t b, int64_t hk, int64_t key0,
                                             int64_t key1, const float (&dk)[D / 8][4], const float (&dv)[D / 8][4]) {
@@ -120,6 +122,7 @@ __device__ __forceinline__ void store_dk_dv(const dtrain_attention_bwd_params& p
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) {
       const int c = i * 8 + 2 * t;
+      if (c >= p.head_dim) continue;
       *reinterpret_cast<uint32_t*>(dkp + key * p.dk_stride.seq + c) =
           pack2<T>(dk[i][2 * r] * p.scale, dk[i][2 * r + 1] * p.scale);
       *reinterpret_cast<uint32_t*>(dvp + key * p.dv_stride.seq + c) = pack2<T>(dv[i][2 * r], dv[i][2 * r + 1]);
@@ -169,10 +172,10 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads)
 
   load_tile_async<BN, D, kThreads>(ks, P, static_cast<const T*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head +
                                              n0 * p.k_stride.seq,
-                                   p.k_stride.seq, p.seq_k - n0);
+                                   p.k_stride.seq, p.seq_k - n0, p.head_dim);
   load_tile_async<BN, D, kThreads>(vs, P, static_cast<const T*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head +
                                              n0 * p.v_stride.seq,
-                                   p.v_stride.seq, p.seq_k - n0);
+                                   p.v_stride.seq, p.seq_k - n0, p.head_dim);
   cp_async_commit();
 
   // One 16-row tile per warp: the [1][..] arrays are what the warp-tile helpers take.
@@ -191,8 +194,9 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads)
     const int64_t stat = (b * p.heads + h) * p.seq_q;  // row of (b, h, query 0) in lse / delta / dq
     for (int64_t m0 = m_begin; m0 < p.seq_q; m0 += BM) {
       __syncthreads();  // the previous tile's shared memory is no longer read
-      load_tile_async<BM, D, kThreads>(qs, P, q + m0 * p.q_stride.seq, p.q_stride.seq, p.seq_q - m0);
-      load_tile_async<BM, D, kThreads>(dos, P, dout + m0 * p.dout_stride.seq, p.dout_stride.seq, p.seq_q - m0);
+      load_tile_async<BM, D, kThreads>(qs, P, q + m0 * p.q_stride.seq, p.q_stride.seq, p.seq_q - m0, p.head_dim);
+      load_tile_async<BM, D, kThreads>(dos, P, dout + m0 * p.dout_stride.seq, p.dout_stride.seq, p.seq_q - m0,
+                                       p.head_dim);
       cp_async_commit();
       stage_row_stats<BM, kThreads>(lse_s, delta_s, p, delta, stat, m0, threadIdx.x);
       cp_async_wait<0>();

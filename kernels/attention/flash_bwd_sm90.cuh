@@ -263,13 +263,16 @@ cudaError_t run_flash_bwd_sm90(const dtrain_attention_bwd_params& p, cudaStream_
   constexpr bool bf16 = std::is_same<T, __nv_bfloat16>::value;
   if (!aligned(p.workspace, 16)) return cudaErrorNotSupported;  // the bulk reductions' rows
   CUtensorMap tm_q, tm_k, tm_v, tm_do;
-  cudaError_t e = attention_operand_map(&tm_q, p.q, bf16, p.batch, p.heads, p.seq_q, D, p.q_stride, C::kBlockM);
+  // The maps are of the head dim's columns: a smaller one than D's boxes hold reads zeros
+  // past it (the out-of-bounds fill), which change no product.
+  cudaError_t e =
+      attention_operand_map(&tm_q, p.q, bf16, p.batch, p.heads, p.seq_q, p.head_dim, p.q_stride, C::kBlockM);
   if (e == cudaSuccess) e = attention_operand_map(&tm_k, p.k, bf16, p.batch, p.kv_heads, p.seq_k,
-                                                  D, p.k_stride, C::kBlockN);
+                                                  p.head_dim, p.k_stride, C::kBlockN);
   if (e == cudaSuccess) e = attention_operand_map(&tm_v, p.v, bf16, p.batch, p.kv_heads, p.seq_k,
-                                                  D, p.v_stride, C::kBlockN);
+                                                  p.head_dim, p.v_stride, C::kBlockN);
   if (e == cudaSuccess) e = attention_operand_map(&tm_do, p.dout, bf16, p.batch, p.heads, p.seq_q,
-                                                  D, p.dout_stride, C::kBlockM);
+                                                  p.head_dim, p.dout_stride, C::kBlockM);
   if (e != cudaSuccess) return e;
   return run_bwd_passes<T, D>(p, stream, [&](float* dq_accum, const float* delta) {
     auto* kernel = flash_bwd_sm90_kernel<T, D>;

@@ -35,10 +35,10 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads) flash_fwd_kernel(dtr
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4;
   const int64_t warp_row0 = m0 + warp * 16 * kM + g;  // this thread's first row (mask_scores)
 
-  load_tile_async<BM, D, kThreads>(qs, P, q, p.q_stride.seq, p.seq_q - m0);
-  load_tile_async<BN, D, kThreads>(ks, P, k, p.k_stride.seq, p.seq_k);
+  load_tile_async<BM, D, kThreads>(qs, P, q, p.q_stride.seq, p.seq_q - m0, p.head_dim);
+  load_tile_async<BN, D, kThreads>(ks, P, k, p.k_stride.seq, p.seq_k, p.head_dim);
   cp_async_commit();
-  load_tile_async<BN, D, kThreads>(vs, P, v, p.v_stride.seq, p.seq_k);
+  load_tile_async<BN, D, kThreads>(vs, P, v, p.v_stride.seq, p.seq_k, p.head_dim);
   cp_async_commit();
 
   float acc[kM][D / 8][4];
@@ -71,7 +71,8 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads) flash_fwd_kernel(dtr
     __syncthreads();  // every warp is done with K_j
     const int64_t n0 = int64_t{j} * BN;
     if (j + 1 < n_tiles) {
-      load_tile_async<BN, D, kThreads>(ks, P, k + (n0 + BN) * p.k_stride.seq, p.k_stride.seq, p.seq_k - n0 - BN);
+      load_tile_async<BN, D, kThreads>(ks, P, k + (n0 + BN) * p.k_stride.seq, p.k_stride.seq, p.seq_k - n0 - BN,
+                                       p.head_dim);
       cp_async_commit();
     }
     // Mask: only a tile past the end of the keys or across the causal diagonal (a key
@@ -88,7 +89,8 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads) flash_fwd_kernel(dtr
     mma_acc_cols<T, kM, BN, D / 8>(acc, s, vs, P);
     __syncthreads();  // every warp is done with V_j
     if (j + 1 < n_tiles) {
-      load_tile_async<BN, D, kThreads>(vs, P, v + (n0 + BN) * p.v_stride.seq, p.v_stride.seq, p.seq_k - n0 - BN);
+      load_tile_async<BN, D, kThreads>(vs, P, v + (n0 + BN) * p.v_stride.seq, p.v_stride.seq, p.seq_k - n0 - BN,
+                                       p.head_dim);
       cp_async_commit();
     }
   }

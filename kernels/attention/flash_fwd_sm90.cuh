@@ -217,11 +217,14 @@ cudaError_t run_flash_fwd_sm90(const dtrain_attention_fwd_params& p, cudaStream_
   using C = FlashSm90Config<D>;
   constexpr bool bf16 = std::is_same<T, __nv_bfloat16>::value;
   CUtensorMap tm_q, tm_k, tm_v;
-  cudaError_t e = attention_operand_map(&tm_q, p.q, bf16, p.batch, p.heads, p.seq_q, D, p.q_stride, C::kBlockM);
+  // The maps are of the head dim's columns: a smaller one than D's boxes hold reads zeros
+  // past it (the out-of-bounds fill), which change no product.
+  cudaError_t e =
+      attention_operand_map(&tm_q, p.q, bf16, p.batch, p.heads, p.seq_q, p.head_dim, p.q_stride, C::kBlockM);
   if (e == cudaSuccess) e = attention_operand_map(&tm_k, p.k, bf16, p.batch, p.kv_heads, p.seq_k,
-                                                  D, p.k_stride, C::kBlockN);
+                                                  p.head_dim, p.k_stride, C::kBlockN);
   if (e == cudaSuccess) e = attention_operand_map(&tm_v, p.v, bf16, p.batch, p.kv_heads, p.seq_k,
-                                                  D, p.v_stride, C::kBlockN);
+                                                  p.head_dim, p.v_stride, C::kBlockN);
   if (e != cudaSuccess) return e;
   return launch_fwd<C::kBlockM>(flash_fwd_sm90_kernel<T, D>, p, C::kThreads, C::kSmemBytes, stream, tm_q, tm_k, tm_v);
 }

@@ -110,7 +110,8 @@ __device__ __forceinline__ void online_softmax(float (&s)[kM][kN][4], float (&ac
 }
 
 // o (this thread's rows, row0 as for mask_scores) = acc / row sum, and the log-sum-exp
-// (+inf for a row that saw no key); rows at and past seq_q are skipped.
+// (+inf for a row that saw no key); rows at and past seq_q, and columns at and past the
+// head dim (a kernel of a larger D), are skipped.
 template <typename T, int kM, int kD>
 __device__ __forceinline__ void store_output(const dtrain_attention_fwd_params& p, int64_t b, int64_t h, int64_t row0,
                                              const float (&acc)[kM][kD][4], const float (&row_max)[kM][2],
@@ -129,8 +130,11 @@ __device__ __forceinline__ void store_output(const dtrain_attention_fwd_params& 
       const float inv = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
       for (int i = 0; i < kD; ++i) {
-        *reinterpret_cast<uint32_t*>(o + row * p.o_stride.seq + i * 8 + 2 * t) =
-            pack2<T>(acc[m][i][2 * r] * inv, acc[m][i][2 * r + 1] * inv);
+        const int c = i * 8 + 2 * t;
+        if (c < p.head_dim) {
+          *reinterpret_cast<uint32_t*>(o + row * p.o_stride.seq + c) =
+              pack2<T>(acc[m][i][2 * r] * inv, acc[m][i][2 * r + 1] * inv);
+        }
       }
       if (t == 0) {
         p.lse[(b * p.heads + h) * p.seq_q + row] = l > 0.f ? (row_max[m][r] + log2f(l)) / kLog2e : INFINITY;

@@ -28,6 +28,15 @@ AttentionBackend parse_attention_backend(const std::string& name, const char* op
 
 const char* to_string(AttentionBackend backend) { return backend == AttentionBackend::kFlash ? "flash" : "sdpa"; }
 
+bool flash_kernel_supports_head_dim(std::int64_t head_dim) {
+#ifdef DTRAIN_WITH_CUDA
+  return dtrain_attention_supports_head_dim(head_dim) != 0;
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
+
 namespace {
 
 constexpr const char* kOp = "flash_attention";
@@ -129,8 +138,8 @@ void check_kernel_inputs(const at::Tensor& q) {
                   detail::dtype_name(q),
                   " on CUDA; the kernel takes bfloat16 or float16 (train with --precision bf16|fp16, or use "
                   "--attention sdpa)");
-  DTRAIN_OP_CHECK(dtrain_attention_supports_head_dim(q.size(3)), kOp, "head_dim ", q.size(3),
-                  " is not supported by the kernel; allowed: 64, 128 (or use --attention sdpa)");
+  DTRAIN_OP_CHECK(flash_kernel_supports_head_dim(q.size(3)), kOp, "head_dim ", q.size(3),
+                  " is not supported by the kernel; allowed: ", kFlashKernelHeadDims, " (or use --attention sdpa)");
 }
 
 // The kernel DTRAIN_ATTENTION_KERNEL asks for; one this build and device cannot run is an

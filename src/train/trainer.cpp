@@ -473,13 +473,13 @@ void Trainer::check_options() const {
   DTRAIN_CHECK_ARG(o.grad_clip >= 0, "--grad-clip=", o.grad_clip, " must be >= 0 (0 disables)");
   precision_dtype(o.precision);  // raises naming --precision
   if (model_config_.attention == ops::AttentionBackend::kFlash && ctx_->device().is_cuda()) {
-    // The kernel takes 16-bit inputs and head dims 64 and 128: say so before step 0.
+    // The kernel takes 16-bit inputs and head dims up to 128: say so before step 0.
     DTRAIN_CHECK_ARG(o.precision != "fp32" || o.param_dtype != "float32", "--attention flash on CUDA needs 16-bit "
                      "activations (--precision bf16|fp16, or --param-dtype bfloat16|float16 with --fsdp); got "
                      "--precision fp32. Allowed otherwise: --attention sdpa");
-    DTRAIN_CHECK_ARG(model_config_.head_dim() == 64 || model_config_.head_dim() == 128, "--attention flash on CUDA ",
-                     "takes head dims 64 and 128; this model's is ", model_config_.head_dim(),
-                     " (--d-model / --n-head). Allowed otherwise: --attention sdpa");
+    DTRAIN_CHECK_ARG(ops::flash_kernel_supports_head_dim(model_config_.head_dim()), "--attention flash on CUDA ",
+                     "takes head dims that are ", ops::kFlashKernelHeadDims, "; this model's is ",
+                     model_config_.head_dim(), " (--d-model / --n-head). Allowed otherwise: --attention sdpa");
   }
   DTRAIN_CHECK_ARG(o.progress == "auto" || o.progress == "on" || o.progress == "off",
                    "--progress '", o.progress, "' is not known; allowed: auto, on, off");

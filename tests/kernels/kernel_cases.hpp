@@ -417,12 +417,20 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
       // Causal grids of several (batch, head) pairs and tiles in tile_order's sections (the
       // emulator's are small: 64 KiB of operands), and keys no query sees (zero dk, dv).
       {2, 2, 1, 150, 260, 64, true, at::kHalf},
+      // The other head dims: 32 and 96 have mma.sync kernels of their own (wgmma runs them
+      // in its 64 and 128); 8, 40, 80 and 120 run in the next kernel up, zero-padded.
+      {1, 2, 2, 65, 65, 32, false, at::kHalf},       {1, 2, 1, 70, 90, 96, true, at::kBFloat16},
+      {1, 2, 1, 100, 100, 80, true, at::kHalf},      {1, 1, 1, 40, 150, 40, false, at::kBFloat16},
+      {1, 2, 1, 33, 33, 8, true, at::kBFloat16},     {1, 1, 1, 50, 70, 120, true, at::kHalf},
   };
   if (kLargeCases) {
     cases.insert(cases.end(), {{2, 8, 2, 1000, 1000, 128, true, at::kBFloat16},
                                {1, 6, 6, 777, 777, 64, false, at::kBFloat16},
                                {1, 4, 1, 2049, 2049, 128, true, at::kHalf},
-                               {3, 2, 2, 1, 257, 64, false, at::kBFloat16}});
+                               {3, 2, 2, 1, 257, 64, false, at::kBFloat16},
+                               {1, 4, 2, 1000, 1000, 96, true, at::kBFloat16},
+                               {2, 4, 4, 513, 513, 80, false, at::kHalf},
+                               {1, 8, 8, 777, 777, 32, true, at::kBFloat16}});
   }
   for (const auto& c : cases) {
     SCOPED_TRACE(name(c));
@@ -493,8 +501,8 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
 TEST(KERNEL_SUITE(FlashAttention), RefusesWhatItDoesNotTake) {
   dtrain_attention_fwd_params f{};
   EXPECT_EQ(dtrain_attention_fwd(&f, nullptr), cudaErrorInvalidValue);
-  EXPECT_EQ(dtrain_attention_supports_head_dim(96), 0);
-  EXPECT_EQ(dtrain_attention_supports_head_dim(128), 1);
+  for (std::int64_t d : {8, 32, 40, 64, 80, 96, 120, 128}) EXPECT_EQ(dtrain_attention_supports_head_dim(d), 1) << d;
+  for (std::int64_t d : {0, 4, 12, 100, 136, 256}) EXPECT_EQ(dtrain_attention_supports_head_dim(d), 0) << d;
   EXPECT_EQ(dtrain_attention_kernel_available(DTRAIN_ATTENTION_KERNEL_AUTO), 1);
   EXPECT_EQ(dtrain_attention_kernel_available(DTRAIN_ATTENTION_KERNEL_MMA), 1);
   EXPECT_EQ(dtrain_attention_kernel_available(static_cast<dtrain_attention_kernel>(7)), 0);

@@ -32,7 +32,7 @@ TEST(GpuOps, FlashAttentionAutogradMatchesTheReferencePath) {
   SCOPED_TRACE(kernel == DTRAIN_ATTENTION_KERNEL_MMA ? "mma.sync" : "wgmma");
   torch::manual_seed(11);
   for (bool causal : {true, false}) {
-    for (std::int64_t d : {64, 128}) {
+    for (std::int64_t d : {64, 128, 32, 80}) {
       auto q = torch::randn({2, 8, 300, d}), k = torch::randn({2, 2, 300, d}), v = torch::randn({2, 2, 300, d});
       auto dout = torch::randn({2, 8, 300, d});
       auto run = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, const at::Tensor& g,
@@ -56,8 +56,10 @@ TEST(GpuOps, FlashAttentionAutogradMatchesTheReferencePath) {
     }
   }
   }
-  auto q = torch::randn({1, 2, 8, 96}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16));
-  EXPECT_THROW(ops::flash_attention(q, q, q, true), InvalidArgument);  // head dim 96
+  for (std::int64_t d : {100, 136}) {  // not a multiple of 8; over 128
+    auto q = torch::randn({1, 2, 8, d}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16));
+    EXPECT_THROW(ops::flash_attention(q, q, q, true), InvalidArgument) << "head dim " << d;
+  }
   auto f = torch::randn({1, 2, 8, 64}, torch::kCUDA);
   EXPECT_THROW(ops::flash_attention(f, f, f, true), InvalidArgument);  // float32 on CUDA
 }
@@ -129,7 +131,7 @@ TEST(GpuOps, TrainerWithFusedOpsTracksTheUnfusedRun) {
   testing::TestCorpus corpus("gpufused");
   auto cfg = models::GptConfig::preset("tiny");
   cfg.family = "llama";
-  cfg.d_model = 128;  // head dim 64, the smallest the kernel takes
+  cfg.d_model = 128;  // head dim 64
   cfg.n_head = 2;
   cfg.n_kv_head = 1;
   train::TrainOptions o;

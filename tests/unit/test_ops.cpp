@@ -79,6 +79,19 @@ TEST(FlashAttentionReference, NamedInputChecks) {
   expect_has(error_message([&] { ops::parse_attention_backend("fast"); }), {"--attention=fast", "sdpa, flash"});
 }
 
+// The CUDA kernel's head dims (the reference path above takes any): multiples of 8 up to
+// 128; none in a build without CUDA.
+TEST(FlashAttentionReference, KernelHeadDims) {
+  for (std::int64_t d : {8, 32, 40, 64, 80, 96, 128}) {
+#ifdef DTRAIN_WITH_CUDA
+    EXPECT_TRUE(ops::flash_kernel_supports_head_dim(d)) << d;
+#else
+    EXPECT_FALSE(ops::flash_kernel_supports_head_dim(d)) << d;
+#endif
+  }
+  for (std::int64_t d : {0, 4, 100, 136, 256}) EXPECT_FALSE(ops::flash_kernel_supports_head_dim(d)) << d;
+}
+
 // ---- norms -------------------------------------------------------------------------------
 
 TEST(NormReference, MatchesLibTorchForwardAndBackward) {

@@ -1,12 +1,13 @@
 // The attention op every model calls: [B, H, T, D] queries, [B, Hkv, T, D] keys/values
 // (grouped-query attention when Hkv < H). Two backends: LibTorch's
 // scaled_dot_product_attention ("sdpa"), and dtrain's flash attention ("flash": the CUDA
-// kernel for bfloat16/float16 CUDA tensors with head dims 64 and 128, a reference path
-// computing the same function with ATen ops everywhere else).
+// kernel for bfloat16/float16 CUDA tensors with head dims that are multiples of 8 up to
+// 128, a reference path computing the same function with ATen ops everywhere else).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <string>
 
 namespace dtrain::ops {
@@ -30,5 +31,11 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 // shapes and devices.
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                            double scale = 0.0);
+
+// Whether the CUDA kernel takes this head dim (multiples of 8 from 8 to 128); false in a
+// build without CUDA. The reference path takes any.
+bool flash_kernel_supports_head_dim(std::int64_t head_dim);
+// What flash_kernel_supports_head_dim allows, for error messages.
+constexpr const char* kFlashKernelHeadDims = "multiples of 8 from 8 to 128";
 
 }  // namespace dtrain::ops
