@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
-# GPU check: benchmarks/gpu/check.sh [OUTDIR]. Run on a machine with one CUDA GPU, python3's
-# torch wheel, nvcc, cmake and ninja but no MPI and no package access (carry/ from
-# scripts/carry.sh travels with the tree). Builds without MPI for the local GPU; tests the
-# kernels (gpu_kernels once per attention kernel: mma.sync, and wgmma on Hopper, whose
-# failure makes the later phases keep to mma.sync) and runs kernel_bench; runs the unit,
-# GPU and CLI tests (NCCL backend at world size 1); trains the tiny model on the GPU (fp32,
-# bf16, fp16, full sharding; one traced run merged by merge_traces); runs pp_bench's
-# runtime with one stage on CUDA, a MoE model in bf16 and moe_bench (ep 1) on CUDA; trains
-# with dtrain's kernels (flash attention, fused norm / cross-entropy / AdamW); and runs
-# train_bench for gpt2-124m in fp32 and bf16 over every sharding strategy (batch 8 x 1024;
-# bf16 also with the kernels), and bf16 at batch 32. Full logs and JSON lines go to OUTDIR
-# (default build-gpu/out); a phase that fails is recorded and the next one still runs; a
-# summary table comes last, with the kernel issue's targets (benchmarks/gpu/targets.py).
-# Exit status: 0 when every phase passed (a missed target is a result, not a failure).
-# DTRAIN_CHECK_BENCH overrides train_bench's model and shape (default "--preset gpt2-124m
-# --batch 8 --seq 1024"), e.g. for a CPU dry run.
+# GPU check: benchmarks/gpu/check.sh [OUTDIR]. Run on a machine with one CUDA GPU,
+# python3's torch wheel, nvcc, cmake and ninja but no MPI and no package access (carry/
+# from scripts/carry.sh travels with the tree). Builds without MPI for the local GPU;
+# tests the kernels (gpu_kernels once per attention kernel: mma.sync, and wgmma on Hopper,
+# whose failure makes the later phases keep to mma.sync) and runs kernel_bench (attention
+# also at head dims 32, 80, 96); runs the unit, GPU and CLI tests (NCCL backend at world
+# size 1); trains the tiny model on the GPU (fp32, bf16, fp16, full sharding; one traced
+# run merged by merge_traces); runs pp_bench's runtime with one stage on CUDA, a MoE model
+# in bf16 and moe_bench (ep 1) on CUDA; trains with dtrain's kernels (flash attention,
+# fused norm / cross-entropy / AdamW); and runs train_bench for gpt2-124m in fp32 and bf16
+# over every sharding strategy (batch 8 x 1024; bf16 also with the kernels), and bf16 at
+# batch 32. Full logs and JSON lines go to OUTDIR (default build-gpu/out); a phase that
+# fails is recorded and the next one still runs; a summary table comes last, with the
+# kernel issue's targets (benchmarks/gpu/targets.py). Exit status: 0 when every phase
+# passed (a missed target is a result, not a failure). DTRAIN_CHECK_BENCH overrides
+# train_bench's model and shape (default "--preset gpt2-124m --batch 8 --seq 1024"), e.g.
+# for a CPU dry run.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="${1:-build-gpu/out}"
@@ -75,6 +76,10 @@ fi
 # Kernel benchmarks against LibTorch's ops (attention at 1k, 4k, 16k; the memory-bound ops
 # against a device copy).
 phase kernel_bench 240 "$build/benchmarks/kernel_bench" --json "$out/kernel_bench.jsonl"
+# The other head dims at S = 4096: mma.sync's own kernels for 32 and 96, and 80 zero-padded
+# into its 96 (on Hopper dtrain_* is wgmma, which runs all three padded to 64 or 128).
+phase kernel_bench_hdims 120 "$build/benchmarks/kernel_bench" --only attention --seq 4096 --dims 32,80,96 \
+  --json "$out/kernel_bench_hdims.jsonl"
 
 # Tests: the CPU unit tests, the NCCL/CUDA tests and the CLI tests (no MPI here).
 phase tests 300 env OMP_NUM_THREADS=2 ctest --test-dir "$build" --output-on-failure -j 8 \
@@ -145,6 +150,7 @@ for f in "$out"/train_tiny_*.log; do
   printf '%-22s %s\n' "$(basename "$f" .log)" "$(grep -oE "done: .*" "$f" | tail -1)"
 done
 [ -f "$out/kernel_bench.log" ] && { echo "-- kernel_bench"; grep -vE '^\{' "$out/kernel_bench.log"; }
+[ -f "$out/kernel_bench_hdims.log" ] && { echo "-- kernel_bench, head dims 32, 80, 96"; grep -vE '^\{|^#' "$out/kernel_bench_hdims.log"; }
 # The issue's targets (a missed one is a result, not a failed phase).
 [ -f "$out/kernel_bench.jsonl" ] && { echo "-- targets"; python3 benchmarks/gpu/targets.py "$out/kernel_bench.jsonl" | tee "$out/targets.txt"; }
 for run in fp32 bf16 bf16_fused bf16_b32; do
