@@ -115,16 +115,13 @@ class MoeTrainTest : public TrainTest {
     ref_options.micro_batch = o.micro_batch;
     ref_options.adamw.eps = kAdamEps;
     Trainer parallel(ctx, cfg, o);
-    Trainer ref(ParallelContext::single_process(), cfg, ref_options);
-    auto snapshot = [](NamedParameters ps) {
-      for (auto& p : ps) p.second = p.second.detach().clone();
-      return ps;
-    };
+    LockstepReference ref(*this, cfg, ref_options);
     std::vector<train::StepMetrics> a, b;
-    NamedParameters pa, pb;  // after the last step routed alike
+    NamedParameters pa;  // after the last step routed alike
     for (std::int64_t s = 0; s < o.steps; ++s) {
       auto ma = parallel.train_step();
-      auto mb = ref.train_step();
+      train::StepMetrics mb;
+      ASSERT_TRUE(ref.step(mb)) << "the single-process reference failed at step " << s + 1;
       ASSERT_EQ(ma.moe.layers, mb.moe.layers);
       if (ma.moe.tokens_per_expert != mb.moe.tokens_per_expert) {
         ASSERT_GE(s, kMinSameRouting) << "routing differs from the single process at step " << s + 1;
@@ -134,12 +131,89 @@ class MoeTrainTest : public TrainTest {
       }
       a.push_back(ma);
       b.push_back(mb);
-      pa = snapshot(parallel.full_parameters());
-      pb = snapshot(ref.model()->parameter_list());
+      pa = parallel.full_parameters();
+      for (auto& p : pa) p.second = p.second.detach().clone();
+      ref.keep_parameters();
     }
     expect_same_steps(a, b);
-    expect_same_parameters(pa, pb, 5e-5);
+    expect_same_parameters(pa, ref.kept_parameters(), 5e-5);
   }
+
+  // The single-process run, stepped by rank 0 alone and broadcast one step at a time (the
+  // comparison is in lockstep, routing included), so that N ranks do not each repeat it.
+  // Every rank calls every method, in the same order. A reference that throws makes step()
+  // return false on every rank.
+  class LockstepReference {
+   public:
+    LockstepReference(MoeTrainTest& t, const models::GptConfig& cfg, const TrainOptions& o)
+        : t_(t), cfg_(cfg), options_(o), shapes_(cfg.parameter_shapes()) {}
+
+    // The next step's loss, grad_norm, loss_scale, skipped and MoE routing (layers and
+    // assignments per expert).
+    bool step(train::StepMetrics& m) {
+      std::vector<double> data;  // loss, grad_norm, loss_scale, skipped, L, E, L layers, L x E counts
+      if (t_.rank() == 0) {
+        try {
+          if (!trainer_) trainer_ = std::make_unique<Trainer>(ParallelContext::single_process(), cfg_, options_);
+          const auto r = trainer_->train_step();
+          const auto layers = static_cast<std::int64_t>(r.moe.layers.size());
+          const auto experts = layers > 0 ? static_cast<std::int64_t>(r.moe.tokens_per_expert[0].size()) : 0;
+          data = {r.loss, r.grad_norm, r.loss_scale, r.skipped ? 1.0 : 0.0, static_cast<double>(layers),
+                  static_cast<double>(experts)};
+          for (auto l : r.moe.layers) data.push_back(static_cast<double>(l));
+          for (const auto& counts : r.moe.tokens_per_expert) {
+            DTRAIN_CHECK(static_cast<std::int64_t>(counts.size()) == experts, "MoE layers with different experts");
+            data.insert(data.end(), counts.begin(), counts.end());
+          }
+        } catch (const std::exception& e) {
+          ADD_FAILURE() << "the single-process reference failed: " << e.what();
+          data.clear();
+        }
+      }
+      auto size = torch::full({1}, t_.rank() == 0 && !data.empty() ? static_cast<std::int64_t>(data.size()) : -1,
+                              torch::kLong);
+      t_.world()->broadcast(size)->wait();
+      const auto n = size.item<std::int64_t>();
+      if (n < 0) return false;
+      auto values = t_.rank() == 0 ? torch::tensor(data, torch::kDouble) : torch::empty({n}, torch::kDouble);
+      t_.world()->broadcast(values)->wait();
+      const auto v = values.accessor<double, 1>();
+      m = train::StepMetrics{};
+      m.loss = v[0], m.grad_norm = v[1], m.loss_scale = v[2], m.skipped = v[3] != 0;
+      const auto layers = static_cast<std::int64_t>(v[4]), experts = static_cast<std::int64_t>(v[5]);
+      for (std::int64_t l = 0; l < layers; ++l) m.moe.layers.push_back(static_cast<std::int64_t>(v[6 + l]));
+      for (std::int64_t l = 0; l < layers; ++l) {
+        const std::int64_t at = 6 + layers + l * experts;
+        m.moe.tokens_per_expert.emplace_back(values.data_ptr<double>() + at, values.data_ptr<double>() + at + experts);
+      }
+      return true;
+    }
+    // Remembers the parameters as they are now (rank 0; one that cannot fails the test,
+    // and kept_parameters() then gives zeros).
+    void keep_parameters() {
+      if (t_.rank() != 0 || !trainer_) return;
+      try {
+        kept_ = flatten_parameters(trainer_->full_parameters(), shapes_);
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "the single-process reference's parameters: " << e.what();
+        kept_ = torch::Tensor();
+      }
+    }
+    // The parameters keep_parameters() last remembered, on every rank.
+    NamedParameters kept_parameters() {
+      auto values = kept_.defined() ? kept_ : torch::zeros({parameter_count(shapes_)}, torch::kFloat);
+      t_.world()->broadcast(values)->wait();
+      return unflatten_parameters(values, shapes_);
+    }
+
+   private:
+    MoeTrainTest& t_;
+    models::GptConfig cfg_;
+    TrainOptions options_;
+    ParameterShapes shapes_;
+    std::unique_ptr<Trainer> trainer_;
+    torch::Tensor kept_;
+  };
 };
 
 TEST_F(MoeTrainTest, ExpertParallelMatchesSingleProcessForTenSteps) {

@@ -63,24 +63,13 @@ class TrainTest : public DistTest {
   Reference single_process_reference(const models::GptConfig& cfg, const TrainOptions& o) {
     constexpr std::int64_t kFields = 4;
     const auto shapes = cfg.parameter_shapes();  // the model's parameters, in order
-    std::int64_t numel = 0;
-    for (const auto& [name, shape] : shapes) numel += c10::multiply_integers(shape);
     auto steps = torch::full({1}, -1.0, torch::kDouble);  // [-1]: the reference failed
-    auto values = torch::empty({numel}, torch::kFloat);
+    auto values = torch::empty({parameter_count(shapes)}, torch::kFloat);
     if (rank() == 0) {
       try {
         Trainer t(ParallelContext::single_process(), cfg, o);
         const auto run = t.run();
-        const auto params = t.full_parameters();
-        DTRAIN_CHECK(params.size() == shapes.size(), "the reference has ", params.size(), " parameters, ",
-                     "GptConfig::parameter_shapes() ", shapes.size());
-        std::int64_t at = 0;
-        for (std::size_t i = 0; i < params.size(); ++i) {
-          DTRAIN_CHECK(params[i].first == shapes[i].first && params[i].second.sizes() == shapes[i].second,
-                       "reference parameter ", i, " is ", params[i].first, ", not ", shapes[i].first);
-          values.narrow(0, at, params[i].second.numel()).copy_(params[i].second.detach().reshape(-1));
-          at += params[i].second.numel();
-        }
+        values = flatten_parameters(t.full_parameters(), shapes);
         steps = torch::empty({static_cast<std::int64_t>(run.size()), kFields}, torch::kDouble);
         auto s = steps.accessor<double, 2>();
         for (std::size_t i = 0; i < run.size(); ++i) {
@@ -110,13 +99,41 @@ class TrainTest : public DistTest {
       m.loss = s[i][0], m.grad_norm = s[i][1], m.loss_scale = s[i][2], m.skipped = s[i][3] != 0;
       ref.steps.push_back(m);
     }
+    ref.params = unflatten_parameters(values, shapes);
+    return ref;
+  }
+
+  // The single-process model's parameters (GptConfig::parameter_shapes()) as one float32
+  // tensor, what rank 0 broadcasts: flatten_parameters checks the names and shapes against
+  // the list (a mismatch raises), unflatten_parameters splits by it on every rank.
+  using ParameterShapes = std::vector<std::pair<std::string, std::vector<std::int64_t>>>;
+  static std::int64_t parameter_count(const ParameterShapes& shapes) {
+    std::int64_t numel = 0;
+    for (const auto& [name, shape] : shapes) numel += c10::multiply_integers(shape);
+    return numel;
+  }
+  static torch::Tensor flatten_parameters(const NamedParameters& params, const ParameterShapes& shapes) {
+    DTRAIN_CHECK(params.size() == shapes.size(), "the reference has ", params.size(), " parameters, ",
+                 "GptConfig::parameter_shapes() ", shapes.size());
+    auto values = torch::empty({parameter_count(shapes)}, torch::kFloat);
+    std::int64_t at = 0;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      DTRAIN_CHECK(params[i].first == shapes[i].first && params[i].second.sizes() == shapes[i].second,
+                   "reference parameter ", i, " is ", params[i].first, ", not ", shapes[i].first);
+      values.narrow(0, at, params[i].second.numel()).copy_(params[i].second.detach().reshape(-1));
+      at += params[i].second.numel();
+    }
+    return values;
+  }
+  static NamedParameters unflatten_parameters(const torch::Tensor& values, const ParameterShapes& shapes) {
+    NamedParameters out;
     std::int64_t at = 0;
     for (const auto& [name, shape] : shapes) {
       const auto k = c10::multiply_integers(shape);
-      ref.params.emplace_back(name, values.narrow(0, at, k).view(shape));
+      out.emplace_back(name, values.narrow(0, at, k).view(shape));
       at += k;
     }
-    return ref;
+    return out;
   }
 
   // param_atol: see below; MoE runs pass a larger one (tests/dist/test_moe.cpp says why).
