@@ -6,7 +6,11 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "dtrain_kernels/common.h"
 
@@ -145,6 +149,39 @@ __device__ __forceinline__ float block_max(float x, float* scratch) {
 // ---- launch convention -------------------------------------------------------------------
 // The error of the launch just made (configuration errors show here; faults later).
 inline cudaError_t launched() { return cudaGetLastError(); }
+
+// An SM count and how many blocks of `kernel` (threads, smem) an SM holds at once (after
+// allowing the kernel that much dynamic shared memory, which the launch does again), for
+// grids of as many blocks as the GPU holds. Cached per device, kernel and size: launches
+// ask on every call. A failed query gives 108 SMs or 1 block per SM: it only changes the grid.
+struct Occupancy {
+  int sms, per_sm;
+};
+template <typename... Args>
+Occupancy occupancy(void (*kernel)(Args...), int threads, size_t smem) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) device = -1;
+  const auto key = std::make_tuple(device, reinterpret_cast<std::uintptr_t>(kernel), threads, smem);
+  static std::mutex mu;
+  static std::map<decltype(key), Occupancy> cache;
+  {
+    const std::lock_guard<std::mutex> lock(mu);
+    const auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  Occupancy o{108, 1};
+  if (device >= 0) cudaDeviceGetAttribute(&o.sms, cudaDevAttrMultiProcessorCount, device);
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) !=
+          cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o.per_sm, kernel, threads, smem) != cudaSuccess) {
+    o.per_sm = 1;
+  }
+  o.per_sm = std::max(o.per_sm, 1);
+  cudaGetLastError();  // a failed query only changes the grid
+  const std::lock_guard<std::mutex> lock(mu);
+  cache.emplace(key, o);
+  return o;
+}
 
 inline bool aligned(const void* p, std::uintptr_t bytes) {
   return (reinterpret_cast<std::uintptr_t>(p) % bytes) == 0;

@@ -2,10 +2,6 @@
 // per row it reduces the two sums dx needs, writes dx, and adds the row's dy * xhat (and
 // dy) into its own columns' partial sums in shared memory; the strip's partials go to the
 // workspace, and a column kernel sums the strips into dweight (and dbias).
-#include <map>
-#include <mutex>
-#include <tuple>
-
 #include "norm/norm.cuh"
 
 namespace dtrain_kernels {
@@ -122,37 +118,6 @@ struct BwdPlan {
   size_t smem;
   int64_t strips, rows_per_strip;
 };
-
-// An SM count and how many blocks of `kernel` (threads, smem) an SM holds at once (after
-// allowing the kernel that much dynamic shared memory, which the launch does again).
-// Cached per device, kernel and size: every backward and its workspace query ask.
-struct Occupancy {
-  int sms, per_sm;
-};
-Occupancy occupancy(void (*kernel)(dtrain_norm_bwd_params, int64_t), int threads, size_t smem) {
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) device = -1;
-  const auto key = std::make_tuple(device, reinterpret_cast<std::uintptr_t>(kernel), threads, smem);
-  static std::mutex mu;
-  static std::map<decltype(key), Occupancy> cache;
-  {
-    const std::lock_guard<std::mutex> lock(mu);
-    const auto it = cache.find(key);
-    if (it != cache.end()) return it->second;
-  }
-  Occupancy o{108, 1};
-  if (device >= 0) cudaDeviceGetAttribute(&o.sms, cudaDevAttrMultiProcessorCount, device);
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) !=
-          cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o.per_sm, kernel, threads, smem) != cudaSuccess) {
-    o.per_sm = 1;
-  }
-  o.per_sm = std::max(o.per_sm, 1);
-  cudaGetLastError();  // a failed query only changes the grid
-  const std::lock_guard<std::mutex> lock(mu);
-  cache.emplace(key, o);
-  return o;
-}
 
 template <typename T, int V>
 void pick_bwd(const dtrain_norm_bwd_params& p, BwdPlan& plan) {

@@ -119,11 +119,13 @@ dtrain_adamw_params adam_params(at::ScalarType grad_type, float grad_scale) {
 TEST(KERNEL_SUITE(AdamW), ManySegmentsAndChunksMatchFloat64) {
   KERNEL_DEVICE_OR_SKIP();
   torch::manual_seed(1);
-  // 40 segments (more than one launch holds) with one of 330 chunks (more than 320 blocks).
-  std::vector<std::int64_t> sizes(40, 17);
+  // 70 segments (more than one launch holds) with one of 331 chunks (many per block of the
+  // grid: the emulator's holds 8 blocks).
+  std::vector<std::int64_t> sizes(70, 17);
   sizes[3] = 330 * 16384 + 5;
   sizes[7] = 1;
   sizes[9] = 2 * 16384 + 3;  // offset by one element (see adam_states), over three chunks
+  sizes[66] = 5 * 16384;     // in the second launch
   for (auto grad_type : {at::kFloat, at::kBFloat16}) {
     auto states = adam_states(sizes, grad_type, grad_type == at::kBFloat16);
     std::vector<AdamState> before;
