@@ -1,6 +1,7 @@
 /* Flash attention (FlashAttention-2's algorithm) for bfloat16 / float16 inputs with
- * float32 accumulation, head dims 64 and 128, causal or not, grouped-query attention
- * (heads a multiple of kv_heads; query head h reads kv head h / (heads / kv_heads)).
+ * float32 accumulation, head dims that are multiples of 8 up to 128, causal or not,
+ * grouped-query attention (heads a multiple of kv_heads; query head h reads kv head
+ * h / (heads / kv_heads)).
  * q, o: [batch, heads, seq_q, head_dim]; k, v: [batch, kv_heads, seq_k, head_dim], each
  * with its own batch/head/seq strides in elements (unit stride along head_dim; strides
  * multiples of 8 and pointers 16-byte aligned). Causal masking is top-left aligned as in
@@ -68,7 +69,7 @@ typedef struct {
 cudaError_t dtrain_attention_fwd(const dtrain_attention_fwd_params* params, cudaStream_t stream);
 cudaError_t dtrain_attention_bwd(const dtrain_attention_bwd_params* params, cudaStream_t stream);
 size_t dtrain_attention_bwd_workspace_bytes(const dtrain_attention_bwd_params* params);
-/* Whether the kernels take this head dim (64, 128). */
+/* Whether the kernels take this head dim (multiples of 8 from 8 to 128). */
 int dtrain_attention_supports_head_dim(int64_t head_dim);
 /* Whether dtrain_attention_fwd / _bwd can run this kernel on the current device (the
  * emulated build: every kernel). Asking for one that cannot run is cudaErrorInvalidValue. */
