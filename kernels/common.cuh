@@ -66,6 +66,32 @@ template <int N, typename T>
 __device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& v) {
   *reinterpret_cast<Vec<T, N>*>(p) = v;
 }
+// The same for data used once more at most (ld.global.cs / st.global.cs: cached with
+// eviction first), so that it does not push out of L2 what a kernel reads again. Plain
+// accesses below 16 bytes and in the emulator.
+template <int N, typename T>
+__device__ __forceinline__ Vec<T, N> load_vec_streaming(const T* p) {
+#ifndef DTRAIN_KERNELS_EMULATE
+  if constexpr (sizeof(Vec<T, N>) == 16) {
+    const int4 r = __ldcs(reinterpret_cast<const int4*>(p));
+    return *reinterpret_cast<const Vec<T, N>*>(&r);
+  } else
+#endif
+  {
+    return load_vec<N>(p);
+  }
+}
+template <int N, typename T>
+__device__ __forceinline__ void store_vec_streaming(T* p, const Vec<T, N>& v) {
+#ifndef DTRAIN_KERNELS_EMULATE
+  if constexpr (sizeof(Vec<T, N>) == 16) {
+    __stcs(reinterpret_cast<int4*>(p), *reinterpret_cast<const int4*>(&v));
+  } else
+#endif
+  {
+    store_vec<N>(p, v);
+  }
+}
 // N elements of T at p as float32, in accesses of at most 16 bytes (p aligned to one).
 template <int N, typename T>
 __device__ __forceinline__ void load_floats(const T* p, float (&out)[N]) {

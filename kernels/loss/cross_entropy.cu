@@ -1,8 +1,11 @@
 // Fused softmax cross-entropy (dtrain_kernels/cross_entropy.h): one block per row; each
-// thread keeps an online (max, sum of exp) over its strided share of the vocabulary, then
-// the block merges them. The backward recomputes exp(x - lse) chunk by chunk. Rows whose
-// start is 16-byte aligned are read (and written) in 16-byte accesses, others one element
-// per access; a thread loads kUnroll accesses before using any.
+// thread keeps an online (max, sum of exp) over its strided share of the vocabulary, the
+// block merges them, and the same threads walk their share again, last chunk first, writing
+// the gradient (the logits' second read should come from L2). Rows whose start is 16-byte
+// aligned are read and written in 16-byte accesses, others one element per access; a
+// thread loads kUnroll accesses before using any.
+#include <cmath>
+
 #include "common.cuh"
 #include "dtrain_kernels/cross_entropy.h"
 
@@ -11,17 +14,22 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int kUnroll = 4;
+constexpr int64_t kChunk = int64_t{kThreads} * kUnroll;  // accesses a block makes per step
 
 // Calls f(j, r) for each access j (elements j V .. j V + V - 1, values r) of this thread's
-// share of a row of nv accesses: j = threadIdx.x, threadIdx.x + kThreads, ...
-template <int V, typename T, typename F>
+// share of a row of nv accesses, j = c kChunk + u kThreads + threadIdx.x over the row's
+// chunks c, first to last, or, when Last (the data's last use: streaming loads), last to
+// first. f may overwrite the access it is given.
+template <bool Last, int V, typename T, typename F>
 __device__ __forceinline__ void for_row(const T* x, int64_t nv, F&& f) {
-  for (int64_t j0 = threadIdx.x; j0 < nv; j0 += int64_t{kThreads} * kUnroll) {
+  const int64_t chunks = (nv + kChunk - 1) / kChunk;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t j0 = (Last ? chunks - 1 - c : c) * kChunk + threadIdx.x;
     Vec<T, V> r[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t j = j0 + int64_t{u} * kThreads;
-      if (j < nv) r[u] = load_vec<V>(x + j * V);
+      if (j < nv) r[u] = Last ? load_vec_streaming<V>(x + j * V) : load_vec<V>(x + j * V);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -36,8 +44,12 @@ __global__ void __launch_bounds__(kThreads) ce_fwd_kernel(dtrain_cross_entropy_f
   __shared__ float scratch[32];
   const int64_t row = blockIdx.x;
   const T* x = static_cast<const T*>(p.logits) + row * p.logits_stride;
+  const int64_t t = p.target[row], nv = p.vocab / V;
+  const bool ignored = t == p.ignore_index, in_range = t >= 0 && t < p.vocab;
+  // Read before the block's first barrier: after the last one the gradient may replace it.
+  const float xt = threadIdx.x == 0 && !ignored && in_range ? to_float(x[t]) : 0.f;
   float m = -INFINITY, s = 0.f;
-  for_row<V>(x, p.vocab / V, [&](int64_t, const Vec<T, V>& r) {
+  for_row<false, V>(x, nv, [&](int64_t, const Vec<T, V>& r) {
     float vmax = -INFINITY;  // fmaxf skips NaN here; the sum below carries it
 #pragma unroll
     for (int i = 0; i < V; ++i) vmax = fmaxf(vmax, to_float(r.v[i]));
@@ -52,44 +64,48 @@ __global__ void __launch_bounds__(kThreads) ce_fwd_kernel(dtrain_cross_entropy_f
   const float bm = block_max(m, scratch);
   // A thread that saw only -inf (or nothing) adds 0.
   const float bs = block_sum(m == -INFINITY ? 0.f : s * __expf(m - bm), scratch);
-  if (threadIdx.x != 0) return;
   const float lse = bm + logf(bs);
-  p.lse[row] = lse;
-  const int64_t t = p.target[row];
-  if (t == p.ignore_index) {
-    p.loss[row] = 0.f;
-  } else if (t < 0 || t >= p.vocab) {
-    p.loss[row] = NAN;
-  } else {
-    p.loss[row] = lse - to_float(x[t]);
+  if (threadIdx.x == 0) {
+    if (p.lse) p.lse[row] = lse;
+    p.loss[row] = ignored ? 0.f : in_range ? lse - xt : NAN;
   }
-}
-
-template <typename T, int V>
-__global__ void __launch_bounds__(kThreads) ce_bwd_kernel(dtrain_cross_entropy_bwd_params p) {
-  const int64_t row = blockIdx.x;
-  const T* x = static_cast<const T*>(p.logits) + row * p.logits_stride;
+  if (!p.dlogits) return;
   T* dx = static_cast<T*>(p.dlogits) + row * p.dlogits_stride;
-  const int64_t t = p.target[row], nv = p.vocab / V;
-  if (t == p.ignore_index) {
+  if (ignored) {
     Vec<T, V> zero;
 #pragma unroll
     for (int i = 0; i < V; ++i) zero.v[i] = from_float<T>(0.f);
-    for (int64_t j = threadIdx.x; j < nv; j += kThreads) store_vec<V>(dx + j * V, zero);
+    for (int64_t j = threadIdx.x; j < nv; j += kThreads) store_vec_streaming<V>(dx + j * V, zero);
     return;
   }
-  const float count = static_cast<float>(*p.count);
-  const float scale = *p.grad_scale / fmaxf(count, 1.f);
-  const float lse = p.lse[row];
-  for_row<V>(x, nv, [&](int64_t j, const Vec<T, V>& r) {
+  const float scale = p.grad_scale / fmaxf(static_cast<float>(*p.count), 1.f);
+  for_row<true, V>(x, nv, [&](int64_t j, const Vec<T, V>& r) {
     Vec<T, V> out;
+    const int64_t k = t - j * V;  // the target's place in this access, if it is in it
 #pragma unroll
     for (int i = 0; i < V; ++i) {
       const float prob = __expf(to_float(r.v[i]) - lse);
-      out.v[i] = from_float<T>((prob - (j * V + i == t ? 1.f : 0.f)) * scale);
+      out.v[i] = from_float<T>((prob - (k == i ? 1.f : 0.f)) * scale);
     }
-    store_vec<V>(dx + j * V, out);
+    store_vec_streaming<V>(dx + j * V, out);
   });
+}
+
+// Rescales the rows by *grad / *written unless the two agree; blocks stride over the rows.
+template <typename T, int V>
+__global__ void __launch_bounds__(kThreads) ce_bwd_kernel(dtrain_cross_entropy_bwd_params p) {
+  const float g = *p.grad, w = *p.written;
+  if (fabsf(g - w) <= 1e-6f * fabsf(w)) return;  // NaN or inf in g: rescaled, as autograd would
+  const float ratio = g / w;
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    T* dx = static_cast<T*>(p.dlogits) + row * p.dlogits_stride;
+    for_row<false, V>(dx, p.vocab / V, [&](int64_t j, const Vec<T, V>& r) {
+      Vec<T, V> out;
+#pragma unroll
+      for (int i = 0; i < V; ++i) out.v[i] = from_float<T>(to_float(r.v[i]) * ratio);
+      store_vec<V>(dx + j * V, out);
+    });
+  }
 }
 
 // Rows of T at ptr with this stride and length can be read in 16-byte accesses.
@@ -105,13 +121,21 @@ extern "C" cudaError_t dtrain_cross_entropy_fwd(const dtrain_cross_entropy_fwd_p
   using namespace dtrain_kernels;
   if (params == nullptr) return cudaErrorInvalidValue;
   const auto& p = *params;
-  if (p.rows < 0 || p.rows > INT32_MAX || p.vocab <= 0) return cudaErrorInvalidValue;
+  if (p.rows < 0 || p.rows > INT32_MAX || p.vocab <= 0 || p.logits_stride < p.vocab) return cudaErrorInvalidValue;
   if (p.rows == 0) return cudaSuccess;
-  if (!p.logits || !p.target || !p.loss || !p.lse) return cudaErrorInvalidValue;
+  if (!p.logits || !p.target || !p.loss) return cudaErrorInvalidValue;
+  if (p.dlogits) {
+    if (!p.count || !std::isfinite(p.grad_scale) || p.grad_scale == 0.f || p.dlogits_stride < p.vocab) {
+      return cudaErrorInvalidValue;
+    }
+    // In place: the very rows, or the walks would read what other threads wrote.
+    if (p.dlogits == p.logits && p.dlogits_stride != p.logits_stride) return cudaErrorInvalidValue;
+  }
   return dispatch_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
-    auto* kernel = rows_aligned<T>(p.logits, p.logits_stride, p.vocab) ? ce_fwd_kernel<T, vec16<T>()>
-                                                                        : ce_fwd_kernel<T, 1>;
+    const bool vec = rows_aligned<T>(p.logits, p.logits_stride, p.vocab) &&
+                     (!p.dlogits || rows_aligned<T>(p.dlogits, p.dlogits_stride, p.vocab));
+    auto* kernel = vec ? ce_fwd_kernel<T, vec16<T>()> : ce_fwd_kernel<T, 1>;
     DTRAIN_LAUNCH(kernel, static_cast<unsigned>(p.rows), kThreads, 0, stream, p);
     return launched();
   });
@@ -121,15 +145,17 @@ extern "C" cudaError_t dtrain_cross_entropy_bwd(const dtrain_cross_entropy_bwd_p
   using namespace dtrain_kernels;
   if (params == nullptr) return cudaErrorInvalidValue;
   const auto& p = *params;
-  if (p.rows < 0 || p.rows > INT32_MAX || p.vocab <= 0) return cudaErrorInvalidValue;
+  if (p.rows < 0 || p.vocab <= 0 || p.dlogits_stride < p.vocab) return cudaErrorInvalidValue;
   if (p.rows == 0) return cudaSuccess;
-  if (!p.logits || !p.target || !p.lse || !p.grad_scale || !p.count || !p.dlogits) return cudaErrorInvalidValue;
+  if (!p.dlogits || !p.grad || !p.written) return cudaErrorInvalidValue;
   return dispatch_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
-    const bool vec = rows_aligned<T>(p.logits, p.logits_stride, p.vocab) &&
-                     rows_aligned<T>(p.dlogits, p.dlogits_stride, p.vocab);
-    auto* kernel = vec ? ce_bwd_kernel<T, vec16<T>()> : ce_bwd_kernel<T, 1>;
-    DTRAIN_LAUNCH(kernel, static_cast<unsigned>(p.rows), kThreads, 0, stream, p);
+    auto* kernel = rows_aligned<T>(p.dlogits, p.dlogits_stride, p.vocab) ? ce_bwd_kernel<T, vec16<T>()>
+                                                                          : ce_bwd_kernel<T, 1>;
+    // As many blocks as the GPU holds at once: each reads two scalars and most often returns.
+    const Occupancy o = occupancy(kernel, kThreads, 0);
+    const int64_t grid = imin(p.rows, int64_t{o.sms} * o.per_sm);
+    DTRAIN_LAUNCH(kernel, static_cast<unsigned>(grid), kThreads, 0, stream, p);
     return launched();
   });
 }

@@ -579,7 +579,8 @@ std::vector<std::pair<std::int64_t, Moe>> GptImpl::moe_layers() const {
   return out;
 }
 
-void GptImpl::set_aux_loss_scale(double scale) {
+void GptImpl::set_loss_grad_scale(double scale) {
+  loss_grad_scale_ = scale;
   for (auto& [index, m] : moe_layers()) m->set_aux_loss_scale(scale);
 }
 
@@ -657,7 +658,11 @@ torch::Tensor GptImpl::loss_from_hidden(const torch::Tensor& hidden, const torch
   DTRAIN_CHECK_ARG(stage_.head, "loss_from_hidden needs the stage that holds the head (the last)");
   auto logits = local_logits(hidden);
   if (tp_.size == 1 && config_.fused_ce) {
-    return ops::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
+    // The logits are this call's own: their gradient may take their place.
+    ops::CrossEntropyOptions o;
+    o.grad_scale = loss_grad_scale_;
+    o.in_place = true;
+    return ops::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}), o);
   }
   if (tp_.size == 1) {
     return torch::nn::functional::cross_entropy(

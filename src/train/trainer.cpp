@@ -720,8 +720,9 @@ StepMetrics Trainer::train_step() {
     optimizer_->zero_grad();
   }
   if (expert_optimizer_) expert_optimizer_->zero_grad();
-  // MoE auxiliary losses: their gradients get the factor each micro-batch's loss gets.
-  for (auto& model : models()) model->set_aux_loss_scale(scale / static_cast<double>(accum_));
+  // The factor each micro-batch's loss gets in backward: MoE auxiliary losses get it too,
+  // and the fused cross-entropy writes its gradient for it.
+  for (auto& model : models()) model->set_loss_grad_scale(scale / static_cast<double>(accum_));
   ep::reset_comm_stats();
   double pipeline_mean = 0;
   auto loss_sum = torch::zeros({}, torch::TensorOptions().device(device));

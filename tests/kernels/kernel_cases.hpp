@@ -266,27 +266,85 @@ TEST(KERNEL_SUITE(CrossEntropy), LossAndGradientsMatchFloat64WithIgnoredRows) {
       auto ref = logits.to(at::kDouble).requires_grad_();
       auto loss_ref = at::cross_entropy_loss(ref, target, {}, at::Reduction::Mean, -100);
       (loss_ref * 0.5).backward();
+      const double gtol = type == at::kFloat ? 1e-6 : 1e-4;
 
+      // The gradient for an upstream gradient of 0.5, into its own buffer.
       auto ld = dev(logits), td = dev(target);
+      const auto count = (target != -100).sum();
+      auto countd = dev(count.reshape({1}));
       auto loss = poisoned({rows}, at::kFloat), lse = poisoned({rows}, at::kFloat);
-      dtrain_cross_entropy_fwd_params f{ld.data_ptr(), td.data_ptr<std::int64_t>(), loss.data_ptr<float>(),
-                                        lse.data_ptr<float>(), rows, vocab, vocab, -100, kernel_dtype(logits)};
+      auto dlogits = poisoned({rows, vocab}, type);
+      dtrain_cross_entropy_fwd_params f{};
+      f.logits = ld.data_ptr();
+      f.target = td.data_ptr<std::int64_t>();
+      f.loss = loss.data_ptr<float>();
+      f.lse = lse.data_ptr<float>();
+      f.dlogits = dlogits.data_ptr();
+      f.count = countd.data_ptr<std::int64_t>();
+      f.grad_scale = 0.5f;
+      f.rows = rows;
+      f.vocab = f.logits_stride = f.dlogits_stride = vocab;
+      f.ignore_index = -100;
+      f.dtype = kernel_dtype(logits);
       ASSERT_EQ(dtrain_cross_entropy_fwd(&f, nullptr), cudaSuccess);
       kernel_sync();
-      const auto count = (target != -100).sum();
       EXPECT_NEAR(loss.sum().item<double>() / count.item<double>(), loss_ref.item<double>(), 1e-4);
       EXPECT_EQ(loss[3].item<float>(), 0.f);
       EXPECT_LT(max_abs(lse, ref.detach().logsumexp(1)), 1e-4);
-
-      auto dlogits = poisoned({rows, vocab}, type);
-      auto scale = dev(torch::full({1}, 0.5f)), countd = dev(count.reshape({1}));
-      dtrain_cross_entropy_bwd_params g{ld.data_ptr(), td.data_ptr<std::int64_t>(), lse.data_ptr<float>(),
-                                        scale.data_ptr<float>(), countd.data_ptr<std::int64_t>(), dlogits.data_ptr(),
-                                        rows, vocab, vocab, vocab, -100, kernel_dtype(logits)};
-      ASSERT_EQ(dtrain_cross_entropy_bwd(&g, nullptr), cudaSuccess);
-      kernel_sync();
-      EXPECT_LT(max_abs(dlogits, ref.grad()), type == at::kFloat ? 1e-6 : 1e-4);
+      EXPECT_LT(max_abs(dlogits, ref.grad()), gtol);
       EXPECT_EQ(dlogits[3].abs().sum().item<float>(), 0.f);
+      EXPECT_TRUE(torch::equal(ld.cpu(), logits));  // read only
+
+      // Loss only (no gradient, no lse): the same losses.
+      auto loss_only = poisoned({rows}, at::kFloat);
+      auto g = f;
+      g.loss = loss_only.data_ptr<float>();
+      g.lse = nullptr;
+      g.dlogits = nullptr;
+      g.count = nullptr;
+      ASSERT_EQ(dtrain_cross_entropy_fwd(&g, nullptr), cudaSuccess);
+      kernel_sync();
+      EXPECT_TRUE(torch::equal(loss_only.cpu(), loss.cpu()));
+
+      // In place: the gradient replaces the logits, the same values as in a buffer of its own.
+      auto inplace = dev(logits);
+      auto loss_in = poisoned({rows}, at::kFloat);
+      g = f;
+      g.logits = g.dlogits = inplace.data_ptr();
+      g.loss = loss_in.data_ptr<float>();
+      ASSERT_EQ(dtrain_cross_entropy_fwd(&g, nullptr), cudaSuccess);
+      kernel_sync();
+      EXPECT_TRUE(torch::equal(loss_in.cpu(), loss.cpu()));
+      EXPECT_TRUE(torch::equal(inplace.cpu(), dlogits.cpu()));
+
+      // The backward: an upstream gradient within 1e-6 of the one written leaves the gradient
+      // as it is; 1.5 (three times 0.5) rescales it.
+      auto written = dev(torch::full({1}, 0.5f));
+      for (float up : {0.5f, 0.5f * (1 + 4e-7f), 1.5f}) {
+        SCOPED_TRACE("upstream " + std::to_string(up));
+        auto grad = dev(torch::full({1}, up));
+        auto before = inplace.clone();
+        dtrain_cross_entropy_bwd_params b{inplace.data_ptr(), grad.data_ptr<float>(), written.data_ptr<float>(),
+                                          rows, vocab, vocab, kernel_dtype(logits)};
+        ASSERT_EQ(dtrain_cross_entropy_bwd(&b, nullptr), cudaSuccess);
+        kernel_sync();
+        if (up != 1.5f) {
+          EXPECT_TRUE(torch::equal(inplace.cpu(), before.cpu()));
+        } else {
+          // One more rounding in 16-bit dtypes, of values three times as large.
+          EXPECT_LT(max_abs(inplace, ref.grad() * 3), 4 * gtol);
+          EXPECT_EQ(inplace[3].abs().sum().item<float>(), 0.f);
+        }
+      }
+
+      // Refused: an in-place gradient with another row stride, an upstream gradient of 0.
+      g = f;
+      g.dlogits = ld.data_ptr();
+      g.dlogits_stride = vocab + 8;
+      EXPECT_EQ(dtrain_cross_entropy_fwd(&g, nullptr), cudaErrorInvalidValue);
+      g = f;
+      g.grad_scale = 0.f;
+      EXPECT_EQ(dtrain_cross_entropy_fwd(&g, nullptr), cudaErrorInvalidValue);
     }
   }
 }

@@ -64,7 +64,7 @@ TEST(GpuOps, FlashAttentionAutogradMatchesTheReferencePath) {
   EXPECT_THROW(ops::flash_attention(f, f, f, true), InvalidArgument);  // float32 on CUDA
 }
 
-TEST(GpuOps, NormsAndCrossEntropyMatchTheReferencePath) {
+TEST(GpuOps, NormsMatchTheReferencePath) {
   SKIP_WITHOUT_GPU();
   torch::manual_seed(12);
   for (bool layer : {false, true}) {
@@ -84,18 +84,62 @@ TEST(GpuOps, NormsAndCrossEntropyMatchTheReferencePath) {
       EXPECT_LT((got[i] - want[i]).abs().max().item<double>(), 1e-2 * scale) << (layer ? "layer " : "rms ") << i;
     }
   }
+}
+
+// The cross-entropy op writes the gradient in its forward for the upstream gradient it is
+// told: told right (2), told wrong (the default 1: the backward rescales), in place, and
+// a graph that backpropagates twice (2, then 3: the gradients add up to 5 times the unit
+// one), each against the reference path on the host.
+TEST(GpuOps, CrossEntropyMatchesTheReferencePath) {
+  SKIP_WITHOUT_GPU();
   auto logits = (torch::randn({257, 50304}) * 2).to(at::kBFloat16);
   auto target = torch::randint(0, 50304, {257}, torch::kLong);
   target[0] = -100;
-  auto run = [&](const at::Device& device) {
-    auto l = logits.to(device).requires_grad_();
-    auto loss = ops::cross_entropy(l, target.to(device));
-    (loss * 2).backward();
-    return std::make_pair(loss.item<double>(), l.grad().cpu().to(at::kDouble));
+  struct Case {
+    const char* name;
+    double told;
+    bool in_place;
+    std::vector<double> upstream;  // one backward each, the graph retained between
   };
-  const auto want = run(at::kCPU), got = run(at::kCUDA);
-  EXPECT_NEAR(got.first, want.first, 1e-4 * want.first);
-  EXPECT_LT((got.second - want.second).abs().max().item<double>(), 1e-4);
+  for (const Case& c : {Case{"told", 2, false, {2}}, Case{"untold", 1, false, {2}}, Case{"in place", 2, true, {2}},
+                        Case{"twice", 2, true, {2, 3}}}) {
+    SCOPED_TRACE(c.name);
+    auto run = [&](const at::Device& device) {
+      auto l = logits.to(device).requires_grad_();
+      ops::CrossEntropyOptions o;
+      o.grad_scale = c.told;
+      o.in_place = c.in_place;
+      auto loss = ops::cross_entropy(l, target.to(device), o);
+      for (std::size_t i = 0; i < c.upstream.size(); ++i) {
+        (loss * c.upstream[i]).backward({}, /*retain_graph=*/i + 1 < c.upstream.size());
+      }
+      return std::make_pair(loss.item<double>(), l.grad().cpu().to(at::kDouble));
+    };
+    const auto want = run(at::kCPU), got = run(at::kCUDA);
+    EXPECT_NEAR(got.first, want.first, 1e-4 * want.first);
+    // A bfloat16 rounding of gradients up to (sum of upstream) / 256 is 8e-6 of that sum;
+    // allow a few (the rescale and the accumulation add some).
+    double total = 0;
+    for (double u : c.upstream) total += u;
+    EXPECT_LT((got.second - want.second).abs().max().item<double>(), 6e-5 * total);
+    EXPECT_EQ(got.second[0].abs().sum().item<double>(), 0.0);
+  }
+  // In place, the logits are gone: a graph that saved them fails in its backward instead
+  // of reading the gradient.
+  auto l = logits.cuda().requires_grad_();
+  auto a = l * 1;
+  auto side = a.sin().sum();  // saves a
+  ops::CrossEntropyOptions o;
+  o.in_place = true;
+  auto loss = ops::cross_entropy(a, target.cuda(), o);
+  EXPECT_THROW((loss + side).backward(), c10::Error);
+  // Without grad mode nothing is written, in place or not.
+  {
+    torch::NoGradGuard no_grad;
+    auto kept = logits.cuda().requires_grad_();
+    ops::cross_entropy(kept, target.cuda(), o);
+    EXPECT_TRUE(torch::equal(kept.detach().cpu(), logits));
+  }
 }
 
 TEST(GpuOps, FusedAdamWMatchesTheReferencePath) {

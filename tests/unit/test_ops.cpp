@@ -151,6 +151,38 @@ TEST(CrossEntropyReference, MatchesLibTorchWithIgnoredRows) {
              {"cross_entropy", "outside [0, 7)"});
   expect_has(error_message([&] { ops::cross_entropy(torch::randn({4, 7}), torch::zeros({4}, torch::kInt)); }),
              {"cross_entropy", "target is Int", "int64"});
+  for (double bad : {0.0, 1e-50, 1e50, std::numeric_limits<double>::infinity()}) {
+    ops::CrossEntropyOptions o;
+    o.grad_scale = bad;
+    expect_has(error_message([&] { ops::cross_entropy(torch::randn({4, 7}), torch::zeros({4}, torch::kLong), o); }),
+               {"cross_entropy", "grad_scale is", "allowed: finite and nonzero in float32"});
+  }
+}
+
+// The options change how the CUDA path works, never the function: the reference path gives
+// the same loss and gradient whatever they say, and leaves the logits as they were.
+TEST(CrossEntropyReference, OptionsLeaveTheFunctionAlone) {
+  torch::manual_seed(5);
+  auto logits = torch::randn({9, 33});
+  auto target = torch::randint(0, 33, {9}, torch::kLong);
+  target[4] = 5;
+  auto run = [&](const ops::CrossEntropyOptions& o) {
+    auto l = logits.clone().requires_grad_();
+    auto loss = ops::cross_entropy(l, target, o);
+    (loss * 0.25).backward();
+    EXPECT_TRUE(torch::equal(l.detach(), logits));
+    return std::make_pair(loss.detach(), l.grad());
+  };
+  const auto want = run({});
+  ops::CrossEntropyOptions o;
+  o.ignore_index = -1;
+  o.grad_scale = 0.25;
+  o.in_place = true;
+  const auto got = run(o);
+  EXPECT_TRUE(torch::equal(got.first, want.first));
+  EXPECT_TRUE(torch::equal(got.second, want.second));
+  o.ignore_index = 5;  // row 4's target: its row has no loss and no gradient
+  EXPECT_EQ(run(o).second[4].abs().sum().item<double>(), 0.0);
 }
 
 // ---- fused AdamW ---------------------------------------------------------------------------

@@ -48,7 +48,8 @@ struct GptConfig {
   // Which implementation of each op the model calls (not architecture: a checkpoint loads
   // under any choice). attention: sdpa (LibTorch) or flash (ops::flash_attention; no
   // dropout); fused_norm: ops::rms_norm / ops::layer_norm; fused_ce: ops::cross_entropy
-  // (without tensor parallelism; the vocabulary-parallel loss is used with tp > 1).
+  // (without tensor parallelism; the vocabulary-parallel loss is used with tp > 1), whose
+  // logit gradient replaces the logits in the forward.
   ops::AttentionBackend attention = ops::AttentionBackend::kSdpa;
   bool fused_norm = false;
   bool fused_ce = false;
@@ -149,7 +150,7 @@ struct GptStage {
 // parallelism the residual stream, norms and dropout hold T / tp positions per rank.
 // Expert parallelism (ctx ep > 1): each rank holds experts expert_rows() of every MoE
 // layer. MoE auxiliary losses are not part of loss(): their gradients enter in backward,
-// scaled by set_aux_loss_scale.
+// scaled by set_loss_grad_scale.
 class GptImpl : public torch::nn::Module {
  public:
   // Raises InvalidArgument for an invalid config (see GptConfig::validate) or stage.
@@ -186,9 +187,10 @@ class GptImpl : public torch::nn::Module {
   std::pair<std::int64_t, std::int64_t> expert_rows() const;
   // This stage's MoE layers with their block indices, in order.
   std::vector<std::pair<std::int64_t, Moe>> moe_layers() const;
-  // The factor the caller multiplies the loss by before backward (every MoE layer's
-  // auxiliary losses get the same); 1 by default.
-  void set_aux_loss_scale(double scale);
+  // The factor the caller multiplies the loss by before backward; 1 by default. Every MoE
+  // layer's auxiliary losses get the same, and the fused cross-entropy writes the logit
+  // gradient for it in the forward (another factor costs its backward a rescaling pass).
+  void set_loss_grad_scale(double scale);
 
  private:
   torch::Tensor local_logits(const torch::Tensor& h);  // [B, T, padded vocab / tp]
@@ -198,6 +200,7 @@ class GptImpl : public torch::nn::Module {
   ContextPtr ctx_;
   GptConfig config_;
   GptStage stage_;
+  double loss_grad_scale_ = 1.0;
   TpEnv tp_;
   tp::VocabParallelEmbedding tok_emb_{nullptr};  // first stage; last stage too when tied
   torch::nn::Embedding pos_emb_{nullptr};  // gpt2 only; replicated

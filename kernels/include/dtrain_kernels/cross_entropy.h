@@ -1,10 +1,16 @@
-/* Fused softmax cross-entropy over [rows, vocab] logits with int64 targets. The forward
- * reads each row once in vocabulary chunks with an online max/sum (no float32 copy of the
- * logits) and writes the row's loss and log-sum-exp; rows whose target is ignore_index
- * get loss 0. The backward writes dlogits = (softmax - onehot(target)) * scale from the
- * logits and the saved log-sum-exp in one pass over the row, where scale is *grad_scale /
- * max(*count, 1) read on the device (the mean over non-ignored rows times the upstream
- * gradient, with no host synchronisation); ignored rows get zeros. */
+/* Fused softmax cross-entropy over [rows, vocab] logits with int64 targets, the loss and
+ * the logit gradients from one kernel. The forward reads each row in vocabulary chunks
+ * with an online max/sum (no float32 copy of the logits), writes the row's loss (0 where
+ * the target is ignore_index) and, when asked, then walks the row again (backwards, so the
+ * chunks it read last and L2 still holds come first) writing
+ *   dlogits = (softmax - onehot(target)) * grad_scale / max(*count, 1)
+ * where grad_scale is the upstream gradient the caller expects the mean loss to get and
+ * *count (a device scalar: no host synchronisation) the rows not ignored; ignored rows get
+ * zeros. dlogits may be the logits themselves (same pointer and stride): the gradient
+ * then replaces them, and no second logits-sized buffer exists.
+ * The backward only corrects a gradient written for the wrong upstream gradient: where
+ * *grad (the one autograd gives) is within 1e-6 (relative) of *written it returns at
+ * once, otherwise it multiplies dlogits by *grad / *written in place. */
 #pragma once
 
 #include "dtrain_kernels/common.h"
@@ -17,23 +23,24 @@ typedef struct {
   const void* logits;     /* [rows, vocab], row stride logits_stride, dtype */
   const int64_t* target;  /* [rows] */
   float* loss;            /* [rows] */
-  float* lse;             /* [rows] */
-  int64_t rows, vocab, logits_stride, ignore_index;
+  float* lse;             /* [rows] log-sum-exp, or null */
+  void* dlogits;          /* [rows, vocab], row stride dlogits_stride, dtype; null: loss only */
+  const int64_t* count;   /* device scalar: rows whose target is not ignore_index (with dlogits) */
+  float grad_scale;       /* the upstream gradient dlogits is written for (with dlogits) */
+  int64_t rows, vocab, logits_stride, dlogits_stride, ignore_index;
   dtrain_kernel_dtype dtype;
 } dtrain_cross_entropy_fwd_params;
 
 typedef struct {
-  const void* logits;       /* as in the forward */
-  const int64_t* target;
-  const float* lse;         /* the forward's */
-  const float* grad_scale;  /* device scalar: the upstream gradient of the mean loss */
-  const int64_t* count;     /* device scalar: rows whose target is not ignore_index */
-  void* dlogits;            /* [rows, vocab], row stride dlogits_stride, dtype */
-  int64_t rows, vocab, logits_stride, dlogits_stride, ignore_index;
+  void* dlogits;         /* the forward's, rescaled in place */
+  const float* grad;     /* device scalar: the upstream gradient of the mean loss */
+  const float* written;  /* device scalar: the one dlogits holds the gradient for */
+  int64_t rows, vocab, dlogits_stride;
   dtrain_kernel_dtype dtype;
 } dtrain_cross_entropy_bwd_params;
 
-/* A target outside [0, vocab) that is not ignore_index gives a NaN loss for its row. */
+/* A target outside [0, vocab) that is not ignore_index gives a NaN loss for its row (and
+ * a gradient without the onehot term). */
 cudaError_t dtrain_cross_entropy_fwd(const dtrain_cross_entropy_fwd_params* params, cudaStream_t stream);
 cudaError_t dtrain_cross_entropy_bwd(const dtrain_cross_entropy_bwd_params* params, cudaStream_t stream);
 
