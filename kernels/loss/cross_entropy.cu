@@ -91,19 +91,22 @@ __global__ void __launch_bounds__(kThreads) ce_fwd_kernel(dtrain_cross_entropy_f
   });
 }
 
-// Rescales the rows by *grad / *written unless the two agree; blocks stride over the rows.
+// out = dlogits * *grad / *written (a ratio within 1e-6 of 1 is 1, and in place then
+// nothing); blocks stride over the rows.
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads) ce_bwd_kernel(dtrain_cross_entropy_bwd_params p) {
   const float g = *p.grad, w = *p.written;
-  if (fabsf(g - w) <= 1e-6f * fabsf(w)) return;  // NaN or inf in g: rescaled, as autograd would
-  const float ratio = g / w;
+  const bool same = fabsf(g - w) <= 1e-6f * fabsf(w);  // NaN or inf in g: rescaled, as autograd would
+  if (same && p.out == p.dlogits) return;
+  const float ratio = same ? 1.f : g / w;
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
-    T* dx = static_cast<T*>(p.dlogits) + row * p.dlogits_stride;
+    const T* dx = static_cast<const T*>(p.dlogits) + row * p.dlogits_stride;
+    T* out = static_cast<T*>(p.out) + row * p.out_stride;
     for_row<false, V>(dx, p.vocab / V, [&](int64_t j, const Vec<T, V>& r) {
-      Vec<T, V> out;
+      Vec<T, V> o;
 #pragma unroll
-      for (int i = 0; i < V; ++i) out.v[i] = from_float<T>(to_float(r.v[i]) * ratio);
-      store_vec<V>(dx + j * V, out);
+      for (int i = 0; i < V; ++i) o.v[i] = from_float<T>(to_float(r.v[i]) * ratio);
+      store_vec<V>(out + j * V, o);
     });
   }
 }
@@ -145,13 +148,17 @@ extern "C" cudaError_t dtrain_cross_entropy_bwd(const dtrain_cross_entropy_bwd_p
   using namespace dtrain_kernels;
   if (params == nullptr) return cudaErrorInvalidValue;
   const auto& p = *params;
-  if (p.rows < 0 || p.vocab <= 0 || p.dlogits_stride < p.vocab) return cudaErrorInvalidValue;
+  if (p.rows < 0 || p.vocab <= 0 || p.dlogits_stride < p.vocab || p.out_stride < p.vocab) {
+    return cudaErrorInvalidValue;
+  }
   if (p.rows == 0) return cudaSuccess;
-  if (!p.dlogits || !p.grad || !p.written) return cudaErrorInvalidValue;
+  if (!p.dlogits || !p.out || !p.grad || !p.written) return cudaErrorInvalidValue;
+  if (p.out == p.dlogits && p.out_stride != p.dlogits_stride) return cudaErrorInvalidValue;
   return dispatch_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
-    auto* kernel = rows_aligned<T>(p.dlogits, p.dlogits_stride, p.vocab) ? ce_bwd_kernel<T, vec16<T>()>
-                                                                          : ce_bwd_kernel<T, 1>;
+    const bool vec = rows_aligned<T>(p.dlogits, p.dlogits_stride, p.vocab) &&
+                     rows_aligned<T>(p.out, p.out_stride, p.vocab);
+    auto* kernel = vec ? ce_bwd_kernel<T, vec16<T>()> : ce_bwd_kernel<T, 1>;
     // As many blocks as the GPU holds at once: each reads two scalars and most often returns.
     const Occupancy o = occupancy(kernel, kThreads, 0);
     const int64_t grid = imin(p.rows, int64_t{o.sms} * o.per_sm);

@@ -1,8 +1,9 @@
 // Softmax cross-entropy as one autograd Function over the CUDA kernel (kernels/loss) and
 // a float32 reference path. On CUDA the forward writes the logit gradient for the
 // announced upstream gradient and saves it; the backward hands it over, rescaled on the
-// device when autograd's upstream gradient differs. The reference path saves the logits
-// and the row log-sum-exp and rebuilds softmax - onehot in the backward.
+// device when autograd's upstream gradient differs (a retained graph's later backwards
+// get a rescaled copy: autograd may keep the first one as a leaf's .grad). The reference
+// path saves the logits and the row log-sum-exp and rebuilds softmax - onehot.
 #include "dtrain/ops/cross_entropy.hpp"
 
 #include <torch/torch.h>
@@ -63,7 +64,10 @@ class CrossEntropyFn : public torch::autograd::Function<CrossEntropyFn> {
       // The logits changed under autograd's feet: a graph that saved them now fails loudly
       // in its backward instead of reading the gradient.
       if (want_grad && in_place) logits.unsafeGetTensorImpl()->bump_version();
-      if (want_grad) ctx->save_for_backward({dlogits, written});
+      if (want_grad) {
+        ctx->save_for_backward({dlogits, written});
+        ctx->saved_data["handed_over"] = false;
+      }
       return rows_loss.sum() / count.clamp_min(1);
     }
 #endif
@@ -92,15 +96,29 @@ class CrossEntropyFn : public torch::autograd::Function<CrossEntropyFn> {
       const c10::cuda::CUDAGuard guard(saved.device());
       const auto stream = detail::current_stream(saved);
       auto grad = grads[0].to(saved.device(), at::kFloat).contiguous();
-      dtrain_cross_entropy_bwd_params p{saved.data_ptr(), grad.data_ptr<float>(), written.data_ptr<float>(),
-                                        saved.size(0),     saved.size(1),          saved.stride(0),
+      // The first backward rescales the saved gradient in place and hands it over; a
+      // retained graph's later backwards write copies. The saved tensor itself is handed
+      // over, not a detached alias: while the graph holds it, a leaf's AccumulateGrad
+      // copies it instead of adopting it as .grad and adding the next ones into it.
+      const bool first = !ctx->saved_data["handed_over"].toBool();
+      dlogits = first ? saved : at::empty(saved.sizes(), saved.options());
+      dtrain_cross_entropy_bwd_params p{saved.data_ptr(),
+                                        dlogits.data_ptr(),
+                                        grad.data_ptr<float>(),
+                                        written.data_ptr<float>(),
+                                        saved.size(0),
+                                        saved.size(1),
+                                        saved.stride(0),
+                                        dlogits.stride(0),
                                         detail::kernel_dtype(saved, kOp, "logits")};
       DTRAIN_CUDA_CHECK(dtrain_cross_entropy_bwd(&p, stream));
-      // Now it holds the gradient for this upstream gradient (a retained graph's next
-      // backward rescales from here). Not copy_: that would bump the saved tensor's version.
-      DTRAIN_CUDA_CHECK(
-          cudaMemcpyAsync(written.data_ptr<float>(), grad.data_ptr<float>(), sizeof(float), cudaMemcpyDeviceToDevice, stream));
-      dlogits = saved.detach();
+      if (first) {
+        // It now holds the gradient for this upstream gradient. Not copy_: that would bump
+        // the saved tensor's version.
+        DTRAIN_CUDA_CHECK(cudaMemcpyAsync(written.data_ptr<float>(), grad.data_ptr<float>(), sizeof(float),
+                                          cudaMemcpyDeviceToDevice, stream));
+        ctx->saved_data["handed_over"] = true;
+      }
     } else
 #endif
     {

@@ -317,22 +317,32 @@ TEST(KERNEL_SUITE(CrossEntropy), LossAndGradientsMatchFloat64WithIgnoredRows) {
       EXPECT_TRUE(torch::equal(loss_in.cpu(), loss.cpu()));
       EXPECT_TRUE(torch::equal(inplace.cpu(), dlogits.cpu()));
 
-      // The backward: an upstream gradient within 1e-6 of the one written leaves the gradient
-      // as it is; 1.5 (three times 0.5) rescales it.
+      // The backward: in place, an upstream gradient within 1e-6 of the one written leaves
+      // the gradient as it is and 1.5 (three times 0.5) rescales it; into rows of its own,
+      // a copy (rows padded to vocab + 8) and a rescaled copy, the input left alone.
       auto written = dev(torch::full({1}, 0.5f));
       for (float up : {0.5f, 0.5f * (1 + 4e-7f), 1.5f}) {
         SCOPED_TRACE("upstream " + std::to_string(up));
         auto grad = dev(torch::full({1}, up));
-        auto before = inplace.clone();
-        dtrain_cross_entropy_bwd_params b{inplace.data_ptr(), grad.data_ptr<float>(), written.data_ptr<float>(),
-                                          rows, vocab, vocab, kernel_dtype(logits)};
+        auto before = dlogits.clone();
+        auto out = poisoned({rows, vocab + 8}, type);
+        dtrain_cross_entropy_bwd_params b{dlogits.data_ptr(),       out.data_ptr(), grad.data_ptr<float>(),
+                                          written.data_ptr<float>(), rows,           vocab,
+                                          vocab,                     vocab + 8,      kernel_dtype(logits)};
+        ASSERT_EQ(dtrain_cross_entropy_bwd(&b, nullptr), cudaSuccess);
+        b.dlogits = b.out = inplace.data_ptr();
+        b.out_stride = vocab;
         ASSERT_EQ(dtrain_cross_entropy_bwd(&b, nullptr), cudaSuccess);
         kernel_sync();
+        EXPECT_TRUE(torch::equal(dlogits.cpu(), before.cpu()));
+        const auto copy = out.narrow(1, 0, vocab);
         if (up != 1.5f) {
           EXPECT_TRUE(torch::equal(inplace.cpu(), before.cpu()));
+          EXPECT_TRUE(torch::equal(copy.cpu(), before.cpu()));
         } else {
           // One more rounding in 16-bit dtypes, of values three times as large.
           EXPECT_LT(max_abs(inplace, ref.grad() * 3), 4 * gtol);
+          EXPECT_TRUE(torch::equal(copy.cpu(), inplace.cpu()));
           EXPECT_EQ(inplace[3].abs().sum().item<float>(), 0.f);
         }
       }
@@ -345,6 +355,11 @@ TEST(KERNEL_SUITE(CrossEntropy), LossAndGradientsMatchFloat64WithIgnoredRows) {
       g = f;
       g.grad_scale = 0.f;
       EXPECT_EQ(dtrain_cross_entropy_fwd(&g, nullptr), cudaErrorInvalidValue);
+      auto one = dev(torch::ones({1}));
+      dtrain_cross_entropy_bwd_params b{ld.data_ptr(),         ld.data_ptr(), one.data_ptr<float>(),
+                                        one.data_ptr<float>(), rows,          vocab,
+                                        vocab,                 vocab + 8,     kernel_dtype(logits)};
+      EXPECT_EQ(dtrain_cross_entropy_bwd(&b, nullptr), cudaErrorInvalidValue);
     }
   }
 }

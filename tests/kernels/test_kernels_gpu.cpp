@@ -102,7 +102,7 @@ TEST(GpuOps, CrossEntropyMatchesTheReferencePath) {
     std::vector<double> upstream;  // one backward each, the graph retained between
   };
   for (const Case& c : {Case{"told", 2, false, {2}}, Case{"untold", 1, false, {2}}, Case{"in place", 2, true, {2}},
-                        Case{"twice", 2, true, {2, 3}}}) {
+                        Case{"twice", 2, true, {2, 3}}, Case{"thrice", 1, false, {3, 0.5, 2}}}) {
     SCOPED_TRACE(c.name);
     auto run = [&](const at::Device& device) {
       auto l = logits.to(device).requires_grad_();

@@ -8,9 +8,10 @@
  * *count (a device scalar: no host synchronisation) the rows not ignored; ignored rows get
  * zeros. dlogits may be the logits themselves (same pointer and stride): the gradient
  * then replaces them, and no second logits-sized buffer exists.
- * The backward only corrects a gradient written for the wrong upstream gradient: where
- * *grad (the one autograd gives) is within 1e-6 (relative) of *written it returns at
- * once, otherwise it multiplies dlogits by *grad / *written in place. */
+ * The backward only corrects a gradient written for the wrong upstream gradient: it
+ * writes out = dlogits * *grad / *written, where *grad is the one autograd gives; a ratio
+ * within 1e-6 of 1 counts as 1. In place (out == dlogits), a ratio of 1 returns at once:
+ * that is the cost of a backward whose upstream gradient the forward was told. */
 #pragma once
 
 #include "dtrain_kernels/common.h"
@@ -32,10 +33,11 @@ typedef struct {
 } dtrain_cross_entropy_fwd_params;
 
 typedef struct {
-  void* dlogits;         /* the forward's, rescaled in place */
+  const void* dlogits;   /* the forward's: [rows, vocab], row stride dlogits_stride, dtype */
+  void* out;             /* the same, or rows of its own (row stride out_stride) */
   const float* grad;     /* device scalar: the upstream gradient of the mean loss */
   const float* written;  /* device scalar: the one dlogits holds the gradient for */
-  int64_t rows, vocab, dlogits_stride;
+  int64_t rows, vocab, dlogits_stride, out_stride;
   dtrain_kernel_dtype dtype;
 } dtrain_cross_entropy_bwd_params;
 
