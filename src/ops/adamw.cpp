@@ -101,7 +101,7 @@ void reference(const std::vector<AdamWSegment>& segments, const AdamWHyper& h) {
 #ifdef DTRAIN_WITH_CUDA
 void kernel(const std::vector<AdamWSegment>& segments, const AdamWHyper& h) {
   const auto& first = segments.front();
-  const c10::cuda::CUDAGuard guard(first.param.device());
+  const detail::DeviceGuard guard(first.param.device());
   std::vector<dtrain_adamw_segment> segs;
   segs.reserve(segments.size());
   dtrain_kernel_dtype model_type = DTRAIN_KERNEL_BF16;

@@ -173,7 +173,7 @@ std::pair<at::Tensor, at::Tensor> kernel_forward(at::Tensor q, at::Tensor k, at:
                                                  double scale) {
   check_kernel_inputs(q);
   q = kernel_layout(q), k = kernel_layout(k), v = kernel_layout(v);
-  const c10::cuda::CUDAGuard guard(q.device());
+  const detail::DeviceGuard guard(q.device());
   // o laid out [B, T, H, D]: the model's transpose back to [B, T, H * D] is free.
   auto o = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options()).transpose(1, 2);
   auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
@@ -195,7 +195,7 @@ std::pair<at::Tensor, at::Tensor> kernel_forward(at::Tensor q, at::Tensor k, at:
 std::vector<at::Tensor> kernel_backward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor o, const at::Tensor& lse,
                                         at::Tensor dout, bool causal, double scale) {
   q = kernel_layout(q), k = kernel_layout(k), v = kernel_layout(v), o = kernel_layout(o), dout = kernel_layout(dout);
-  const c10::cuda::CUDAGuard guard(q.device());
+  const detail::DeviceGuard guard(q.device());
   auto dq = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options()).transpose(1, 2);
   auto dk = at::empty(k.sizes(), k.options()), dv = at::empty(v.sizes(), v.options());
   dtrain_attention_bwd_params p{};

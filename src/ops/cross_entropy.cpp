@@ -40,7 +40,7 @@ class CrossEntropyFn : public torch::autograd::Function<CrossEntropyFn> {
     auto count = valid.sum();  // int64 scalar on the device: no host synchronisation
 #ifdef DTRAIN_WITH_CUDA
     if (use_kernel(logits)) {
-      const c10::cuda::CUDAGuard guard(logits.device());
+      const detail::DeviceGuard guard(logits.device());
       auto rows_loss = at::empty({rows}, logits.options().dtype(at::kFloat));
       at::Tensor dlogits, written;
       if (want_grad) {
@@ -93,7 +93,7 @@ class CrossEntropyFn : public torch::autograd::Function<CrossEntropyFn> {
 #ifdef DTRAIN_WITH_CUDA
     if (s.size() == 2) {  // the kernel's: the gradient and the upstream gradient it holds
       const auto &saved = s[0], &written = s[1];
-      const c10::cuda::CUDAGuard guard(saved.device());
+      const detail::DeviceGuard guard(saved.device());
       const auto stream = detail::current_stream(saved);
       auto grad = grads[0].to(saved.device(), at::kFloat).contiguous();
       // The first backward rescales the saved gradient in place and hands it over; a
@@ -115,8 +115,7 @@ class CrossEntropyFn : public torch::autograd::Function<CrossEntropyFn> {
       if (first) {
         // It now holds the gradient for this upstream gradient. Not copy_: that would bump
         // the saved tensor's version.
-        DTRAIN_CUDA_CHECK(cudaMemcpyAsync(written.data_ptr<float>(), grad.data_ptr<float>(), sizeof(float),
-                                          cudaMemcpyDeviceToDevice, stream));
+        DTRAIN_CUDA_CHECK(detail::copy_device_async(written.data_ptr<float>(), grad.data_ptr<float>(), sizeof(float), stream));
         ctx->saved_data["handed_over"] = true;
       }
     } else

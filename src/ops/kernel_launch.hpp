@@ -1,12 +1,19 @@
 // What the ops share around a kernel call: whether a tensor is on a device the kernels
-// run on, the kernel dtype of a tensor, the current CUDA stream of its device, and a guard
-// that keeps autocast out of the reference paths (they choose their float32 math).
+// run on, the kernel dtype of a tensor, the device guard, current CUDA stream and
+// device-to-device copy of its device, and a guard that keeps autocast out of the reference
+// paths (they choose their float32 math).
+//
+// DTRAIN_OPS_EMULATED (tests only, with DTRAIN_KERNELS_EMULATE): the ops compiled against
+// the CPU emulator of the kernels (kernels/emulator). Host tensors other than float64 then
+// take the kernel paths, with no guard, a null stream and plain copies, so that the ops'
+// own code (inputs to params, autograd) runs on machines without a GPU.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/DispatchKeySet.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
+#include <cstring>
 #include <string>
 
 #include "dtrain/core/error.hpp"
@@ -20,9 +27,12 @@
 
 namespace dtrain::ops::detail {
 
-// True when this build has the CUDA kernels and t lives on a CUDA device.
+// True when this build has the CUDA kernels and t lives on a CUDA device (emulated: on
+// the host, unless float64, which keeps the reference paths for the tests' references).
 inline bool on_kernel_device(const at::Tensor& t) {
-#ifdef DTRAIN_WITH_CUDA
+#if defined(DTRAIN_OPS_EMULATED)
+  return t.is_cpu() && t.scalar_type() != at::kDouble;
+#elif defined(DTRAIN_WITH_CUDA)
   return t.is_cuda();
 #else
   (void)t;
@@ -53,9 +63,26 @@ inline dtrain_kernel_dtype kernel_dtype(const at::Tensor& t, const char* op, con
   return DTRAIN_KERNEL_F32;
 }
 
+#ifdef DTRAIN_OPS_EMULATED
+struct DeviceGuard {
+  explicit DeviceGuard(const at::Device&) {}
+};
+inline cudaStream_t current_stream(const at::Tensor&) { return nullptr; }
+inline cudaError_t copy_device_async(void* dst, const void* src, std::size_t bytes, cudaStream_t) {
+  std::memcpy(dst, src, bytes);
+  return cudaSuccess;
+}
+#else
+// Makes the tensor's device current for the kernel launches in its scope.
+using DeviceGuard = c10::cuda::CUDAGuard;
 inline cudaStream_t current_stream(const at::Tensor& t) {
   return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
 }
+// bytes from src to dst, both on the device, ordered on stream.
+inline cudaError_t copy_device_async(void* dst, const void* src, std::size_t bytes, cudaStream_t stream) {
+  return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream);
+}
+#endif
 #endif
 
 }  // namespace dtrain::ops::detail

@@ -74,7 +74,7 @@ class NormFn : public torch::autograd::Function<NormFn> {
 #ifdef DTRAIN_WITH_CUDA
     if (kernel_takes(x2, weight, bias)) {
       const char* op = layer ? "layer_norm" : "rms_norm";
-      const c10::cuda::CUDAGuard guard(x.device());
+      const detail::DeviceGuard guard(x.device());
       auto w = kernel_vector(weight), b = kernel_vector(bias);
       y = at::empty_like(x2);
       rstd = at::empty({rows}, x2.options().dtype(at::kFloat));
@@ -125,7 +125,7 @@ class NormFn : public torch::autograd::Function<NormFn> {
 #ifdef DTRAIN_WITH_CUDA
     if (kernel_takes(x2, weight, bias)) {
       const char* op = layer ? "layer_norm" : "rms_norm";
-      const c10::cuda::CUDAGuard guard(x2.device());
+      const detail::DeviceGuard guard(x2.device());
       if (dy.scalar_type() != x2.scalar_type()) dy = dy.to(x2.scalar_type());
       auto w = kernel_vector(weight);
       dx = at::empty_like(x2);

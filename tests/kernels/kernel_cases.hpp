@@ -20,42 +20,9 @@
 #include "dtrain_kernels/attention.h"
 #include "dtrain_kernels/cross_entropy.h"
 #include "dtrain_kernels/norm.h"
-
-#ifdef DTRAIN_KERNELS_EMULATE
-#define KERNEL_SUITE(name) Emulated##name
-inline at::Device kernel_device() { return at::kCPU; }
-inline void kernel_sync() {}
-#define KERNEL_DEVICE_OR_SKIP()
-constexpr bool kLargeCases = false;  // the emulator runs a block in milliseconds, not microseconds
-#else
-#define KERNEL_SUITE(name) Gpu##name
-inline at::Device kernel_device() { return at::kCUDA; }
-inline void kernel_sync() { ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess); }
-#define KERNEL_DEVICE_OR_SKIP()                                                   \
-  do {                                                                            \
-    if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device here";      \
-  } while (0)
-constexpr bool kLargeCases = true;
-#endif
+#include "kernel_device.hpp"
 
 namespace {
-
-dtrain_kernel_dtype kernel_dtype(const at::Tensor& t) {
-  if (t.scalar_type() == at::kBFloat16) return DTRAIN_KERNEL_BF16;
-  if (t.scalar_type() == at::kHalf) return DTRAIN_KERNEL_F16;
-  return DTRAIN_KERNEL_F32;
-}
-
-// On the kernels' device (a copy; the host tensor stays the reference's input).
-at::Tensor dev(const at::Tensor& t) { return t.to(kernel_device()); }
-// An output buffer full of NaN (of an integer type: all ones bits) on the kernels' device.
-at::Tensor poisoned(at::IntArrayRef sizes, at::ScalarType type) {
-  return torch::full(sizes, std::nan(""), torch::TensorOptions().dtype(type).device(kernel_device()));
-}
-
-double max_abs(const at::Tensor& a, const at::Tensor& b) {
-  return (a.cpu().to(at::kDouble) - b.cpu().to(at::kDouble)).abs().max().item<double>();
-}
 
 // ---- AdamW --------------------------------------------------------------------------------
 
@@ -379,18 +346,6 @@ std::string name(const AttnCase& c) {
 }
 
 dtrain_attention_strides strides(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
-
-// The attention kernels to test: every one this device runs, or the one
-// DTRAIN_ATTENTION_KERNEL names (so that a broken kernel can be kept out of a run).
-std::vector<dtrain_attention_kernel> attention_kernels() {
-  const std::string only = dtrain::env::attention_kernel();
-  std::vector<dtrain_attention_kernel> out;
-  for (auto kernel : {DTRAIN_ATTENTION_KERNEL_MMA, DTRAIN_ATTENTION_KERNEL_WGMMA}) {
-    const bool named = only == "auto" || (only == "mma") == (kernel == DTRAIN_ATTENTION_KERNEL_MMA);
-    if (named && dtrain_attention_kernel_available(kernel)) out.push_back(kernel);
-  }
-  return out;
-}
 
 // The forward's params for q, o [batch, heads, seq_q, dim], k, v [batch, kv_heads, seq_k,
 // dim] and lse, in their own strides.

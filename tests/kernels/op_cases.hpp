@@ -1,0 +1,200 @@
+// The ops' test cases (src/ops: autograd Functions over the kernels), compiled twice like
+// kernel_cases.hpp: on CUDA with the compiled kernels (test_kernels_gpu.cpp), and on the
+// host with the CPU emulator (test_ops_emulated.cpp: the ops' own sources built with
+// DTRAIN_OPS_EMULATED, where host tensors take the kernel paths). The reference is the
+// same op on float64 host tensors, which always takes its reference path.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dtrain/core/env.hpp"
+#include "dtrain/core/error.hpp"
+#include "dtrain/ops/attention.hpp"
+#include "dtrain/ops/cross_entropy.hpp"
+#include "dtrain/ops/norm.hpp"
+#include "kernel_device.hpp"
+
+namespace dtrain {
+namespace {
+
+// The autograd op against the same op's reference path in float64 on the host: within
+// twice the error of LibTorch's attention run in the same 16-bit dtype on the same device.
+// The op with each kernel DTRAIN_ATTENTION_KERNEL can name here (see attention_kernels).
+TEST(KERNEL_SUITE(Ops), FlashAttentionAutogradMatchesTheReferencePath) {
+  KERNEL_DEVICE_OR_SKIP();
+  if (!dtrain_attention_kernel_available(DTRAIN_ATTENTION_KERNEL_WGMMA)) {
+    env::ScopedOverride wgmma(env::kAttentionKernel, "wgmma");
+    auto q = torch::randn({1, 2, 8, 64}, torch::TensorOptions().device(kernel_device()).dtype(torch::kBFloat16));
+    EXPECT_THROW(ops::flash_attention(q, q, q, true), InvalidArgument) << "wgmma asked for where it cannot run";
+  }
+  for (auto kernel : attention_kernels()) {
+  env::ScopedOverride only(env::kAttentionKernel, kernel == DTRAIN_ATTENTION_KERNEL_MMA ? "mma" : "wgmma");
+  SCOPED_TRACE(kernel == DTRAIN_ATTENTION_KERNEL_MMA ? "mma.sync" : "wgmma");
+  torch::manual_seed(11);
+  for (bool causal : {true, false}) {
+    for (std::int64_t d : {64, 128, 32, 80}) {
+      // The emulator runs a block in milliseconds: fewer heads and tokens there.
+      const std::int64_t nb = kLargeCases ? 2 : 1, nh = kLargeCases ? 8 : 4, nt = kLargeCases ? 300 : 70;
+      auto q = torch::randn({nb, nh, nt, d}), k = torch::randn({nb, 2, nt, d}), v = torch::randn({nb, 2, nt, d});
+      auto dout = torch::randn({nb, nh, nt, d});
+      auto run = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, const at::Tensor& g,
+                     bool sdpa) -> std::vector<at::Tensor> {
+        auto qa = a.detach().requires_grad_(), kb = b.detach().requires_grad_(), vc = c.detach().requires_grad_();
+        auto o = sdpa ? ops::attention(qa, kb, vc, causal) : ops::flash_attention(qa, kb, vc, causal);
+        o.backward(g);
+        return {o.cpu().to(at::kDouble), qa.grad().cpu().to(at::kDouble), kb.grad().cpu().to(at::kDouble),
+                vc.grad().cpu().to(at::kDouble)};
+      };
+      const auto want = run(q.to(at::kDouble), k.to(at::kDouble), v.to(at::kDouble), dout.to(at::kDouble), false);
+      auto cu = [](const at::Tensor& t) { return t.to(kernel_device(), at::kBFloat16); };
+      const auto got = run(cu(q), cu(k), cu(v), cu(dout), false);
+      const auto sdpa = run(cu(q), cu(k), cu(v), cu(dout), true);  // LibTorch's own bf16 attention
+      for (int i = 0; i < 4; ++i) {
+        const double e = (got[i] - want[i]).abs().max().item<double>();
+        const double base = (sdpa[i] - want[i]).abs().max().item<double>();
+        EXPECT_LE(e, 2 * base + 1e-3) << "output " << i << " d " << d << (causal ? " causal" : "") << ": flash " << e
+                                      << ", sdpa " << base;
+      }
+    }
+  }
+  }
+  for (std::int64_t d : {100, 136}) {  // not a multiple of 8; over 128
+    auto q = torch::randn({1, 2, 8, d}, torch::TensorOptions().device(kernel_device()).dtype(torch::kBFloat16));
+    EXPECT_THROW(ops::flash_attention(q, q, q, true), InvalidArgument) << "head dim " << d;
+  }
+  auto f = torch::randn({1, 2, 8, 64}, kernel_device());
+  EXPECT_THROW(ops::flash_attention(f, f, f, true), InvalidArgument);  // float32 on the kernels' device
+}
+
+TEST(KERNEL_SUITE(Ops), NormsMatchTheReferencePath) {
+  KERNEL_DEVICE_OR_SKIP();
+  torch::manual_seed(12);
+  const std::vector<std::int64_t> shape = kLargeCases ? std::vector<std::int64_t>{4, 129, 768}
+                                                      : std::vector<std::int64_t>{2, 9, 96};
+  const auto cols = shape.back();
+  for (bool layer : {false, true}) {
+    auto x = torch::randn(shape).to(at::kBFloat16), w = torch::randn({cols}), b = torch::randn({cols});
+    auto dy = torch::randn(shape).to(at::kBFloat16);
+    auto run = [&](const at::Device& device, bool exact) {
+      auto in = [&](const at::Tensor& t) { return (exact ? t.to(at::kDouble) : dev(t)).to(device).requires_grad_(); };
+      auto xx = in(x), ww = in(w), bb = in(b);
+      auto y = layer ? ops::layer_norm(xx, ww, bb, 1e-5) : ops::rms_norm(xx, ww, 1e-5);
+      y.backward(exact ? dy.to(at::kDouble) : dev(dy));
+      return std::vector<at::Tensor>{y.cpu().to(at::kDouble), xx.grad().cpu().to(at::kDouble),
+                                     ww.grad().cpu().to(at::kDouble),
+                                     layer ? bb.grad().cpu().to(at::kDouble) : torch::zeros({1}, at::kDouble)};
+    };
+    const auto want = run(at::kCPU, true), got = run(kernel_device(), false);
+    for (int i = 0; i < 4; ++i) {
+      const double scale = want[i].abs().max().item<double>() + 1;
+      EXPECT_LT((got[i] - want[i]).abs().max().item<double>(), 1e-2 * scale) << (layer ? "layer " : "rms ") << i;
+    }
+  }
+}
+
+// The cross-entropy op writes the gradient in its forward for the upstream gradient it is
+// told: told right (2), told wrong (the default 1: the backward rescales), in place, and
+// graphs that backpropagate twice (2, then 3: the gradients add up to 5 times the unit
+// one) and three times into a leaf's .grad.
+TEST(KERNEL_SUITE(Ops), CrossEntropyMatchesTheReferencePath) {
+  KERNEL_DEVICE_OR_SKIP();
+  torch::manual_seed(13);
+  // Rows of 50304 (and 1008) take the kernels' 16-byte accesses, 1003 one element each.
+  const std::int64_t rows = kLargeCases ? 257 : 37;
+  for (std::int64_t vocab : kLargeCases ? std::vector<std::int64_t>{50304} : std::vector<std::int64_t>{1003, 1008}) {
+    auto logits = (torch::randn({rows, vocab}) * 2).to(at::kBFloat16);
+    auto target = torch::randint(0, vocab, {rows}, torch::kLong);
+    target[0] = -100;
+    struct Case {
+      const char* name;
+      double told;
+      bool in_place;
+      std::vector<double> upstream;  // one backward each, the graph retained between
+    };
+    for (const Case& c : {Case{"told", 2, false, {2}}, Case{"untold", 1, false, {2}}, Case{"in place", 2, true, {2}},
+                          Case{"twice", 2, true, {2, 3}}, Case{"thrice", 1, false, {3, 0.5, 2}}}) {
+      SCOPED_TRACE(std::string(c.name) + " vocab " + std::to_string(vocab));
+      auto run = [&](const at::Device& device, bool exact) {
+        auto l = (exact ? logits.to(at::kDouble) : dev(logits)).to(device).requires_grad_();
+        ops::CrossEntropyOptions o;
+        o.grad_scale = c.told;
+        o.in_place = c.in_place;
+        auto loss = ops::cross_entropy(l, target.to(device), o);
+        // Each backward's gradient as a hook sees it, and a copy taken right then: one
+        // handed out stays as it was through the later backwards.
+        std::vector<at::Tensor> seen, then;
+        l.register_hook([&](const at::Tensor& g) { seen.push_back(g); });
+        for (std::size_t i = 0; i < c.upstream.size(); ++i) {
+          (loss * c.upstream[i]).backward({}, /*retain_graph=*/i + 1 < c.upstream.size());
+          then.push_back(seen.back().clone());
+        }
+        for (std::size_t i = 0; i < seen.size(); ++i) EXPECT_TRUE(torch::equal(seen[i], then[i])) << i;
+        return std::make_pair(loss.item<double>(), l.grad().cpu().to(at::kDouble));
+      };
+      const auto want = run(at::kCPU, true), got = run(kernel_device(), false);
+      EXPECT_NEAR(got.first, want.first, 1e-4 * want.first);
+      // Gradients up to (sum of upstream) / (rows - 1); a bfloat16 rounding of those is
+      // 2^-9 of that. Allow eight (the forward's, the rescale's, each accumulation's into
+      // the bfloat16 .grad); a wrong factor is off by a sixth of the largest at least.
+      double total = 0;
+      for (double u : c.upstream) total += u;
+      EXPECT_LT((got.second - want.second).abs().max().item<double>(), 8 * total / (rows - 1) / 512);
+      EXPECT_EQ(got.second[0].abs().sum().item<double>(), 0.0);
+    }
+  }
+  auto logits = (torch::randn({rows, 1008}) * 2).to(at::kBFloat16);
+  auto target = dev(torch::randint(0, 1008, {rows}, torch::kLong));
+  ops::CrossEntropyOptions in_place;
+  in_place.in_place = true;
+  // Logits that are not a leaf (a matmul's output through reshapes, as in the model), in
+  // place, three backwards through a retained graph: the matmul's gradients.
+  {
+    auto h = torch::randn({rows, 16}), w = torch::randn({1008, 16});
+    auto grads = [&](const at::Device& device, at::ScalarType type) {
+      auto hh = h.to(device, type, false, true).requires_grad_(), ww = w.to(device, type, false, true).requires_grad_();
+      ops::CrossEntropyOptions o = in_place;
+      o.grad_scale = 2;
+      auto loss = ops::cross_entropy(at::matmul(hh, ww.t()).reshape({1, rows, 1008}).reshape({rows, 1008}),
+                                     target.to(device), o);
+      for (double u : {2.0, 2.0, 5.0}) (loss * u).backward({}, /*retain_graph=*/true);
+      return std::make_pair(hh.grad().cpu().to(at::kDouble), ww.grad().cpu().to(at::kDouble));
+    };
+    const auto want = grads(at::kCPU, at::kDouble), got = grads(kernel_device(), at::kFloat);
+    EXPECT_LT((got.first - want.first).abs().max().item<double>(), 1e-4);
+    EXPECT_LT((got.second - want.second).abs().max().item<double>(), 1e-4);
+  }
+  // In place, the logits are gone: a graph that saved them fails in its backward instead
+  // of reading the gradient.
+  {
+    auto l = dev(logits.to(at::kFloat)).requires_grad_();
+    auto a = l * 1;
+    auto side = a.sin().sum();  // saves a
+    auto loss = ops::cross_entropy(a, target, in_place);
+    EXPECT_THROW((loss + side).backward(), c10::Error);
+  }
+  // Without grad mode nothing is written, in place or not.
+  {
+    torch::NoGradGuard no_grad;
+    auto kept = dev(logits).requires_grad_();
+    ops::cross_entropy(kept, target, in_place);
+    EXPECT_TRUE(torch::equal(kept.detach().cpu(), logits));
+  }
+  // Column-strided logits: the op's contiguous copy takes the gradient; the caller's stay.
+  {
+    auto l = dev(logits.to(at::kFloat)).t().contiguous().t().requires_grad_();
+    const auto before = l.detach().clone();
+    ops::cross_entropy(l, target, in_place).backward();
+    EXPECT_TRUE(torch::equal(l.detach(), before));
+    auto ref = logits.to(at::kDouble).requires_grad_();
+    ops::cross_entropy(ref, target.cpu()).backward();
+    EXPECT_LT((l.grad().cpu().to(at::kDouble) - ref.grad()).abs().max().item<double>(), 1e-6);
+  }
+}
+
+}  // namespace
+}  // namespace dtrain
