@@ -115,7 +115,8 @@ class CrossEntropyFn : public torch::autograd::Function<CrossEntropyFn> {
       if (first) {
         // It now holds the gradient for this upstream gradient. Not copy_: that would bump
         // the saved tensor's version.
-        DTRAIN_CUDA_CHECK(detail::copy_device_async(written.data_ptr<float>(), grad.data_ptr<float>(), sizeof(float), stream));
+        DTRAIN_CUDA_CHECK(
+            detail::copy_device_async(written.data_ptr<float>(), grad.data_ptr<float>(), sizeof(float), stream));
         ctx->saved_data["handed_over"] = true;
       }
     } else
