@@ -15,6 +15,7 @@
 #include "common/corpus.hpp"
 #include "dtrain/core/env.hpp"
 #include "dtrain/core/error.hpp"
+#include "dtrain/ops/adamw.hpp"
 #include "dtrain/ops/attention.hpp"
 #include "dtrain/ops/cross_entropy.hpp"
 #include "dtrain/ops/norm.hpp"
@@ -196,6 +197,43 @@ TEST(KERNEL_SUITE(Ops), CrossEntropyMatchesTheReferencePath) {
     auto ref = logits.to(at::kDouble).requires_grad_();
     ops::cross_entropy(ref, target.cpu()).backward();
     EXPECT_LT((l.grad().cpu().to(at::kDouble) - ref.grad()).abs().max().item<double>(), 1e-6);
+  }
+}
+
+// Fused AdamW over segments of 1, 1000 (with weight decay) and more elements, bfloat16
+// gradients unscaled by 1/1024 and a bfloat16 model copy, for three steps, against
+// LibTorch's AdamW in float64 on the same (unscaled) gradients. eps is of the gradients'
+// size, so that a wrong unscaling shows (Adam's step is otherwise nearly scale-free).
+TEST(KERNEL_SUITE(Ops), FusedAdamWMatchesLibTorchAdamW) {
+  KERNEL_DEVICE_OR_SKIP();
+  torch::manual_seed(13);
+  const double lr = 1e-3, beta1 = 0.9, beta2 = 0.95, eps = 0.1, scale = 1.0 / 1024;
+  std::vector<ops::AdamWSegment> segs;
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  std::vector<at::Tensor> ref_params;
+  for (std::int64_t n : {std::int64_t{1}, std::int64_t{1000}, kLargeCases ? std::int64_t{123457} : std::int64_t{20001}}) {
+    const double decay = n == 1000 ? 0.1 : 0.0;
+    auto p = torch::randn({n}), g = (torch::randn({n}) * (0.1 * 1024)).to(at::kBFloat16);
+    segs.push_back({dev(p), dev(g), dev(torch::zeros({n})), dev(torch::zeros({n})),
+                    dev(torch::zeros({n}, at::kBFloat16)), decay});
+    auto rp = p.to(at::kDouble).requires_grad_();
+    rp.mutable_grad() = g.to(at::kDouble) * scale;
+    ref_params.push_back(rp);
+    groups.emplace_back(std::vector<at::Tensor>{rp},
+                        std::make_unique<torch::optim::AdamWOptions>(
+                            torch::optim::AdamWOptions(lr).betas({beta1, beta2}).eps(eps).weight_decay(decay)));
+  }
+  torch::optim::AdamW ref(groups, torch::optim::AdamWOptions(lr));
+  for (std::int64_t step = 1; step <= 3; ++step) {
+    auto h = ops::adamw_hyper(lr, beta1, beta2, eps, step);
+    h.grad_scale = scale;
+    ops::fused_adamw(segs, h);
+    ref.step();
+  }
+  kernel_sync();
+  for (std::size_t i = 0; i < segs.size(); ++i) {
+    EXPECT_LT(max_abs(segs[i].param, ref_params[i].detach()), 1e-6) << i;
+    EXPECT_TRUE(torch::equal(segs[i].model_param.cpu(), segs[i].param.cpu().to(at::kBFloat16))) << i;
   }
 }
 
