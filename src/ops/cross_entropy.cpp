@@ -2,8 +2,8 @@
 // a float32 reference path. On CUDA the forward writes the logit gradient for the
 // announced upstream gradient and saves it; the backward hands it over, rescaled on the
 // device when autograd's upstream gradient differs (a retained graph's later backwards
-// get a rescaled copy: autograd may keep the first one as a leaf's .grad). The reference
-// path saves the logits and the row log-sum-exp and rebuilds softmax - onehot.
+// get a rescaled copy: the first one's may still be held, by a hook for one). The
+// reference path saves the logits and the row log-sum-exp and rebuilds softmax - onehot.
 #include "dtrain/ops/cross_entropy.hpp"
 
 #include <torch/torch.h>
