@@ -1,12 +1,14 @@
-// The emulator's scheduler (simt.hpp): ucontext fibers, one per thread of the running
-// block, a block barrier, one barrier per warp and one per warpgroup (128 threads). A fiber runs until it reaches a barrier
+// The emulator's scheduler (simt.hpp): fibers, one per thread of the running block, a block barrier, one barrier per warp and one per warpgroup (128 threads). A fiber runs until it reaches a barrier
 // or ends. Warps run one at a time up to each block barrier, in an order that flips every
 // phase, so that a missing __syncthreads shows as a wrong result.
 #include "simt.hpp"
 
+#if !defined(__x86_64__)
 #include <ucontext.h>
+#endif
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <string>
@@ -22,10 +24,91 @@ namespace {
 constexpr std::size_t kStack = 256 * 1024;
 constexpr std::size_t kSlot = 64;  // bytes a lane publishes in one exchange
 
+// ---- fiber contexts --------------------------------------------------------------------------
+// A switch happens at every barrier, shuffle and MMA of every emulated thread, so it must be
+// cheap. On x86-64 it saves the callee-saved registers and the floating-point control words
+// on the old stack and takes the new one (no system call; swapcontext also saves and
+// restores the signal mask, one rt_sigprocmask each way, which cost a third of the emulated
+// tests' time); elsewhere it is ucontext.
+#if defined(__x86_64__)
+}  // namespace
+}  // namespace dtrain_emu
+// dtrain_emu_switch(from, to): *from = this stack, then resume the stack `to` (System V:
+// rbx, rbp, r12-r15, MXCSR and the x87 control word are the callee's to keep).
+extern "C" void dtrain_emu_switch(void** from, void* to);
+asm(R"(
+  .pushsection .text
+  .globl dtrain_emu_switch
+  .hidden dtrain_emu_switch
+  .type dtrain_emu_switch, @function
+dtrain_emu_switch:
+  .cfi_startproc
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .cfi_endproc
+  .size dtrain_emu_switch, .-dtrain_emu_switch
+  .popsection
+)");
+namespace dtrain_emu {
+namespace {
+struct Context {
+  void* sp = nullptr;
+};
+void switch_context(Context& from, Context& to) { dtrain_emu_switch(&from.sp, to.sp); }
+// The stack a first switch to `c` starts `start` on: the frame dtrain_emu_switch pops (the
+// control words as they are now, zeroed registers, `start` as the return address), then a
+// null return address for `start`, which must never return; `start` is entered with the
+// stack as a call leaves it (16-byte aligned before the call).
+void make_context(Context& c, char* stack, std::size_t size, void (*start)()) {
+  auto top = (reinterpret_cast<std::uintptr_t>(stack) + size) & ~std::uintptr_t{15};
+  auto* frame = reinterpret_cast<std::uint64_t*>(top - 72);
+  std::uint32_t mxcsr = 0;
+  std::uint16_t fpucw = 0;
+  asm volatile("stmxcsr %0" : "=m"(mxcsr));
+  asm volatile("fnstcw %0" : "=m"(fpucw));
+  frame[0] = mxcsr | std::uint64_t{fpucw} << 32;
+  for (int i = 1; i <= 6; ++i) frame[i] = 0;  // r15 r14 r13 r12 rbx rbp
+  frame[7] = reinterpret_cast<std::uint64_t>(start);
+  frame[8] = 0;
+  c.sp = frame;
+}
+#else
+struct Context {
+  ucontext_t uc;
+};
+void switch_context(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+void make_context(Context& c, char* stack, std::size_t size, void (*start)()) {
+  getcontext(&c.uc);
+  c.uc.uc_stack.ss_sp = stack;
+  c.uc.uc_stack.ss_size = size;
+  c.uc.uc_link = nullptr;  // start never returns
+  makecontext(&c.uc, start, 0);
+}
+#endif
+
 enum class Wait { kNone, kBlock, kWarp, kGroup, kMbarrier, kNamed, kPass };
 
 struct Fiber {
-  ucontext_t ctx;
+  Context ctx;
   std::unique_ptr<char[]> stack;
   bool done = false;
   Wait wait = Wait::kNone;
@@ -101,7 +184,7 @@ struct State {
   std::vector<WgmmaThread> wgmma;
   std::vector<BulkThread> bulk;
   Barrier block;
-  ucontext_t scheduler;
+  Context scheduler;
   int current = 0;
   const std::function<void()>* body = nullptr;
   std::vector<unsigned char> smem;
@@ -118,7 +201,7 @@ struct State {
 };
 State s;
 
-void yield() { swapcontext(&s.fibers[s.current].ctx, &s.scheduler); }
+void yield() { switch_context(s.fibers[s.current].ctx, s.scheduler); }
 
 // Closes a thread's open group of asynchronous operations (wgmma or bulk): the ops issued
 // since the last commit get its number.
@@ -146,7 +229,8 @@ void entry() {
   s.block.leave();
   s.warps[me / 32].leave();
   s.groups[me / 128].leave();
-  // Returning resumes uc_link, the scheduler.
+  yield();  // for good: the scheduler never resumes a finished fiber
+  std::abort();
 }
 
 void set_thread(int linear) {
@@ -160,11 +244,7 @@ void run_block(int threads) {
     auto& f = s.fibers[i];
     f.done = false;
     f.wait = Wait::kNone;
-    getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = f.stack.get();
-    f.ctx.uc_stack.ss_size = kStack;
-    f.ctx.uc_link = &s.scheduler;
-    makecontext(&f.ctx, entry, 0);
+    make_context(f.ctx, f.stack.get(), kStack, entry);
   }
   s.block = Barrier{};
   s.block.alive = threads;
@@ -211,7 +291,7 @@ void run_block(int threads) {
         f.wait = Wait::kNone;
         s.current = i;
         set_thread(i);
-        swapcontext(&s.scheduler, &f.ctx);
+        switch_context(s.scheduler, f.ctx);
         any = ran = true;
         if (f.done) --remaining;
       }
