@@ -6,6 +6,18 @@
 #if !defined(__x86_64__)
 #include <ucontext.h>
 #endif
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define DTRAIN_EMU_ASAN 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__) && !defined(DTRAIN_EMU_ASAN)
+#define DTRAIN_EMU_ASAN 1
+#endif
+#ifdef DTRAIN_EMU_ASAN
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
 
 #include <algorithm>
 #include <cstdlib>
@@ -29,7 +41,8 @@ constexpr std::size_t kSlot = 64;  // bytes a lane publishes in one exchange
 // cheap. On x86-64 it saves the callee-saved registers and the floating-point control words
 // on the old stack and takes the new one (no system call; swapcontext also saves and
 // restores the signal mask, one rt_sigprocmask each way, which cost a third of the emulated
-// tests' time); elsewhere it is ucontext.
+// tests' time); elsewhere it is ucontext. Under AddressSanitizer each switch is announced
+// to it (the stack it checks accesses against, and its fake stacks).
 #if defined(__x86_64__)
 }  // namespace
 }  // namespace dtrain_emu
@@ -72,8 +85,10 @@ namespace dtrain_emu {
 namespace {
 struct Context {
   void* sp = nullptr;
+  const void* bottom = nullptr;  // the stack, for AddressSanitizer
+  std::size_t size = 0;
 };
-void switch_context(Context& from, Context& to) { dtrain_emu_switch(&from.sp, to.sp); }
+void jump(Context& from, Context& to) { dtrain_emu_switch(&from.sp, to.sp); }
 // The stack a first switch to `c` starts `start` on: the frame dtrain_emu_switch pops (the
 // control words as they are now, zeroed registers, `start` as the return address), then a
 // null return address for `start`, which must never return; `start` is entered with the
@@ -90,20 +105,41 @@ void make_context(Context& c, char* stack, std::size_t size, void (*start)()) {
   frame[7] = reinterpret_cast<std::uint64_t>(start);
   frame[8] = 0;
   c.sp = frame;
+  c.bottom = stack;
+  c.size = size;
 }
 #else
 struct Context {
   ucontext_t uc;
+  const void* bottom = nullptr;  // the stack, for AddressSanitizer
+  std::size_t size = 0;
 };
-void switch_context(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+void jump(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
 void make_context(Context& c, char* stack, std::size_t size, void (*start)()) {
   getcontext(&c.uc);
   c.uc.uc_stack.ss_sp = stack;
   c.uc.uc_stack.ss_size = size;
   c.uc.uc_link = nullptr;  // start never returns
   makecontext(&c.uc, start, 0);
+  c.bottom = stack;
+  c.size = size;
 }
 #endif
+
+// Every switch is between the scheduler and a fiber, so the context switched to is the one
+// that later switches back: its stack is the one AddressSanitizer says was left. A fiber
+// that has ended switches away for good (its fake stack can go).
+void switch_context(Context& from, Context& to, bool from_ended = false) {
+#ifdef DTRAIN_EMU_ASAN
+  void* fake = nullptr;
+  __sanitizer_start_switch_fiber(from_ended ? nullptr : &fake, to.bottom, to.size);
+  jump(from, to);
+  __sanitizer_finish_switch_fiber(fake, &to.bottom, &to.size);
+#else
+  (void)from_ended;
+  jump(from, to);
+#endif
+}
 
 enum class Wait { kNone, kBlock, kWarp, kGroup, kMbarrier, kNamed, kPass };
 
@@ -216,6 +252,9 @@ void commit_group(Thread& th) {
 void land_copies(Mbarrier& m);  // below
 
 void entry() {
+#ifdef DTRAIN_EMU_ASAN
+  __sanitizer_finish_switch_fiber(nullptr, &s.scheduler.bottom, &s.scheduler.size);
+#endif
   const int me = s.current;
   try {
     (*s.body)();
@@ -229,7 +268,7 @@ void entry() {
   s.block.leave();
   s.warps[me / 32].leave();
   s.groups[me / 128].leave();
-  yield();  // for good: the scheduler never resumes a finished fiber
+  switch_context(s.fibers[me].ctx, s.scheduler, true);  // for good: never resumed
   std::abort();
 }
 
@@ -244,6 +283,9 @@ void run_block(int threads) {
     auto& f = s.fibers[i];
     f.done = false;
     f.wait = Wait::kNone;
+#ifdef DTRAIN_EMU_ASAN
+    ASAN_UNPOISON_MEMORY_REGION(f.stack.get(), kStack);  // its last run's frames, never unwound
+#endif
     make_context(f.ctx, f.stack.get(), kStack, entry);
   }
   s.block = Barrier{};
@@ -338,7 +380,9 @@ void launch(dim3 grid, dim3 block, std::size_t smem, const std::function<void()>
     for (unsigned y = 0; y < grid.y; ++y) {
       for (unsigned x = 0; x < grid.x; ++x) {
         block_idx = {x, y, z};
-        s.smem.assign(smem, 0xff);
+        // A fresh buffer of exactly the launch's size, so that under AddressSanitizer an
+        // access past its end is reported (a reused one's spare capacity would hide it).
+        s.smem = std::vector<unsigned char>(smem, 0xff);
         s.async_smem = s.smem;
         s.async_fenced = false;
         run_block(threads);
