@@ -20,6 +20,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <map>
 #include <memory>
@@ -162,13 +163,31 @@ struct Barrier {
     ++gen;
     return true;
   }
-  void leave() {
+  bool leave() {  // true when this departure completes the barrier
     --alive;
     if (arrived > 0 && arrived >= alive) {
       arrived = 0;
       ++gen;
+      return true;
     }
+    return false;
   }
+};
+
+// The race check's happens-before order (see State::writer): a vector clock per warp,
+// holding for every warp of the block the last slice of it that this warp is ordered after.
+// A barrier, named barrier or mbarrier orders its arrivals before the waits it releases:
+// each arrival joins the arriving warp's clock into `arrived`, each completed phase joins
+// that into `released`, and a released wait joins `released` into its warp's clock. The
+// warp and warpgroup barriers the emulator adds (shuffles, MMA, wgmma issue and wait) order
+// nothing: the hardware's wgmma is not a barrier. Clocks per warp, not per thread, and
+// `released` only ever growing, can hide a race but never report a false one.
+using Clock = std::array<std::uint32_t, 32>;
+void join(Clock& into, const Clock& from) {
+  for (std::size_t i = 0; i < into.size(); ++i) into[i] = std::max(into[i], from[i]);
+}
+struct Ordering {
+  Clock arrived{}, released{};
 };
 
 // A wgmma a thread has issued and not yet retired (its group's wait does the product).
@@ -194,6 +213,7 @@ struct TmaCopy {
   std::uint32_t dst;
 };
 struct Mbarrier {
+  Ordering order;
   int count = 0, pending = 0;  // arrivals per phase, and still to come in this one
   std::int64_t tx = 0;         // transaction bytes still to come in this phase
   std::uint64_t phase = 0;     // completed phases
@@ -210,6 +230,7 @@ struct BulkThread {
   int commits = 0;
 };
 struct NamedBarrier {
+  Ordering order;
   int threads = 0, arrived = 0;
   std::uint64_t gen = 0;
 };
@@ -234,8 +255,70 @@ struct State {
   NamedBarrier named[16];
   std::uint64_t pass = 0;  // the scheduler's passes over the warpgroups
   std::string error;
+  // Race check: a read of shared memory through ldmatrix, a wgmma descriptor or a bulk
+  // reduction must be ordered after every store another warp made to those bytes (by a
+  // barrier, see Clock). Stores are plain C++ here, so they are found by comparing smem with
+  // `seen` (a copy as of the last comparison) at the end of each slice (a warp's turn to run:
+  // all its stores then are its own) and for the bytes a check reads. A store of the value
+  // a byte already held goes unseen. The async proxy's stores (TMA) are writer 0.
+  std::vector<unsigned char> seen;
+  std::vector<std::uint8_t> writer;       // warp + 1 that stored the byte last
+  std::vector<std::uint32_t> written_in;  // that warp's slice then
+  std::vector<Clock> clocks;              // per warp
+  Ordering block_order;                   // __syncthreads
+  std::uint32_t slices = 0;
+  int slice_warp = -1;                    // the warp running now; -1: the scheduler
 };
 State s;
+
+// ---- the race check (State::seen) --------------------------------------------------------
+void release(Ordering& o) { join(o.arrived, s.clocks[s.current / 32]); }
+void complete(Ordering& o) {
+  join(o.released, o.arrived);
+  o.arrived = Clock{};
+}
+void acquire(const Ordering& o) { join(s.clocks[s.current / 32], o.released); }
+
+// Marks the bytes in [lo, hi) that changed since the last look as the running warp's.
+void attribute(std::size_t lo, std::size_t hi) {
+  const int w = s.slice_warp;
+  if (w < 0) return;
+  hi = std::min(hi, s.smem.size());
+  constexpr std::size_t kRun = 256;
+  for (std::size_t c = lo; c < hi; c += kRun) {
+    const std::size_t end = std::min(c + kRun, hi);
+    if (std::memcmp(&s.smem[c], &s.seen[c], end - c) == 0) continue;
+    for (std::size_t b = c; b < end; ++b) {
+      if (s.smem[b] == s.seen[b]) continue;
+      s.seen[b] = s.smem[b];
+      s.writer[b] = static_cast<std::uint8_t>(w + 1);
+      s.written_in[b] = s.clocks[w][w];
+    }
+  }
+}
+void begin_slice(int w) {
+  s.slice_warp = w;
+  s.clocks[w][w] = ++s.slices;
+}
+void end_slice() {
+  attribute(0, s.smem.size());
+  s.slice_warp = -1;
+}
+
+// Throws unless every byte of [off, off + n) that another warp stored is ordered before
+// this read.
+void check_ordered(std::size_t off, std::size_t n, const char* what) {
+  attribute(off, off + n);
+  const int w = s.current / 32;
+  for (std::size_t b = off; b < off + n && b < s.smem.size(); ++b) {
+    const int j = s.writer[b] - 1;
+    if (j >= 0 && j != w && s.written_in[b] > s.clocks[w][j]) {
+      throw std::runtime_error("emulator: race: " + std::string(what) + " of warp " + std::to_string(w) +
+                               " reads shared memory (byte " + std::to_string(b) + ") that warp " + std::to_string(j) +
+                               " stored with no barrier between");
+    }
+  }
+}
 
 void yield() { switch_context(s.fibers[s.current].ctx, s.scheduler); }
 
@@ -265,7 +348,8 @@ void entry() {
     if (s.error.empty()) s.error = e.what();
   }
   s.fibers[me].done = true;
-  s.block.leave();
+  release(s.block_order);  // an exited thread counts as arrived at every later __syncthreads
+  if (s.block.leave()) complete(s.block_order);
   s.warps[me / 32].leave();
   s.groups[me / 128].leave();
   switch_context(s.fibers[me].ctx, s.scheduler, true);  // for good: never resumed
@@ -298,6 +382,12 @@ void run_block(int threads) {
   s.bulk.assign(threads, BulkThread{});
   s.mbarriers.clear();
   for (auto& n : s.named) n = NamedBarrier{};
+  s.seen = s.smem;
+  s.writer.assign(s.smem.size(), 0);
+  s.written_in.assign(s.smem.size(), 0);
+  s.clocks.assign((threads + 31) / 32, Clock{});
+  s.block_order = Ordering{};
+  s.slices = 0;
   // One warp at a time runs until all its threads wait at the block barrier (or end), so
   // that a warp gets ahead of the others as far as the barriers allow; the warps of one
   // warpgroup (4 warps) take turns until the whole group waits there, so that a group gets
@@ -324,6 +414,7 @@ void run_block(int threads) {
   auto run_warp = [&](int w) {  // true when any of its threads ran
     const int lanes = std::min(32, threads - w * 32);
     bool ran = false;
+    begin_slice(w);
     for (bool any = true; any;) {
       any = false;
       for (int lk = 0; lk < lanes; ++lk) {
@@ -334,10 +425,14 @@ void run_block(int threads) {
         s.current = i;
         set_thread(i);
         switch_context(s.scheduler, f.ctx);
+        // A thread that threw ends the block at once: the others may be waiting on what it
+        // never wrote (an ldmatrix lane's row address, say).
+        if (!s.error.empty()) throw std::runtime_error("emulator: a kernel thread threw: " + s.error);
         any = ran = true;
         if (f.done) --remaining;
       }
     }
+    end_slice();
     return ran;
   };
   while (remaining > 0) {
@@ -356,10 +451,9 @@ void run_block(int threads) {
     if (!progressed) {
       throw std::runtime_error("emulator: block (" + std::to_string(block_idx.x) + "," + std::to_string(block_idx.y) +
                                "," + std::to_string(block_idx.z) + ") deadlocked: some threads wait at a barrier "
-                               "others never reach" + (s.error.empty() ? "" : " (after: " + s.error + ")"));
+                               "others never reach");
     }
   }
-  if (!s.error.empty()) throw std::runtime_error("emulator: a kernel thread threw: " + s.error);
 }
 
 }  // namespace
@@ -406,18 +500,26 @@ const unsigned char* async_view() {
 }
 
 // The running thread arrives at barrier b (the block's, its warp's or its warpgroup's) and,
-// unless it is the last to arrive, waits there.
-void arrive_and_wait(Barrier& b, Wait kind) {
+// unless it is the last to arrive, waits there. Only the block's orders memory (`order`).
+void arrive_and_wait(Barrier& b, Wait kind, Ordering* order = nullptr) {
   auto& f = s.fibers[s.current];
   f.gen = b.gen;
-  if (b.arrive()) return;
+  if (order != nullptr) release(*order);
+  if (b.arrive()) {
+    if (order != nullptr) {
+      complete(*order);
+      acquire(*order);
+    }
+    return;
+  }
   f.wait = kind;
   yield();
+  if (order != nullptr) acquire(*order);
 }
 void sync_group() { arrive_and_wait(s.groups[s.current / 128], Wait::kGroup); }
 }  // namespace
 
-void sync_threads() { arrive_and_wait(s.block, Wait::kBlock); }
+void sync_threads() { arrive_and_wait(s.block, Wait::kBlock, &s.block_order); }
 void sync_warp() { arrive_and_wait(s.warps[s.current / 32], Wait::kWarp); }
 
 int lane() { return s.current % 32; }
@@ -492,6 +594,7 @@ void ldmatrix_x4(std::uint32_t out[4], const void* row, bool trans) {
   if (addr < s.smem.data() || addr + 16 > s.smem.data() + s.smem.size()) {
     throw std::runtime_error("emulator: ldmatrix row outside the dynamic shared memory");
   }
+  check_ordered(static_cast<std::size_t>(addr - s.smem.data()), 16, "ldmatrix");
   const int base = s.current / 32 * 32, l = s.current - base, g = l / 4, t = l % 4;
   std::memcpy(&s.slots[static_cast<std::size_t>(s.current) * kSlot], &row, sizeof(row));
   sync_warp();
@@ -635,6 +738,20 @@ void wgmma(float* d, int n, std::uint64_t desc_a, const std::uint32_t* a_regs, s
     }
     if (it->d == d) break;
   }
+  if (lane() == 0) {  // the operands in shared memory, as the whole warpgroup's operation reads them
+    auto check = [](std::uint64_t desc, int mn, bool mn_major) {
+      const Desc dd = decode(desc);
+      for (int r = 0; r < mn; ++r) {
+        for (int k = 0; k < 16; ++k) {
+          std::size_t off = desc_offset(dd, r, k, mn_major);
+          if (dd.swizzle128) off = swizzle128(off);
+          check_ordered(off, 2, "a wgmma");
+        }
+      }
+    };
+    if (a_regs == nullptr) check(desc_a, 64, false);
+    check(desc_b, n, trans_b);
+  }
   WgmmaOp op{d, n, desc_a, desc_b, {0, 0, 0, 0}, a_regs != nullptr, trans_b, accumulate, bf16,
              std::vector<float>(d, d + n / 2), 0};
   if (a_regs) std::memcpy(op.a, a_regs, sizeof(op.a));
@@ -700,11 +817,13 @@ void complete_if_done(Mbarrier& m) {
   if (m.pending == 0 && m.tx == 0) {
     ++m.phase;
     m.pending = m.count;
+    complete(m.order);
   }
 }
 
 void arrive(Mbarrier& m, const char* what) {
   if (m.pending == 0) throw std::runtime_error(std::string("emulator: ") + what + ": more arrivals than the mbarrier's count");
+  release(m.order);
   --m.pending;
   complete_if_done(m);
 }
@@ -718,6 +837,7 @@ void land_copies(Mbarrier& m) {
     for (int i = 0; i < t.rank; ++i) elems *= t.box[i];
     const std::uint64_t bytes = elems * t.elem_bytes;
     if (c.dst + bytes > s.smem.size()) throw std::runtime_error("emulator: TMA box past the dynamic shared memory");
+    attribute(c.dst, c.dst + (bytes + 127) / 128 * 128);  // the running warp's stores before the copy's
     for (std::uint64_t e = 0; e < elems; ++e) {
       std::uint64_t rest = e;
       bool inside = true;
@@ -730,13 +850,15 @@ void land_copies(Mbarrier& m) {
       }
       std::size_t off = c.dst + e * t.elem_bytes;
       if (t.swizzle == 128) off = swizzle128(off);
-      for (unsigned char* mem : {s.smem.data(), s.async_smem.data()}) {  // the async proxy's own write
+      // The async proxy's own write, which the race check takes as no warp's.
+      for (unsigned char* mem : {s.smem.data(), s.async_smem.data(), s.seen.data()}) {
         if (inside) {
           std::memcpy(mem + off, src, t.elem_bytes);
         } else {
           std::memset(mem + off, 0, t.elem_bytes);
         }
       }
+      std::fill_n(&s.writer[off], t.elem_bytes, 0);
     }
     m.tx -= static_cast<std::int64_t>(bytes);
   }
@@ -772,12 +894,16 @@ void mbarrier_arrive_expect_tx(void* bar, std::uint32_t bytes) {
 void mbarrier_wait(void* bar, int parity) {
   auto& m = mbarrier_at(bar, "mbarrier_wait");
   land_copies(m);
-  if (static_cast<int>(m.phase & 1) != (parity & 1)) return;
+  if (static_cast<int>(m.phase & 1) != (parity & 1)) {
+    acquire(m.order);
+    return;
+  }
   auto& f = s.fibers[s.current];
   f.mbarrier = shared_address(bar);
   f.parity = parity & 1;
   f.wait = Wait::kMbarrier;
   yield();
+  acquire(m.order);
 }
 
 void tma_load(void* dst, const void* map, const int* coords, void* bar) {
@@ -817,6 +943,7 @@ void bulk_reduce_add_f32(float* dst, const void* src, std::uint32_t bytes) {
     throw std::runtime_error("emulator: bulk reduction addresses must be 16-byte aligned");
   }
   if (off + bytes > s.smem.size()) throw std::runtime_error("emulator: bulk reduction source past the shared memory");
+  check_ordered(off, bytes, "a bulk reduction");
   s.bulk[s.current].ops.push_back({dst, off, bytes, 0});
 }
 
@@ -846,15 +973,19 @@ void named_arrive(int id, int threads, bool wait) {
   if (b.threads != threads) throw std::runtime_error("emulator: named barrier used with different thread counts");
   auto& f = s.fibers[s.current];
   f.gen = b.gen;
+  release(b.order);
   if (++b.arrived == b.threads) {
     b.arrived = 0;
     ++b.gen;
+    complete(b.order);
+    if (wait) acquire(b.order);
     return;
   }
   if (!wait) return;
   f.named = id;
   f.wait = Wait::kNamed;
   yield();
+  acquire(b.order);
 }
 }  // namespace
 

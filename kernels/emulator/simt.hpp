@@ -5,7 +5,9 @@
 // the kernels' logic (indexing, masking, reductions, synchronisation) with the fragment
 // and shared-memory layouts of mma.sync, ldmatrix and wgmma as the PTX ISA documents
 // them; it says nothing about speed, and a layout this file gets wrong would be wrong in
-// the same way here and in the kernels.
+// the same way here and in the kernels. It reports shared-memory races: a read through
+// ldmatrix, a wgmma descriptor or a bulk reduction of bytes that another warp stored with
+// no __syncthreads, named barrier or mbarrier between (launch then throws "... race: ...").
 #pragma once
 
 #include <cuda_bf16.h>

@@ -5,10 +5,14 @@
 #define DTRAIN_KERNELS_EMULATE  // the dtrain_emu_* entry points
 #include "kernel_cases.hpp"
 
+#include <cstring>
+#include <functional>
 #include <set>
+#include <string>
 #include <utility>
 
 #include "attention/tile_order.cuh"
+#include "emulator/simt.hpp"
 
 namespace {
 
@@ -70,6 +74,120 @@ TEST(TileOrder, SectionsHoldWhatFitsTheBudget) {
   EXPECT_EQ(section_pairs(true, kL2SectionBytes / 4), 4);
   EXPECT_EQ(section_pairs(true, kL2SectionBytes / 4 + 1), 3);
   EXPECT_EQ(section_pairs(true, 2 * kL2SectionBytes), 1);
+}
+
+// The emulator's race check (kernels/emulator/simt.cpp): a read of shared memory through
+// ldmatrix, a wgmma descriptor or a bulk reduction must be ordered after every store another
+// warp made there, by __syncthreads, a named barrier or an mbarrier. The barriers the
+// emulator adds inside ldmatrix and wgmma order nothing (the hardware's wgmma issue is not a
+// barrier). A race shows when the emulator runs the store before the read, as the first
+// pass here does (warp 0 first).
+namespace emu = dtrain_emu;
+
+// What a launch of `body` on one block of `threads` threads throws ("" when nothing).
+std::string launch_error(int threads, const std::function<void()>& body) {
+  try {
+    emu::launch(dim3(1), dim3(threads), 4096, body);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+unsigned char* smem() { return static_cast<unsigned char*>(emu::dynamic_smem()); }
+int tid() { return static_cast<int>(emu::thread_idx.x); }
+int warp() { return tid() / 32; }
+void store_my_row() { std::memset(smem() + 16 * tid(), tid() + 1, 16); }  // thread t: bytes [16 t, 16 t + 16)
+void ldmatrix_rows_of(int w) {  // lane l gives row 32 w + l
+  std::uint32_t out[4];
+  emu::ldmatrix_x4(out, smem() + 16 * (32 * w + emu::lane()), false);
+}
+void expect_race(const std::string& error, const std::string& what) {
+  EXPECT_NE(error.find("race: " + what + " of warp"), std::string::npos) << error;
+}
+
+TEST(EmulatorRaceCheck, LdmatrixOfAnotherWarpsStoresNeedsABarrier) {
+  EXPECT_EQ(launch_error(64, [] {
+              store_my_row();
+              ldmatrix_rows_of(warp());  // its own warp's stores
+            }),
+            "");
+  expect_race(launch_error(64,
+                           [] {
+                             store_my_row();
+                             ldmatrix_rows_of(1 - warp());
+                           }),
+              "ldmatrix");
+  EXPECT_EQ(launch_error(64, [] {
+              store_my_row();
+              __syncthreads();
+              ldmatrix_rows_of(1 - warp());
+            }),
+            "");
+}
+
+TEST(EmulatorRaceCheck, NamedBarriersAndMbarriersOrderTheirArrivalsBeforeTheirWaits) {
+  auto producer_consumer = [](int sync) {  // warp 0 stores, warp 1 reads
+    return launch_error(64, [sync] {
+      void* bar = smem() + 2048;
+      if (sync == 2) {  // (the next pass runs warp 1 first: it waits before warp 0 stores)
+        if (tid() == 0) emu::mbarrier_init(bar, 32);
+        __syncthreads();
+      }
+      if (warp() == 0) {
+        store_my_row();
+        if (sync == 1) emu::named_barrier_arrive(1, 64);
+        if (sync == 2) emu::mbarrier_arrive(bar);
+      } else {
+        if (sync == 1) emu::named_barrier_sync(1, 64);
+        if (sync == 2) emu::mbarrier_wait(bar, 0);
+        ldmatrix_rows_of(0);
+      }
+    });
+  };
+  expect_race(producer_consumer(0), "ldmatrix");
+  EXPECT_EQ(producer_consumer(1), "");
+  EXPECT_EQ(producer_consumer(2), "");
+}
+
+TEST(EmulatorRaceCheck, BulkReductionSourcesNeedABarrier) {
+  std::vector<float> sums(4, 0.f);
+  auto run = [&](bool barrier) {
+    return launch_error(64, [&, barrier] {
+      if (warp() == 0) std::memset(smem() + 4 * tid(), 0, 4);  // 32 floats of 0
+      if (barrier) __syncthreads();
+      if (tid() == 32) {
+        emu::fence_proxy_async();
+        emu::bulk_reduce_add_f32(sums.data(), smem() + 16, 16);
+        emu::bulk_commit();
+        emu::bulk_wait(0);
+      }
+    });
+  };
+  expect_race(run(false), "a bulk reduction");
+  EXPECT_EQ(run(true), "");
+  EXPECT_EQ(sums, std::vector<float>(4, 0.f));
+}
+
+// B (16 x 8, K-major, no swizzle: two 8 x 8 core matrices of 128 bytes, the second 128 bytes
+// on along K) stored by warp 0 and read by the whole warpgroup's wgmma; A from registers.
+TEST(EmulatorRaceCheck, WgmmaOperandsStoredByOtherWarpsNeedABarrier) {
+  auto run = [](bool barrier) {
+    return launch_error(128, [barrier] {
+      if (warp() == 0) std::memset(smem() + 8 * emu::lane(), 0, 8);  // bytes [0, 256)
+      if (barrier) __syncthreads();
+      const std::uint64_t desc_b = (std::uint64_t{128} >> 4) << 16 | (std::uint64_t{256} >> 4) << 32;
+      const std::uint32_t a[4] = {0, 0, 0, 0};
+      float d[4] = {0.f, 0.f, 0.f, 0.f};
+      emu::fence_proxy_async();
+      emu::wgmma_fence();
+      emu::wgmma(d, 8, 0, a, desc_b, false, false, true);
+      emu::wgmma_commit();
+      emu::wgmma_wait(0);
+      if (d[0] != 0.f) throw std::runtime_error("wrong product");
+    });
+  };
+  expect_race(run(false), "a wgmma");
+  EXPECT_EQ(run(true), "");
 }
 
 }  // namespace
