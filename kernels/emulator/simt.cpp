@@ -174,7 +174,7 @@ struct Barrier {
   }
 };
 
-// The race check's happens-before order (see State::writer): a vector clock per warp,
+// The race check's happens-before order (see State::seen): a vector clock per warp,
 // holding for every warp of the block the last slice of it that this warp is ordered after.
 // A barrier, named barrier or mbarrier orders its arrivals before the waits it releases:
 // each arrival joins the arriving warp's clock into `arrived`, each completed phase joins
