@@ -13,7 +13,8 @@
 # batch 32. Full logs and JSON lines go to OUTDIR (default build-gpu/out); a phase that
 # fails is recorded and the next one still runs; a summary table comes last, with the
 # kernel issue's targets (benchmarks/gpu/targets.py). Exit status: 0 when every phase
-# passed (a missed target is a result, not a failure). DTRAIN_CHECK_BENCH overrides
+# passed (a missed target is a result, not a failure), 1 when one failed, 2 when none failed
+# but DTRAIN_CHECK_DEADLINE_S cut some. DTRAIN_CHECK_BENCH overrides
 # train_bench's model and shape (default "--preset gpt2-124m --batch 8 --seq 1024"), e.g.
 # for a CPU dry run; DTRAIN_CHECK_ONLY runs some of the phases (see phase below).
 set -uo pipefail
@@ -33,6 +34,12 @@ start_all=$SECONDS
 # finds it in the build folder from an earlier run.
 only="${DTRAIN_CHECK_ONLY:-}"
 
+# DTRAIN_CHECK_DEADLINE_S: seconds after the start past which no phase runs (each phase's
+# limit is cut to the time left; a phase with under 15 s left is skipped and so recorded),
+# so that a run under a hard wall-clock limit still ends with its summary. Unset: no deadline.
+deadline="${DTRAIN_CHECK_DEADLINE_S:-}"
+skipped=0
+
 # phase NAME TIMEOUT_S COMMAND...: runs COMMAND with its output in $out/NAME.log, records
 # status and seconds in the summary (a phase DTRAIN_CHECK_ONLY leaves out: nothing, status 0).
 phase() {
@@ -40,6 +47,15 @@ phase() {
   shift 2
   if [ -n "$only" ] && [ "$name" != configure ] && [ "$name" != build ] && ! grep -qE -- "$only" <<<"$name"; then
     return 0
+  fi
+  if [ -n "$deadline" ]; then
+    local left=$((deadline - (SECONDS - start_all)))
+    if [ "$left" -lt 15 ]; then
+      printf '%-26s %-22s %5ss\n' "$name" "SKIPPED (deadline)" 0 >>"$summary"
+      skipped=1
+      return 125
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
   fi
   local t0=$SECONDS rc
   echo "== $name"
@@ -62,7 +78,7 @@ if [ -z "${CXX:-}" ] && command -v clang++ >/dev/null; then export CXX=clang++; 
   nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
   nvcc --version | tail -2
-  echo "cores: $(nproc)"
+  echo "cores: $(getconf _NPROCESSORS_ONLN)"
   echo "c++: $("${CXX:-c++}" --version | head -1)"
 } 2>&1 | tee "$out/machine.txt"
 arch="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)"
@@ -70,7 +86,12 @@ arch="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr 
 
 phase configure 300 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DDTRAIN_WITH_MPI=OFF -DCMAKE_CUDA_ARCHITECTURES="${arch:-90}" || { cat "$summary"; exit 1; }
-phase build 900 cmake --build "$build" --parallel "$(nproc)" || { cat "$summary"; exit 1; }
+# DTRAIN_CHECK_TARGETS: build only these targets (e.g. "gpu_kernels kernel_bench" for a
+# kernels-only rerun); default all. The build keeps going past a target that fails, so the
+# phases whose programs did build still run.
+# shellcheck disable=SC2086
+phase build 900 cmake --build "$build" --parallel "$(getconf _NPROCESSORS_ONLN)" \
+  ${DTRAIN_CHECK_TARGETS:+--target $DTRAIN_CHECK_TARGETS} -- -k 0
 
 # The kernels first (issue 8), one attention kernel at a time, so that a broken one (wrong
 # results, or a trap: the TMA producer traps after 10 s in a stuck pipeline) cannot hide the
@@ -168,4 +189,5 @@ for run in fp32 bf16 bf16_fused bf16_b32; do
   [ -f "$f" ] && { echo "-- train_bench $run"; grep -E "^(strategy|plain|ddp|zero1|zero2|full) " "$f"; }
 done
 cat "$summary"
+[ "$failed" -eq 0 ] && [ "$skipped" -eq 1 ] && exit 2
 exit "$failed"
