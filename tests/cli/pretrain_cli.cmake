@@ -14,13 +14,17 @@ set(DATA --train-data "${WORK_DIR}/data/lic_train_*.bin" --val-data "${WORK_DIR}
          --progress off)
 set(failures 0)
 
-# expect(<name> <exit code> <regex> [NP n] ARGS ...)
+# expect(<name> <exit code> <regex> [CPU] [NP n] ARGS ...); CPU: with no GPU visible
+# (CUDA_VISIBLE_DEVICES empty), for a check of the CPU paths on a machine that has one.
 function(expect name code regex)
-  cmake_parse_arguments(E "" "NP" "ARGS" ${ARGN})
+  cmake_parse_arguments(E "CPU" "NP" "ARGS" ${ARGN})
   if(E_NP)
     set(cmd "${MPIEXEC}" -np ${E_NP} --oversubscribe "${PRETRAIN}" ${E_ARGS})
   else()
     set(cmd "${PRETRAIN}" ${E_ARGS})
+  endif()
+  if(E_CPU)
+    set(cmd "${CMAKE_COMMAND}" -E env CUDA_VISIBLE_DEVICES= ${cmd})
   endif()
   execute_process(COMMAND ${cmd} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err
                   TIMEOUT 120)
@@ -59,7 +63,7 @@ expect(fsdp-unknown 2 "--fsdp 'zero9' is not known; allowed: none, zero1, zero2,
 expect(attention-unknown 2 "--attention=fast is not an attention backend; allowed: sdpa, flash" ARGS ${DATA} --attention fast)
 expect(flash-without-dropout 2 "--attention flash has no dropout \\(--dropout=0.1\\)" ARGS ${DATA} --attention flash --dropout 0.1)
 # Every kernel option on the CPU (their reference paths) trains.
-expect(fused-ops-on-cpu 0 "attention.*flash.*done: 5 steps" ARGS ${DATA} --global-batch 8 --steps 5 --warmup-steps 1 --attention flash --fused-norm
+expect(fused-ops-on-cpu 0 "device cpu.*attention.*flash.*done: 5 steps" CPU ARGS ${DATA} --global-batch 8 --steps 5 --warmup-steps 1 --attention flash --fused-norm
        --fused-ce --fused-adamw --fsdp zero1)
 expect(param-dtype-needs-fsdp 2 "--param-dtype / --reduce-dtype other than float32 need --fsdp"
        ARGS ${DATA} --param-dtype bfloat16)
