@@ -14,10 +14,12 @@
 namespace dtrain_kernels {
 
 constexpr int kMaxThreads = 512;
+constexpr int kRowThreads = 128;       // threads per row aimed at (see with_vecs) ...
+constexpr int kRowVecs = 4;            // ... with up to this many 16-byte accesses each
 constexpr int64_t kMaxCols = 16384;    // the backward's partials: 2 x 64 KiB of shared memory
 constexpr int kMaxElems = 32;          // per thread: kMaxCols / kMaxThreads
 constexpr int kHeldVecs = 8;           // accesses per thread held in registers, at most
-constexpr int64_t kMinStripRows = 16;  // keeps the partials a small share of the backward's traffic
+constexpr int64_t kMinStripRows = 32;  // keeps the partials a small share of the backward's traffic
 
 // Threads for a row of n accesses: one access each, up to kMaxThreads.
 inline int row_threads(int64_t n) {
@@ -51,7 +53,7 @@ template <typename T, int V, int kVecs>
 struct RowShare {
   static constexpr bool kHeld = kVecs <= kHeldVecs;
   const T* row;
-  Vec<T, V> held[kHeld ? kVecs : 1];
+  Vec<T, V> held[kHeld ? kVecs : 1] = {};
   __device__ __forceinline__ RowShare(const T* r, int nv) : row(r) {
     if constexpr (kHeld) each_access<kVecs>(nv, [&](int k, int j) { held[k] = load_vec<V>(row + j * V); });
   }
@@ -79,14 +81,20 @@ __device__ __forceinline__ void load_weights(const void* w, dtrain_kernel_dtype 
   }
 }
 
-// Calls f(std::integral_constant<int, kVecs>) with the fewest accesses per thread kVecs
-// (1, 2, 4, ... up to kMaxElems / V; at one element per access 8, then 32) for which
-// kMaxThreads threads cover a row of nv accesses: registers are sized for kVecs.
+// Calls f(std::integral_constant<int, kVecs>) with the accesses per thread kVecs (1, 2, 4,
+// ... up to kMaxElems / V; at one element per access 8, then 32) for a row of nv accesses:
+// the fewest for which kRowThreads threads cover the row with at most kRowVecs accesses
+// each (64 bytes of the row: the backward holds two rows' x and dy), else the fewest for
+// which kMaxThreads do. Registers are sized for kVecs.
+// Blocks of 4 warps (a 4096-wide bf16 row: 128 threads of four 16-byte accesses) keep the
+// block reductions short and let an SM hold several times more rows at once than one
+// thread per access (512 threads: 4 rows per SM, too few loads in flight on an H200).
 template <int V, int kVecs = (V == 1 ? 8 : 1), typename F>
 cudaError_t with_vecs(int64_t nv, F&& f) {
   constexpr int kNext = kVecs * (V == 1 ? 4 : 2);
   if constexpr (kNext <= kMaxElems / V) {
-    if (nv > int64_t{kVecs} * kMaxThreads) return with_vecs<V, kNext>(nv, f);
+    const bool fewer_threads = kNext <= kRowVecs && nv > int64_t{kVecs} * kRowThreads;
+    if (fewer_threads || nv > int64_t{kVecs} * kMaxThreads) return with_vecs<V, kNext>(nv, f);
   }
   return f(std::integral_constant<int, kVecs>{});
 }

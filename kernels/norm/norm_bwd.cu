@@ -24,10 +24,11 @@ __global__ void __launch_bounds__(kMaxThreads) norm_bwd_kernel(dtrain_norm_bwd_p
     if (want_b) store_floats<V>(pb + j * V, zero);
   });
   const int64_t first = blockIdx.x * rows_per_strip, last = imin(p.rows, first + rows_per_strip);
-  for (int64_t row = first; row < last; ++row) {
+  using Row = RowShare<T, V, kVecs>;
+  auto x_of = [&](int64_t r) { return Row(static_cast<const T*>(p.x) + r * p.x_stride, r < last ? nv : 0); };
+  auto dy_of = [&](int64_t r) { return Row(static_cast<const T*>(p.dy) + r * p.dy_stride, r < last ? nv : 0); };
+  auto do_row = [&](int64_t row, const Row& x, const Row& dy) {
     T* dx = static_cast<T*>(p.dx) + row * p.dx_stride;
-    const RowShare<T, V, kVecs> x(static_cast<const T*>(p.x) + row * p.x_stride, nv);
-    const RowShare<T, V, kVecs> dy(static_cast<const T*>(p.dy) + row * p.dy_stride, nv);
     const float mean = kLayerNorm ? p.mean[row] : 0.f, rstd = p.rstd[row];
     // g = dy * w, xhat = (x - mean) * rstd: dx = rstd (g - mean(g) - xhat mean(g xhat)),
     // without the mean(g) term for RMSNorm.
@@ -66,6 +67,21 @@ __global__ void __launch_bounds__(kMaxThreads) norm_bwd_kernel(dtrain_norm_bwd_p
       if (want_w) store_floats<V>(pw + j * V, aw);
       if (want_b) store_floats<V>(pb + j * V, ab);
     });
+  };
+  // Row r + 1's x and dy are loaded before row r is reduced and written, where a thread
+  // holds at most kRowVecs accesses of a row (more spill with two rows' worth). Two rows
+  // per turn in two sets of registers, which would spare the copy at the end that waits
+  // for those loads, spilled too.
+  if constexpr (kVecs <= kRowVecs) {
+    Row x = x_of(first), dy = dy_of(first);
+    for (int64_t row = first; row < last; ++row) {
+      const Row x_next = x_of(row + 1), dy_next = dy_of(row + 1);
+      do_row(row, x, dy);
+      x = x_next;
+      dy = dy_next;
+    }
+  } else {
+    for (int64_t row = first; row < last; ++row) do_row(row, x_of(row), dy_of(row));
   }
   if (!want_w && !want_b) return;
   // The strip's partials: workspace [strips, cols] for dw, then [strips, cols] for db.
@@ -85,9 +101,10 @@ __global__ void __launch_bounds__(kMaxThreads) norm_bwd_kernel(dtrain_norm_bwd_p
 }
 
 // Sums the strips' partials per column: [strips, cols] -> [cols] (blockIdx.y 1: the bias
-// block after). A block takes 32 columns; its 8 warps each sum a share of the strips in
-// 128-byte rows, then one warp adds the 8 sums.
-constexpr int kSumWarps = 8;
+// block after). A block takes 32 columns; its 32 warps each sum a share of the strips in
+// 128-byte rows, four loads in flight, then one warp adds the 32 sums. (With 8 warps, each
+// summing 64 of 512 strips, this kernel was a long chain of dependent loads.)
+constexpr int kSumWarps = 32;
 template <typename W>
 __global__ void __launch_bounds__(32 * kSumWarps)
     column_sum_kernel(const float* partial, int64_t nstrips, int64_t cols, W* dw, W* db) {
@@ -99,6 +116,7 @@ __global__ void __launch_bounds__(32 * kSumWarps)
   const float* src = partial + blockIdx.y * nstrips * cols;
   float s = 0.f;
   if (c < cols) {
+#pragma unroll 4
     for (int64_t r = warp; r < nstrips; r += kSumWarps) s += src[r * cols + c];
   }
   sums[warp][lane] = s;
