@@ -163,6 +163,12 @@ done
 phase train_bench_bf16_fused 300 "$build/benchmarks/train_bench" \
   ${DTRAIN_CHECK_BENCH:---preset gpt2-124m --batch 8 --seq 1024} --steps 5 --rounds 2 --warmup 2 --precision bf16 \
   --kernels fused --fsdp none,full --json "$out/train_bench.jsonl"
+# The same with LibTorch's attention (sdpa) and dtrain's other kernels: which attention the
+# defaults should pick.
+# shellcheck disable=SC2086
+phase train_bench_bf16_fused_sdpa 300 "$build/benchmarks/train_bench" \
+  ${DTRAIN_CHECK_BENCH:---preset gpt2-124m --batch 8 --seq 1024} --steps 5 --rounds 2 --warmup 2 --precision bf16 \
+  --kernels norm,ce,adamw --fsdp none,full --json "$out/train_bench.jsonl"
 # A batch that fills the GPU better, bf16, replicated only.
 # shellcheck disable=SC2086
 phase train_bench_bf16_b32 300 "$build/benchmarks/train_bench" \
@@ -184,7 +190,7 @@ done
 [ -f "$out/kernel_bench_hdims.log" ] && { echo "-- kernel_bench, head dims 32, 80, 96"; grep -vE '^\{|^#' "$out/kernel_bench_hdims.log"; }
 # The targets (a missed one is a result, not a failed phase).
 [ -f "$out/kernel_bench.jsonl" ] && { echo "-- targets"; python3 benchmarks/gpu/targets.py "$out/kernel_bench.jsonl" | tee "$out/targets.txt"; }
-for run in fp32 bf16 bf16_fused bf16_b32; do
+for run in fp32 bf16 bf16_fused bf16_fused_sdpa bf16_b32; do
   f="$out/train_bench_$run.log"
   [ -f "$f" ] && { echo "-- train_bench $run"; grep -E "^(strategy|plain|ddp|zero1|zero2|full) " "$f"; }
 done

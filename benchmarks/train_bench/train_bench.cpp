@@ -22,6 +22,8 @@
 #include <chrono>
 #include <cstdio>
 #include <memory>
+#include <sstream>
+#include <string>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -143,8 +145,17 @@ int main(int argc, char** argv) {
       ->delimiter(',')->check(CLI::IsMember({"none", "zero1", "zero2", "full"}));
   app.add_option("--precision", o.precision, "fp32, or bf16 autocast for both loops")
       ->check(CLI::IsMember({"fp32", "bf16"}));
-  app.add_option("--kernels", o.kernels, "plain (LibTorch ops) or fused (the trainer with --attention flash, --fused-norm, --fused-ce, --fused-adamw; the plain loop is unchanged)")
-      ->check(CLI::IsMember({"plain", "fused"}));
+  app.add_option("--kernels", o.kernels, "dtrain's kernels on the trainer side (the plain loop is unchanged): plain (LibTorch ops), fused (all four), or a comma list of flash (--attention flash), norm (--fused-norm), ce (--fused-ce), adamw (--fused-adamw)")
+      ->check([](const std::string& v) -> std::string {
+        if (v == "plain" || v == "fused") return "";
+        std::stringstream ss(v);
+        for (std::string k; std::getline(ss, k, ',');) {
+          if (k != "flash" && k != "norm" && k != "ce" && k != "adamw") {
+            return "'" + k + "' is not a kernel; allowed: plain, fused, or a comma list of flash, norm, ce, adamw";
+          }
+        }
+        return "";
+      });
   app.add_option("-J,--json", o.json, "append one JSON object per strategy to this file");
   CLI11_PARSE(app, argc, argv);
 
@@ -201,11 +212,13 @@ int main(int argc, char** argv) {
       to.fsdp = strategy;
       const double before = allocated_bytes(device);
       auto tcfg = cfg;
-      if (o.kernels == "fused") {
-        tcfg.attention = dtrain::ops::AttentionBackend::kFlash;
-        tcfg.fused_norm = tcfg.fused_ce = true;
-        to.adamw.fused = true;
-      }
+      auto uses = [&](const char* k) {
+        return o.kernels == "fused" || ("," + o.kernels + ",").find(std::string(",") + k + ",") != std::string::npos;
+      };
+      if (uses("flash")) tcfg.attention = dtrain::ops::AttentionBackend::kFlash;
+      tcfg.fused_norm = uses("norm");
+      tcfg.fused_ce = uses("ce");
+      to.adamw.fused = uses("adamw");
       dtrain::train::Trainer trainer(ctx, tcfg, to);
       for (std::int64_t i = 0; i < o.warmup; ++i) trainer.train_step();
       Row row{strategy == "none" ? "ddp" : strategy};
