@@ -7,8 +7,8 @@
 // 1 and 2 own 64 keys each: S^T = K Q^T and dP^T = V dO^T by wgmma with both operands by
 // swizzled descriptor, P^T and dS^T = P^T (dP^T - delta) in registers, dV += P^T dO and
 // dK += dS^T Q with P^T and dS^T as register operands, then dQ = dS K (dS through shared
-// memory) 64 columns at a time into a float32 staging tile, which one warp adds to the
-// dQ buffer by bulk reductions (cp.reduce.async.bulk .add.f32): no per-element atomics.
+// memory) 64 columns at a time into a float32 staging tile, whose rows each warp adds to
+// the dQ buffer by bulk reductions (cp.reduce.async.bulk .add.f32): no per-element atomics.
 #pragma once
 
 #include "attention/flash_bwd.cuh"
@@ -24,7 +24,11 @@ struct FlashBwdSm90Config {
   static constexpr int kBlockM = 64;               // queries per tile
   static constexpr int kStages = D == 64 ? 3 : 2;  // Q / dO ring
   static constexpr int kBox = kSwizzleBox;         // columns per copy
-  static constexpr int kDqPitch = D + 4;           // floats per staged dQ row: 16 bytes apart in the banks
+  // Floats per staged dQ row. The stores are 8 bytes a lane, so a half-warp (rows g 0..3,
+  // column pairs t 0..3) must hit 16 distinct bank pairs: rows 32 bytes apart in the banks
+  // (D + 8). D + 4 put rows g and g + 1 one pair-step apart, a 2-way conflict on every
+  // store (14% of the kernel's shared-memory wavefronts on the H200, Nsight Compute).
+  static constexpr int kDqPitch = D + 8;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   // 16-bit tiles, each [D / 64][rows][64]: K and V (kBlockN rows), kStages Q and dO tiles
   // (kBlockM rows), then per consumer dS [kBlockM][64] in the blocked layout; then float32:
@@ -194,9 +198,6 @@ __global__ void __launch_bounds__(FlashBwdSm90Config<D>::kThreads, 1)
       dsf[kk][3] = pack2<T>(dp_t[2 * kk + 1][2], dp_t[2 * kk + 1][3]);
     }
     fence_async_shared();  // dS, written by plain stores, is read by wgmma next
-    // The previous tile's bulk reductions have read the staged dQ before it is written
-    // again: their thread waits, then the barrier that also completes dS.
-    if (warp == 0) bulk_wait_read<0>();
     named_barrier_sync(bar, 128);
     // dV += P^T dO and dK += dS^T Q (the softmax scale is applied at the end): dO and Q
     // MN-major, 16 queries (two 8-row swizzle groups, 2048 bytes) per step, the second 64
@@ -226,6 +227,10 @@ __global__ void __launch_bounds__(FlashBwdSm90Config<D>::kThreads, 1)
         wgmma_fence_regs(pf);
         wgmma_fence_regs(dsf);
         mbarrier_arrive(empty + st);
+        // This warp's bulk reductions of the previous tile have read its rows of the staged
+        // dQ before they are written again.
+        bulk_wait_read<0>();
+        __syncwarp();
       }
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
@@ -238,16 +243,18 @@ __global__ void __launch_bounds__(FlashBwdSm90Config<D>::kThreads, 1)
     wgmma_fence_regs(dk);
     wgmma_fence_regs(dv);
     fence_async_shared();  // the staged dQ, written by plain stores, is read by the bulk reductions
-    named_barrier_sync(bar, 128);
-    if (warp == 0) {  // one bulk reduction per valid query row, into its row of the dQ buffer
-      const int rows = static_cast<int>(imin(BM, p.seq_q - m0));
-      for (int r = lane; r < rows; r += 32) {
-        bulk_reduce_add_f32(dq_accum + (stat + m0 + r) * D, dqs + r * kPitch, D * 4);
-      }
+    __syncwarp();
+    // Each warp adds the 16 rows it wrote (and no other warp did) to the dQ buffer, one bulk
+    // reduction per valid row from lanes 0..15. (One warp issuing all 64, which the compiler
+    // serializes lane by lane, held its three siblings at the next tile's first wgmma: the
+    // largest stall in the H200 profile, docs/kernels.md.)
+    const int64_t r = warp * 16 + lane;
+    if (lane < 16 && m0 + r < p.seq_q) {
+      bulk_reduce_add_f32(dq_accum + (stat + m0 + r) * D, dqs + r * kPitch, D * 4);
       bulk_commit();
     }
   }
-  if (warp == 0) bulk_wait<0>();  // every reduction done before the block's memory goes away
+  bulk_wait<0>();  // every reduction done before the block's memory goes away
 
   store_dk_dv<T, D>(p, b, hk, key0, key1, dk, dv);
 #else
