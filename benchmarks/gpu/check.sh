@@ -116,7 +116,8 @@ phase kernel_bench_hdims 120 "$build/benchmarks/kernel_bench" --only attention -
 phase tests 300 env OMP_NUM_THREADS=2 ctest --test-dir "$build" --output-on-failure -j 8 \
   -L "unit|gpu|cli" -E "install_consumer|gpu_kernels"
 
-# Training on the GPU (NCCL backend, one rank): the tiny model must learn.
+# Training on the GPU (NCCL backend, one rank): the tiny model must learn. pretrain_gpt's
+# defaults there include the fused norm, cross-entropy and AdamW (--no-fused-* for LibTorch's).
 data="$build/gpu-data"
 phase data 120 "$build/examples/prepare_data" --input LICENSE README.md docs/*.md \
   examples/*/README.md --output-dir "$data" --name docs

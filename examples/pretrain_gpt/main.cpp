@@ -46,7 +46,11 @@ struct Options {
   std::string export_hf;
   // Kernels (docs/kernels.md): which implementation of attention, norms and the loss.
   std::string attention = "sdpa";
-  bool fused_norm = false, fused_ce = false;
+  // The fused norm, loss and optimizer: on by default on CUDA (the faster choice on an H200,
+  // docs/benchmarks.md), LibTorch's ops on the CPU, where the kernels' reference paths are
+  // slower; --fused-* / --no-fused-* force either way.
+  bool fused_norm = false, fused_ce = false, fused_adamw = false;
+  bool no_fused_norm = false, no_fused_ce = false, no_fused_adamw = false;
   dtrain::train::TrainOptions train;
 };
 
@@ -90,9 +94,14 @@ void define(CLI::App& app, Options& o) {
 
   const char* kernels = "Kernels";
   app.add_option("--attention", o.attention, "sdpa (LibTorch's scaled_dot_product_attention) or flash (dtrain's kernel on CUDA: bf16/fp16, head dims multiples of 8 up to 128, no dropout)")->group(kernels);
-  app.add_flag("--fused-norm", o.fused_norm, "fused RMSNorm/LayerNorm (one kernel each way)")->group(kernels);
-  app.add_flag("--fused-ce", o.fused_ce, "fused softmax cross-entropy from the logits' own dtype (tp 1)")->group(kernels);
-  app.add_flag("--fused-adamw", t.adamw.fused, "one multi-tensor AdamW pass per step (with --fsdp: the 16-bit parameter shard written in the same pass)")->group(kernels);
+  auto on_off = [&](const std::string& name, bool& on, bool& off, const std::string& what) {
+    auto* yes = app.add_flag("--" + name, on, what + " (default: on CUDA, not on the CPU)")->group(kernels);
+    app.add_flag("--no-" + name, off, "LibTorch's op instead of --" + name)->group(kernels)->excludes(yes);
+  };
+  on_off("fused-norm", o.fused_norm, o.no_fused_norm, "fused RMSNorm/LayerNorm (one kernel each way)");
+  on_off("fused-ce", o.fused_ce, o.no_fused_ce, "fused softmax cross-entropy from the logits' own dtype (tp 1)");
+  on_off("fused-adamw", o.fused_adamw, o.no_fused_adamw,
+         "one multi-tensor AdamW pass per step (with --fsdp: the 16-bit parameter shard written in the same pass)");
 
   const char* data = "Data";
   const char* moe = "Mixture of experts";
@@ -198,6 +207,15 @@ std::string find_config(int argc, char** argv) {
   return "";
 }
 
+// The fused kernels' defaults, once the device is known: each on where asked for, or on
+// CUDA unless turned off.
+void resolve_kernels(Options& o, bool cuda) {
+  o.fused_norm = o.fused_norm || (cuda && !o.no_fused_norm);
+  o.fused_ce = o.fused_ce || (cuda && !o.no_fused_ce);
+  o.fused_adamw = o.fused_adamw || (cuda && !o.no_fused_adamw);
+  o.train.adamw.fused = o.fused_adamw;
+}
+
 dtrain::models::GptConfig model_config(const Options& o) {
   auto c = dtrain::models::GptConfig::preset(o.preset);
   auto set = [](std::int64_t value, std::int64_t& field) {
@@ -258,8 +276,12 @@ int main(int argc, char** argv) {
   std::unique_ptr<dtrain::train::Trainer> trainer;
   try {
     runtime = std::make_unique<dtrain::Runtime>(&argc, &argv, dtrain::RuntimeOptions{o.backend});
+    resolve_kernels(o, runtime->device().is_cuda());
     if (runtime->rank() == 0) {
       dtrain::log_info("pretrain_gpt resolved config:\n{}", app.config_to_str(true, false));
+      auto on = [](bool b) { return b ? "on" : "off"; };
+      dtrain::log_info("kernels: attention {}, fused norm {}, fused cross-entropy {}, fused AdamW {}", o.attention,
+                       on(o.fused_norm), on(o.fused_ce), on(o.fused_adamw));
     }
     const auto model = model_config(o);
     DTRAIN_CHECK_ARG(o.bucket_mb > 0, "--bucket-mb=", o.bucket_mb, " must be positive");

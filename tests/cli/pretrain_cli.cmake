@@ -63,8 +63,9 @@ expect(fsdp-unknown 2 "--fsdp 'zero9' is not known; allowed: none, zero1, zero2,
 expect(attention-unknown 2 "--attention=fast is not an attention backend; allowed: sdpa, flash" ARGS ${DATA} --attention fast)
 expect(flash-without-dropout 2 "--attention flash has no dropout \\(--dropout=0.1\\)" ARGS ${DATA} --attention flash --dropout 0.1)
 # Every kernel option on the CPU (their reference paths) trains.
-expect(fused-ops-on-cpu 0 "device cpu.*attention.*flash.*done: 5 steps" CPU ARGS ${DATA} --global-batch 8 --steps 5 --warmup-steps 1 --attention flash --fused-norm
+expect(fused-ops-on-cpu 0 "device cpu.*kernels: attention flash, fused norm on, fused cross-entropy on, fused AdamW on.*done: 5 steps" CPU ARGS ${DATA} --global-batch 8 --steps 5 --warmup-steps 1 --attention flash --fused-norm
        --fused-ce --fused-adamw --fsdp zero1)
+expect(fused-on-and-off nonzero "--fused-ce excludes --no-fused-ce" ARGS ${DATA} --fused-ce --no-fused-ce)
 expect(param-dtype-needs-fsdp 2 "--param-dtype / --reduce-dtype other than float32 need --fsdp"
        ARGS ${DATA} --param-dtype bfloat16)
 expect(param-dtype-unknown 2 "--param-dtype 'fp8' is not known; allowed: float32, bfloat16, float16"
@@ -76,13 +77,14 @@ file(WRITE "${WORK_DIR}/text_000000.bin" "plain text, not a token shard\n")
 expect(malformed-shard 2 "--val-data '[^']*text_000000.bin'.*token shard"
        ARGS ${DATA} --val-data "${WORK_DIR}/text_000000.bin")
 
-# JSON config: an unknown key is named; flags override the file's values.
+# JSON config: an unknown key is named; flags override the file's values ...
 file(WRITE "${WORK_DIR}/bad.json" "{\"preset\": \"tiny\", \"sequence\": 64}")
 expect(config-unknown-key 2 "unknown key 'sequence'" ARGS --config "${WORK_DIR}/bad.json" ${DATA})
 file(WRITE "${WORK_DIR}/run.json"
      "{\"preset\": \"tiny\", \"seq-len\": 32, \"global-batch\": 4, \"steps\": 3, \"warmup-steps\": 1}")
-expect(config-and-override 0 "steps=2.*done: 2 steps"
-       ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --metrics "${WORK_DIR}/m.jsonl")
+# ... and on the CPU the fused kernels default to off (on CUDA, to on).
+expect(config-and-override 0 "steps=2.*kernels: attention sdpa, fused norm off, fused cross-entropy off, fused AdamW off.*done: 2 steps"
+       CPU ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --metrics "${WORK_DIR}/m.jsonl")
 file(STRINGS "${WORK_DIR}/m.jsonl" lines)
 list(LENGTH lines nlines)
 if(NOT nlines EQUAL 2)
