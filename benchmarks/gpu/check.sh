@@ -10,8 +10,9 @@
 # in bf16 and moe_bench (ep 1) on CUDA; trains with dtrain's kernels (flash attention,
 # fused norm / cross-entropy / AdamW); and runs train_bench for gpt2-124m in fp32 and bf16
 # over every sharding strategy (batch 8 x 1024; bf16 also with the kernels), and bf16 at
-# batch 32. Full logs and JSON lines go to OUTDIR (default build-gpu/out); a phase that
-# fails is recorded and the next one still runs; a summary table comes last, with the
+# batch 32; last, where ncu is installed, profiles the kernels (ncu_kernels.sh). Full logs
+# and JSON lines go to OUTDIR (default build-gpu/out); a phase that fails is recorded and
+# the next one still runs; a summary table comes last, with the
 # kernel issue's targets (benchmarks/gpu/targets.py). Exit status: 0 when every phase
 # passed (a missed target is a result, not a failure), 1 when one failed, 2 when none failed
 # but DTRAIN_CHECK_DEADLINE_S cut some. DTRAIN_CHECK_BENCH overrides
@@ -175,6 +176,12 @@ phase train_bench_bf16_fused_sdpa 300 "$build/benchmarks/train_bench" \
 phase train_bench_bf16_b32 300 "$build/benchmarks/train_bench" \
   ${DTRAIN_CHECK_BENCH:---preset gpt2-124m --batch 32 --seq 1024} --steps 5 --rounds 2 \
   --warmup 2 --precision bf16 --fsdp none,full --json "$out/train_bench.jsonl"
+
+# Last, Nsight Compute on the kernels (where the machine has it): reports, stall reasons and
+# per-instruction samples under OUTDIR/ncu, for the next round of tuning.
+if command -v ncu >/dev/null || ls /opt/nvidia/nsight-compute/*/ncu >/dev/null 2>&1; then
+  phase ncu 240 benchmarks/gpu/ncu_kernels.sh "$out/ncu" "$build"
+fi
 
 echo
 echo "== GPU check summary ($(head -1 "$out/machine.txt"), $((SECONDS - start_all)) s)"
