@@ -207,12 +207,17 @@ std::string find_config(int argc, char** argv) {
   return "";
 }
 
-// The fused kernels' defaults, once the device is known: each on where asked for, or on
-// CUDA unless turned off.
-void resolve_kernels(Options& o, bool cuda) {
-  o.fused_norm = o.fused_norm || (cuda && !o.no_fused_norm);
-  o.fused_ce = o.fused_ce || (cuda && !o.no_fused_ce);
-  o.fused_adamw = o.fused_adamw || (cuda && !o.no_fused_adamw);
+// The fused kernels' choice, once the device is known: as given (--fused-x, also
+// --fused-x=false from a config file, or --no-fused-x), else on CUDA only.
+void resolve_kernels(const CLI::App& app, Options& o, bool cuda) {
+  auto pick = [&](const std::string& name, bool on, bool off) {
+    if (app.count("--" + name) > 0) return on;
+    if (app.count("--no-" + name) > 0) return !off;
+    return cuda;
+  };
+  o.fused_norm = pick("fused-norm", o.fused_norm, o.no_fused_norm);
+  o.fused_ce = pick("fused-ce", o.fused_ce, o.no_fused_ce);
+  o.fused_adamw = pick("fused-adamw", o.fused_adamw, o.no_fused_adamw);
   o.train.adamw.fused = o.fused_adamw;
 }
 
@@ -276,7 +281,7 @@ int main(int argc, char** argv) {
   std::unique_ptr<dtrain::train::Trainer> trainer;
   try {
     runtime = std::make_unique<dtrain::Runtime>(&argc, &argv, dtrain::RuntimeOptions{o.backend});
-    resolve_kernels(o, runtime->device().is_cuda());
+    resolve_kernels(app, o, runtime->device().is_cuda());
     if (runtime->rank() == 0) {
       dtrain::log_info("pretrain_gpt resolved config:\n{}", app.config_to_str(true, false));
       auto on = [](bool b) { return b ? "on" : "off"; };
