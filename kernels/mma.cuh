@@ -112,6 +112,21 @@ __device__ __forceinline__ void zero_tiles(float (&acc)[kM][kN][4]) {
   for (int m = 0; m < kM; ++m) zero_tiles(acc[m]);
 }
 
+// A 16 x 8 kN matrix held as accumulators (acc[n] the 16 x 8 tile of columns 8 n ..) as A
+// fragments: chunks 2 kk and 2 kk + 1 are the 16 x 16 tile kk (16-bit, in that order).
+template <typename T, int kN>
+__device__ __forceinline__ void pack_a_fragment(uint32_t (&af)[4], const float (&acc)[kN][4], int kk) {
+  af[0] = pack2<T>(acc[2 * kk][0], acc[2 * kk][1]);
+  af[1] = pack2<T>(acc[2 * kk][2], acc[2 * kk][3]);
+  af[2] = pack2<T>(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
+  af[3] = pack2<T>(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+}
+template <typename T, int kN>
+__device__ __forceinline__ void pack_a_fragments(uint32_t (&af)[kN / 2][4], const float (&acc)[kN][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kN / 2; ++kk) pack_a_fragment<T>(af[kk], acc, kk);
+}
+
 // One 16-deep step of acc[m][nt] += A_m B_nt^T for nt < kN: A_m's fragment in registers,
 // B_nt the 8 x 16 rows nt*8.. of b (row-major, pitch; the k columns already offset).
 template <typename T, int kM, int kN>
@@ -156,12 +171,7 @@ __device__ __forceinline__ void mma_acc_cols(float (&acc)[kM][kD][4], const floa
   for (int kk = 0; kk < kK / 16; ++kk) {
     uint32_t af[kM][4];
 #pragma unroll
-    for (int m = 0; m < kM; ++m) {
-      af[m][0] = pack2<T>(p[m][2 * kk][0], p[m][2 * kk][1]);
-      af[m][1] = pack2<T>(p[m][2 * kk][2], p[m][2 * kk][3]);
-      af[m][2] = pack2<T>(p[m][2 * kk + 1][0], p[m][2 * kk + 1][1]);
-      af[m][3] = pack2<T>(p[m][2 * kk + 1][2], p[m][2 * kk + 1][3]);
-    }
+    for (int m = 0; m < kM; ++m) pack_a_fragment<T>(af[m], p[m], kk);
 #pragma unroll
     for (int i = 0; i < kD; i += 2) {
       uint32_t bf[4];

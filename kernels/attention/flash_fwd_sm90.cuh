@@ -140,16 +140,7 @@ __global__ void __launch_bounds__(FlashSm90Config<D>::kThreads, 1)
     if (n0 + BN > p.seq_k || (p.causal && n0 + BN - 1 > m0)) mask_scores(s, row0, n0, p.seq_k, p.causal);
     softmax_step(s, row_max, row_sum, scale_log2, alpha);
   };
-  // P as A fragments: accumulator chunks 2 kk and 2 kk + 1 are the 16 x 16 A tile kk.
-  auto pack_p = [&](const float (&s)[1][BN / 8][4]) {
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      pf[kk][0] = pack2<T>(s[0][2 * kk][0], s[0][2 * kk][1]);
-      pf[kk][1] = pack2<T>(s[0][2 * kk][2], s[0][2 * kk][3]);
-      pf[kk][2] = pack2<T>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
-      pf[kk][3] = pack2<T>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
-    }
-  };
+  auto pack_p = [&](const float (&s)[1][BN / 8][4]) { pack_a_fragments<T>(pf, s[0]); };
 
   zero_tiles(acc);
   float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}}, alpha[1][2];
