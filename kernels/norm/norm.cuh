@@ -84,7 +84,7 @@ __device__ __forceinline__ void load_weights(const void* w, dtrain_kernel_dtype 
 // Calls f(std::integral_constant<int, kVecs>) with the accesses per thread kVecs (1, 2, 4,
 // ... up to kMaxElems / V; at one element per access 8, then 32) for a row of nv accesses:
 // the fewest for which kRowThreads threads cover the row with at most kRowVecs accesses
-// each (64 bytes of the row: the backward holds two rows' x and dy), else the fewest for
+// each (64 bytes of the row: the backward holds x, dy and their weights), else the fewest for
 // which kMaxThreads do. Registers are sized for kVecs.
 // Blocks of 4 warps (a 4096-wide bf16 row: 128 threads of four 16-byte accesses) keep the
 // block reductions short and let an SM hold several times more rows at once than one
