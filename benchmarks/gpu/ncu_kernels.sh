@@ -6,7 +6,8 @@
 # AdamW. Per kernel: OUTDIR/NAME.ncu-rep, its details page (occupancy, throughput, stall
 # reasons) as NAME_details.txt and its source page (SASS with stall samples) as
 # NAME_sass.csv; a few headline lines printed. Needs ncu and a build from
-# benchmarks/gpu/check.sh (BUILD, default build-gpu).
+# benchmarks/gpu/check.sh (BUILD, default build-gpu). DTRAIN_NCU_ONLY (an extended regular
+# expression) profiles only the kernels whose NAME matches, e.g. attention_bwd.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="${1:?usage: ncu_kernels.sh OUTDIR [BUILD]}"
@@ -20,6 +21,7 @@ rc=0
 profile() {
   local name="$1" regex="$2"
   shift 2
+  [ -n "${DTRAIN_NCU_ONLY:-}" ] && ! grep -qE -- "$DTRAIN_NCU_ONLY" <<<"$name" && return
   "$ncu" --clock-control none --set full --kernel-name "regex:$regex" --launch-count 1 --export "$out/$name" \
     --force-overwrite "$bench" "$@" --iters 2 --rounds 1 >"$out/${name}_run.log" 2>&1 ||
     { rc=1; tail -5 "$out/${name}_run.log"; return; }
