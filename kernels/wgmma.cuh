@@ -1,5 +1,5 @@
 // Hopper (sm_90a) warpgroup MMA for the attention kernels: wgmma.mma_async m64nNk16 with
-// float32 accumulators (N = 64, 128), A from shared memory or registers, B from shared
+// float32 accumulators (N = 32, 64, 128), A from shared memory or registers, B from shared
 // memory through matrix descriptors of the no-swizzle layout that load_blocked_async
 // writes; the fences and group waits around them. The CPU emulator runs the same calls.
 // A warpgroup's accumulators are d[N / 8][4] per thread: warp w of the group holds rows
@@ -144,15 +144,16 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// The specialisations (N = 64, 128; bf16, f16), one asm statement each: N / 2 accumulator
+// The specialisations (N = 64, 128, and 32 for wgmma_ss_mn; bf16, f16), one asm statement each: N / 2 accumulator
 // operands (%0 ..), then A (a descriptor, or 4 registers), B, and the flag that sets
 // scale-d (wgmma_ss's accumulate; 1 for rs). The immediates after it are scale-a, scale-b,
 // then for ss trans-a (0) and trans-b, for rs trans-b (1: B is MN-major).
 #define DTRAIN_ACC4(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
-#define DTRAIN_ACC_64 DTRAIN_ACC4(0), DTRAIN_ACC4(1), DTRAIN_ACC4(2), DTRAIN_ACC4(3), DTRAIN_ACC4(4), \
-                      DTRAIN_ACC4(5), DTRAIN_ACC4(6), DTRAIN_ACC4(7)
+#define DTRAIN_ACC_32 DTRAIN_ACC4(0), DTRAIN_ACC4(1), DTRAIN_ACC4(2), DTRAIN_ACC4(3)
+#define DTRAIN_ACC_64 DTRAIN_ACC_32, DTRAIN_ACC4(4), DTRAIN_ACC4(5), DTRAIN_ACC4(6), DTRAIN_ACC4(7)
 #define DTRAIN_ACC_128 DTRAIN_ACC_64, DTRAIN_ACC4(8), DTRAIN_ACC4(9), DTRAIN_ACC4(10), DTRAIN_ACC4(11), \
                        DTRAIN_ACC4(12), DTRAIN_ACC4(13), DTRAIN_ACC4(14), DTRAIN_ACC4(15)
+#define DTRAIN_REGS_32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define DTRAIN_REGS_64 \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
   "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
@@ -185,6 +186,8 @@ DTRAIN_WGMMA_SS(wgmma_ss, __nv_bfloat16, "bf16", 64, 0, 32, 33, 34)
 DTRAIN_WGMMA_SS(wgmma_ss, __half, "f16", 64, 0, 32, 33, 34)
 DTRAIN_WGMMA_SS(wgmma_ss, __nv_bfloat16, "bf16", 128, 0, 64, 65, 66)
 DTRAIN_WGMMA_SS(wgmma_ss, __half, "f16", 128, 0, 64, 65, 66)
+DTRAIN_WGMMA_SS(wgmma_ss_mn, __nv_bfloat16, "bf16", 32, 1, 16, 17, 18)
+DTRAIN_WGMMA_SS(wgmma_ss_mn, __half, "f16", 32, 1, 16, 17, 18)
 DTRAIN_WGMMA_SS(wgmma_ss_mn, __nv_bfloat16, "bf16", 64, 1, 32, 33, 34)
 DTRAIN_WGMMA_SS(wgmma_ss_mn, __half, "f16", 64, 1, 32, 33, 34)
 DTRAIN_WGMMA_SS(wgmma_ss_mn, __nv_bfloat16, "bf16", 128, 1, 64, 65, 66)
@@ -199,8 +202,10 @@ DTRAIN_WGMMA_RS(__half, "f16", 128, 64, 65, 66, 67, 68, 69)
 #undef DTRAIN_WGMMA_PTX
 #undef DTRAIN_REGS_128
 #undef DTRAIN_REGS_64
+#undef DTRAIN_REGS_32
 #undef DTRAIN_ACC_128
 #undef DTRAIN_ACC_64
+#undef DTRAIN_ACC_32
 #undef DTRAIN_ACC4
 #endif
 

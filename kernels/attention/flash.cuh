@@ -81,12 +81,19 @@ __device__ __forceinline__ BwdBlock bwd_block(const dtrain_attention_bwd_params&
   return {c.b, c.head, c.rank * kBlockN};
 }
 
-// The backward's workspace: dq in float32 [batch, heads, seq_q, D] (accumulated by
-// atomics or bulk reductions; D the kernel's head dim, at most wgmma's, which is the
-// larger), then delta = rowsum(dout * o) [batch, heads, seq_q].
+// The backward's workspace: float32 dq, then delta = rowsum(dout * o) [batch, heads,
+// seq_q]. dq's part is sized for the larger of its two layouts (flash_bwd.cuh: DqRows,
+// DqTiles): each (batch, head)'s rows rounded up to whole tiles of kDqTileRows, of wgmma's
+// head dim (the larger one) floats each.
+constexpr int kDqTileRows = 64;
+inline size_t flash_bwd_dq_floats(const dtrain_attention_bwd_params& p) {
+  const size_t rows = static_cast<size_t>((p.seq_q + kDqTileRows - 1) / kDqTileRows * kDqTileRows);
+  return static_cast<size_t>(p.batch) * static_cast<size_t>(p.heads) * rows *
+         static_cast<size_t>(wgmma_kernel_dim(p.head_dim));
+}
 inline size_t flash_bwd_workspace_floats(const dtrain_attention_bwd_params& p) {
-  const size_t rows = static_cast<size_t>(p.batch) * static_cast<size_t>(p.heads) * static_cast<size_t>(p.seq_q);
-  return rows * static_cast<size_t>(wgmma_kernel_dim(p.head_dim)) + rows;
+  return flash_bwd_dq_floats(p) + static_cast<size_t>(p.batch) * static_cast<size_t>(p.heads) *
+                                      static_cast<size_t>(p.seq_q);
 }
 
 }  // namespace dtrain_kernels

@@ -16,10 +16,9 @@
 
 namespace dtrain_kernels {
 
-// delta[row] = sum_d dout[row, d] * o[row, d]; one warp per row; also zeroes dq_accum
-// (rows of D floats: a head dim below D leaves zeros in the rest).
-template <typename T, int D>
-__global__ void flash_bwd_prepare_kernel(dtrain_attention_bwd_params p, float* dq_accum, float* delta) {
+// delta[row] = sum_d dout[row, d] * o[row, d]; one warp per row.
+template <typename T>
+__global__ void flash_bwd_prepare_kernel(dtrain_attention_bwd_params p, float* delta) {
   const int64_t rows = p.batch * p.heads * p.seq_q;
   const int64_t row = int64_t{blockIdx.x} * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -29,23 +28,66 @@ __global__ void flash_bwd_prepare_kernel(dtrain_attention_bwd_params p, float* d
   const T* d = static_cast<const T*>(p.dout) + b * p.dout_stride.batch + h * p.dout_stride.head +
                i * p.dout_stride.seq;
   float s = 0.f;
-  for (int c = lane; c < D; c += 32) {
-    if (c < p.head_dim) s += to_float(o[c]) * to_float(d[c]);
-    dq_accum[row * D + c] = 0.f;
-  }
+  for (int c = lane; c < p.head_dim; c += 32) s += to_float(o[c]) * to_float(d[c]);
   s = warp_sum(s);
   if (lane == 0) delta[row] = s;
 }
 
-template <typename T, int D>
+// Where the float32 dq buffer keeps dq[b, h, i, c] (row = (b heads + h) seq_q + i). Both
+// layouts name, for each run of four floats (a quad), the two pairs of adjacent columns
+// it holds: pair(p, quad, k, &row, &col), row -1 for padding.
+// The mma.sync kernel's, which adds into it by atomics: rows of D floats.
+template <int D>
+struct DqRows {
+  __host__ __device__ static int64_t floats(const dtrain_attention_bwd_params& p) {
+    return p.batch * p.heads * p.seq_q * D;
+  }
+  __device__ static void pair(const dtrain_attention_bwd_params&, int64_t quad, int k, int64_t& row, int& col) {
+    row = quad / (D / 4);
+    col = static_cast<int>(quad % (D / 4)) * 4 + 2 * k;
+  }
+};
+// The Hopper kernel's, which adds whole query tiles by one bulk reduction each: per (b, h),
+// tiles of kDqTileRows x D floats, each in the order its kConsumers warpgroups store their
+// dQ accumulators (kNq = D / kConsumers columns each): quad (f, tid) of a tile, f =
+// consumer cg's chunk cg (kNq / 8) + nt, holds thread tid's d[nt][0..3] (wgmma.cuh's
+// layout: rows 16 (tid / 32) + (tid % 32) / 4 and 8 below it, columns cg kNq + 8 nt +
+// 2 (tid % 4) and the next), so that a warp's stores to the staged tile are 512
+// contiguous bytes.
+template <int D, int kConsumers>
+struct DqTiles {
+  static constexpr int kNq = D / kConsumers;
+  static constexpr int kTileQuads = kDqTileRows * D / 4;
+  static_assert(kDqTileRows == 64 && kNq % 8 == 0, "a warpgroup's 64 rows, whole 8-column chunks");
+  __host__ __device__ static int64_t floats(const dtrain_attention_bwd_params& p) {
+    return p.batch * p.heads * ((p.seq_q + kDqTileRows - 1) / kDqTileRows) * kTileQuads * 4;
+  }
+  __device__ static void pair(const dtrain_attention_bwd_params& p, int64_t quad, int k, int64_t& row, int& col) {
+    const int64_t tile = quad / kTileQuads, tiles = (p.seq_q + kDqTileRows - 1) / kDqTileRows;
+    const int in = static_cast<int>(quad % kTileQuads), tid = in % 128, f = in / 128;
+    const int64_t i = (tile % tiles) * kDqTileRows + 16 * (tid / 32) + (tid % 32) / 4 + 8 * k;
+    col = (f / (kNq / 8)) * kNq + (f % (kNq / 8)) * 8 + 2 * (tid % 4);
+    row = i < p.seq_q ? tile / tiles * p.seq_q + i : -1;
+  }
+};
+
+// dq from the float32 buffer in layout L (rows past seq_q and columns past the head dim
+// are left).
+template <typename T, typename L>
 __global__ void flash_bwd_convert_dq_kernel(dtrain_attention_bwd_params p, const float* dq_accum) {
-  const int64_t n = p.batch * p.heads * p.seq_q * D;
-  for (int64_t e = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; e < n; e += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t c = e % D, row = e / D;
-    if (c >= p.head_dim) continue;
-    const int64_t i = row % p.seq_q, h = (row / p.seq_q) % p.heads, b = row / (p.seq_q * p.heads);
-    static_cast<T*>(p.dq)[b * p.dq_stride.batch + h * p.dq_stride.head + i * p.dq_stride.seq + c] =
-        from_float<T>(dq_accum[e]);
+  const int64_t quads = L::floats(p) / 4;
+  for (int64_t q = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; q < quads; q += int64_t{gridDim.x} * blockDim.x) {
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      int64_t row;
+      int c;
+      L::pair(p, q, k, row, c);
+      if (row < 0 || c >= p.head_dim) continue;
+      const int64_t i = row % p.seq_q, h = (row / p.seq_q) % p.heads, b = row / (p.seq_q * p.heads);
+      T* dq = static_cast<T*>(p.dq) + b * p.dq_stride.batch + h * p.dq_stride.head + i * p.dq_stride.seq + c;
+      dq[0] = from_float<T>(dq_accum[4 * q + 2 * k]);
+      dq[1] = from_float<T>(dq_accum[4 * q + 2 * k + 1]);
+    }
   }
 }
 
@@ -68,15 +110,32 @@ __device__ __forceinline__ void mask_scores_t(float (&st)[kN][4], int64_t key0, 
   }
 }
 
+// This thread's two queries (columns 2 t and 2 t + 1 of chunk nt) of a per-query statistic
+// staged in shared memory (the log-sum-exp or delta): one 8-byte load.
+__device__ __forceinline__ float2 query_pair(const float* stat_s, int nt) {
+  return *reinterpret_cast<const float2*>(stat_s + nt * 8 + 2 * (threadIdx.x % 4));
+}
+
 // P^T = exp(S^T scale - lse), lse_s the tile's log-sum-exp in the log2 domain (+inf for
 // padding rows, whose p is then 0).
 template <int kN>
 __device__ __forceinline__ void probabilities_t(float (&st)[kN][4], const float* lse_s, float scale_log2) {
-  const int t = threadIdx.x % 4;
 #pragma unroll
   for (int nt = 0; nt < kN; ++nt) {
+    const float2 l = query_pair(lse_s, nt);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) st[nt][e] = fast_exp2(fmaf(st[nt][e], scale_log2, -lse_s[nt * 8 + 2 * t + (e & 1)]));
+    for (int e = 0; e < 4; ++e) st[nt][e] = fast_exp2(fmaf(st[nt][e], scale_log2, -(e & 1 ? l.y : l.x)));
+  }
+}
+
+// dS^T = P^T (dP^T - delta), in place of dP^T (delta_s: the tile's delta).
+template <int kN>
+__device__ __forceinline__ void ds_t(float (&dpt)[kN][4], const float (&pt)[kN][4], const float* delta_s) {
+#pragma unroll
+  for (int nt = 0; nt < kN; ++nt) {
+    const float2 d = query_pair(delta_s, nt);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dpt[nt][e] = pt[nt][e] * (dpt[nt][e] - (e & 1 ? d.y : d.x));
   }
 }
 
@@ -130,21 +189,21 @@ __device__ __forceinline__ void store_dk_dv(const dtrain_attention_bwd_params& p
   }
 }
 
-// The backward's three passes: delta and a zeroed dq buffer, the main kernel
+// The backward's passes: delta and a zeroed dq buffer in layout L, the main kernel
 // (launch_main(dq_accum, delta) launches it), dq converted.
-template <typename T, int D, typename Launch>
+template <typename T, typename L, typename Launch>
 cudaError_t run_bwd_passes(const dtrain_attention_bwd_params& p, cudaStream_t stream, Launch launch_main) {
   float* dq_accum = static_cast<float*>(p.workspace);
-  float* delta = dq_accum + p.batch * p.heads * p.seq_q * D;
-  const int64_t rows = p.batch * p.heads * p.seq_q;
-  auto* prepare = flash_bwd_prepare_kernel<T, D>;
-  DTRAIN_LAUNCH(prepare, static_cast<unsigned>((rows + 7) / 8), 256, 0, stream, p, dq_accum, delta);
-  cudaError_t e = launched();
+  float* delta = dq_accum + flash_bwd_dq_floats(p);
+  const int64_t rows = p.batch * p.heads * p.seq_q, dq_floats = L::floats(p);
+  cudaError_t e = cudaMemsetAsync(dq_accum, 0, sizeof(float) * static_cast<size_t>(dq_floats), stream);
   if (e != cudaSuccess) return e;
+  auto* prepare = flash_bwd_prepare_kernel<T>;
+  DTRAIN_LAUNCH(prepare, static_cast<unsigned>((rows + 7) / 8), 256, 0, stream, p, delta);
+  if ((e = launched()) != cudaSuccess) return e;
   if ((e = launch_main(dq_accum, delta)) != cudaSuccess) return e;
-  const int64_t n = rows * D;
-  const unsigned blocks = static_cast<unsigned>(imin((n + 255) / 256, 65535));
-  auto* convert = flash_bwd_convert_dq_kernel<T, D>;
+  const unsigned blocks = static_cast<unsigned>(imin((dq_floats / 4 + 255) / 256, 65535));
+  auto* convert = flash_bwd_convert_dq_kernel<T, L>;
   DTRAIN_LAUNCH(convert, blocks, 256, 0, stream, p, dq_accum);
   return launched();
 }
@@ -218,13 +277,12 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads)
       auto& dpt = dpt_tiles[0];
       zero_tiles(dpt);
       mma_rows_rows<T, 1, D, BM / 8>(dpt_tiles, vs + warp * 16 * P, P, dos, P);
+      ds_t(dpt, st, delta_s);
 #pragma unroll
       for (int nt = 0; nt < BM / 8; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int qi = nt * 8 + 2 * t + (e & 1);
-          dpt[nt][e] = st[nt][e] * (dpt[nt][e] - delta_s[qi]);
-          dss[qi * PS + warp * 16 + g + (e < 2 ? 0 : 8)] = from_float<T>(dpt[nt][e]);
+          dss[(nt * 8 + 2 * t + (e & 1)) * PS + warp * 16 + g + (e < 2 ? 0 : 8)] = from_float<T>(dpt[nt][e]);
         }
       }
       // dK += dS^T Q (the softmax scale is applied at the end).
@@ -259,7 +317,7 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads)
 template <typename T, int D>
 cudaError_t run_flash_bwd(const dtrain_attention_bwd_params& p, cudaStream_t stream) {
   using C = FlashConfig<D>;
-  return run_bwd_passes<T, D>(p, stream, [&](float* dq_accum, const float* delta) {
+  return run_bwd_passes<T, DqRows<D>>(p, stream, [&](float* dq_accum, const float* delta) {
     const size_t smem = sizeof(T) * (static_cast<size_t>(2 * C::kBwdBlockN + 2 * C::kBwdBlockM) * C::kPitch +
                                      static_cast<size_t>(C::kBwdBlockM) * C::kPitchS) +
                         sizeof(float) * 2 * C::kBwdBlockM;
