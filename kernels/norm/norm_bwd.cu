@@ -9,12 +9,12 @@ namespace dtrain_kernels {
 namespace {
 
 template <typename T, bool kLayerNorm, int V, int kVecs>
-__global__ void __launch_bounds__(kMaxThreads) norm_bwd_kernel(dtrain_norm_bwd_params p, int64_t rows_per_strip) {
+__global__ void __launch_bounds__(kMaxThreads) norm_bwd_kernel(dtrain_norm_bwd_params p, int64_t rows_per_strip,
+                                                               float inv_cols) {
   DTRAIN_DYNAMIC_SMEM(float, partial);  // [cols] dw, then [cols] db (LayerNorm)
   __shared__ float2 scratch[32];
   const int64_t n = p.cols;
   const int nv = static_cast<int>(n / V);
-  const float inv_n = 1.f / static_cast<float>(n);
   const bool want_w = p.dweight != nullptr, want_b = kLayerNorm && p.dbias != nullptr;
   float* pw = partial;
   float* pb = partial + n;
@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(kMaxThreads) norm_bwd_kernel(dtrain_norm_bwd_p
     } else {
       sums.x = block_sum(sums.x, reinterpret_cast<float*>(scratch));
     }
-    const float mgx = sums.x * inv_n, mg = kLayerNorm ? sums.y * inv_n : 0.f;
+    const float mgx = sums.x * inv_cols, mg = kLayerNorm ? sums.y * inv_cols : 0.f;
     each_access<kVecs>(nv, [&](int k, int j) {
       float wv[V], aw[V] = {}, ab[V] = {};
       weights(k, j, wv);
@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(32 * kSumWarps)
 // How a backward runs: the kernel instance, its block, shared memory and strips of rows.
 // The workspace size comes from the same plan.
 struct BwdPlan {
-  void (*kernel)(dtrain_norm_bwd_params, int64_t);
+  void (*kernel)(dtrain_norm_bwd_params, int64_t, float);
   int threads;
   size_t smem;
   int64_t strips, rows_per_strip;
@@ -179,8 +179,10 @@ cudaError_t bwd(const dtrain_norm_bwd_params& p, cudaStream_t stream) {
   cudaError_t e =
       cudaFuncSetAttribute(plan.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan.smem));
   if (e != cudaSuccess) return e;
+  // 1 / cols as an argument (a constant-bank operand): computed in the kernel and held, it
+  // spilled in the bf16 LayerNorm instance.
   DTRAIN_LAUNCH(plan.kernel, static_cast<unsigned>(plan.strips), plan.threads, plan.smem, stream, p,
-                plan.rows_per_strip);
+                plan.rows_per_strip, 1.f / static_cast<float>(p.cols));
   if ((e = launched()) != cudaSuccess) return e;
   if (p.dweight == nullptr && p.dbias == nullptr) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>((p.cols + 31) / 32), p.layer_norm && p.dbias != nullptr ? 2 : 1);
