@@ -30,9 +30,10 @@ __global__ void __launch_bounds__(kMaxThreads) norm_bwd_kernel(dtrain_norm_bwd_p
   auto dy_of = [&](int64_t r) { return Row(static_cast<const T*>(p.dy) + r * p.dy_stride, nv); };
   // Where a thread holds at most kRowVecs accesses of a row, it also holds their weights,
   // loaded once for the strip: per row, then, its only loads are x and dy (and the partials
-  // in shared memory). On the H200 that took the backward from 0.61 to 0.83 (RMSNorm) and
-  // 0.52 to 0.75 (LayerNorm) of the copy bandwidth; loading the next row's x and dy ahead
-  // (into registers beside the weights, or into shared memory by cp.async) did no better.
+  // in shared memory). On the H200 that took the backward from 0.61 to 0.81-0.83 (RMSNorm)
+  // and 0.52 to 0.71-0.75 (LayerNorm) of the copy bandwidth; loading the next row's x and dy
+  // ahead (into registers beside the weights, or into shared memory by cp.async) did no
+  // better.
   constexpr bool kHold = kVecs <= kRowVecs;
   float wheld[kHold ? kVecs : 1][V];
   if constexpr (kHold) {
