@@ -454,6 +454,17 @@ void run_block(int threads) {
                                "others never reach");
     }
   }
+  // Arrivals that no wait took: a named barrier left part-way when the block ends means its
+  // arrivals and waits are out of step (a turn-taking protocol one turn short, say).
+  for (int id = 1; id < 16; ++id) {
+    if (s.named[id].arrived != 0) {
+      throw std::runtime_error("emulator: block (" + std::to_string(block_idx.x) + "," +
+                               std::to_string(block_idx.y) + "," + std::to_string(block_idx.z) +
+                               ") ended with named barrier " + std::to_string(id) + " part-way: " +
+                               std::to_string(s.named[id].arrived) + " of " + std::to_string(s.named[id].threads) +
+                               " threads arrived");
+    }
+  }
 }
 
 }  // namespace
