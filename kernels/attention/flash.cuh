@@ -55,13 +55,17 @@ cudaError_t run_flash_bwd_sm90(const dtrain_attention_bwd_params& p, cudaStream_
 struct BlockCoords {
   int64_t b, head, rank;
 };
+// Block number `block` of such a grid in tile_order (a persistent kernel's loop index).
+__host__ __device__ inline BlockCoords sectioned_coords(int64_t block, int64_t tiles, int64_t heads, int64_t batch,
+                                                        int64_t section) {
+  const TileOrder o = tile_order(block, tiles, heads * batch, section);
+  return {o.pair / heads, o.pair % heads, o.rank};
+}
 template <bool kSectioned>
 __device__ __forceinline__ BlockCoords block_coords(int64_t section) {
   if constexpr (kSectioned) {
-    const int64_t tiles = gridDim.x, heads = gridDim.y;
-    const int64_t block = blockIdx.x + tiles * (blockIdx.y + heads * blockIdx.z);
-    const TileOrder o = tile_order(block, tiles, heads * gridDim.z, section);
-    return {o.pair / heads, o.pair % heads, o.rank};
+    const int64_t block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    return sectioned_coords(block, gridDim.x, gridDim.y, gridDim.z, section);
   } else {
     return {blockIdx.z, blockIdx.y, blockIdx.x};
   }

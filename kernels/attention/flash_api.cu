@@ -133,12 +133,18 @@ extern "C" cudaError_t dtrain_attention_fwd(const dtrain_attention_fwd_params* p
   using namespace dtrain_kernels;
   if (params == nullptr) return cudaErrorInvalidValue;
   const auto& p = *params;
-  if (!shape_ok(p) || !p.q || !p.k || !p.v || !p.o || !p.lse) return cudaErrorInvalidValue;
+  if (!shape_ok(p) || !p.q || !p.k || !p.v || !p.o || !p.lse || !p.workspace || !aligned(p.workspace, 4)) {
+    return cudaErrorInvalidValue;
+  }
   if (!strides_ok(p.q_stride) || !strides_ok(p.k_stride) || !strides_ok(p.v_stride) || !strides_ok(p.o_stride)) {
     return cudaErrorInvalidValue;
   }
   if (!aligned(p.q, 16) || !aligned(p.k, 16) || !aligned(p.v, 16) || !aligned(p.o, 4)) return cudaErrorInvalidValue;
   return run_picked<Fwd, FwdSm90>(p, stream);
+}
+
+extern "C" size_t dtrain_attention_fwd_workspace_bytes(const dtrain_attention_fwd_params* params) {
+  return params == nullptr ? 0 : 16;  // one int, in 16 bytes
 }
 
 extern "C" size_t dtrain_attention_bwd_workspace_bytes(const dtrain_attention_bwd_params* params) {

@@ -14,7 +14,9 @@ namespace dtrain_kernels {
 // query blocks, which have the most key tiles, so that the short ones fill the tail; with
 // kSectioned, in tile_order's sections of heads whose K and V fit in L2. q is its first
 // row; k and v are its kv head's (GQA); n_tiles counts the key tiles of kBlockN it visits
-// (causal: none past its last row, all masked there).
+// (causal: none past its last row, all masked there). The one-argument form is this
+// block's of a grid launched as (query blocks, heads, batch); the other is query block
+// number `block` in that order, for a persistent grid's loop.
 template <typename T, int kBlockM, int kBlockN, bool kSectioned>
 struct FwdBlock {
   int64_t b, h, m0;
@@ -22,10 +24,21 @@ struct FwdBlock {
   const T* k;
   const T* v;
   int n_tiles;
-  __device__ __forceinline__ explicit FwdBlock(const dtrain_attention_fwd_params& p) {
-    const BlockCoords c =
-        block_coords<kSectioned>(section_pairs(p.causal, p.seq_k * p.head_dim * 2 * int64_t{sizeof(T)}));
-    b = c.b, h = c.head, m0 = (p.causal ? gridDim.x - 1 - c.rank : c.rank) * kBlockM;
+  __device__ __forceinline__ explicit FwdBlock(const dtrain_attention_fwd_params& p)
+      : FwdBlock(p, block_coords<kSectioned>(section(p)), gridDim.x) {}
+  __device__ __forceinline__ FwdBlock(const dtrain_attention_fwd_params& p, int64_t block)
+      : FwdBlock(p, sectioned_coords(block, query_blocks(p), p.heads, p.batch, section(p)), query_blocks(p)) {}
+
+  __host__ __device__ static int64_t query_blocks(const dtrain_attention_fwd_params& p) {
+    return (p.seq_q + kBlockM - 1) / kBlockM;
+  }
+
+ private:
+  __host__ __device__ static int64_t section(const dtrain_attention_fwd_params& p) {
+    return section_pairs(p.causal, p.seq_k * p.head_dim * 2 * int64_t{sizeof(T)});
+  }
+  __device__ __forceinline__ FwdBlock(const dtrain_attention_fwd_params& p, const BlockCoords& c, int64_t tiles) {
+    b = c.b, h = c.head, m0 = (p.causal ? tiles - 1 - c.rank : c.rank) * kBlockM;
     const int64_t hk = h / (p.heads / p.kv_heads);
     q = static_cast<const T*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head + m0 * p.q_stride.seq;
     k = static_cast<const T*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;

@@ -173,6 +173,11 @@ inline float atomicAdd(float* p, float v) {
   *p = old + v;
   return old;
 }
+inline int atomicAdd(int* p, int v) {
+  const int old = *p;
+  *p = old + v;
+  return old;
+}
 inline int atomicMax(int* p, int v) {
   const int old = *p;
   *p = old > v ? old : v;

@@ -188,6 +188,9 @@ std::pair<at::Tensor, at::Tensor> kernel_forward(at::Tensor q, at::Tensor k, at:
   p.v_stride = strides_of(v);
   p.o_stride = strides_of(o);
   fill_shape(p, q, k, causal, scale);
+  auto workspace = at::empty({static_cast<std::int64_t>(dtrain_attention_fwd_workspace_bytes(&p) / sizeof(int))},
+                             q.options().dtype(at::kInt));
+  p.workspace = workspace.data_ptr();
   DTRAIN_CUDA_CHECK(dtrain_attention_fwd(&p, detail::current_stream(q)));
   return {o, lse};
 }

@@ -412,6 +412,16 @@ dtrain_attention_bwd_params bwd_params(const dtrain_attention_fwd_params& f, con
 }
 
 // Runs the backward g with a poisoned workspace of the size it asks for.
+// Runs the forward f with a fresh poisoned workspace (the call zeroes what it uses).
+cudaError_t run_fwd(dtrain_attention_fwd_params& f) {
+  auto ws = poisoned({static_cast<std::int64_t>(dtrain_attention_fwd_workspace_bytes(&f) / sizeof(float))}, at::kFloat);
+  f.workspace = ws.data_ptr();
+  const cudaError_t e = dtrain_attention_fwd(&f, nullptr);
+  kernel_sync();
+  f.workspace = nullptr;
+  return e;
+}
+
 cudaError_t run_bwd(dtrain_attention_bwd_params& g) {
   auto ws = poisoned({static_cast<std::int64_t>(dtrain_attention_bwd_workspace_bytes(&g) / sizeof(float))}, at::kFloat);
   g.workspace = ws.data_ptr();
@@ -452,6 +462,9 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
       {1, 2, 2, 65, 65, 32, false, at::kHalf},       {1, 2, 1, 70, 90, 96, true, at::kBFloat16},
       {1, 2, 1, 100, 100, 80, true, at::kHalf},      {1, 1, 1, 40, 150, 40, false, at::kBFloat16},
       {1, 2, 1, 33, 33, 8, true, at::kBFloat16},     {1, 1, 1, 50, 70, 120, true, at::kHalf},
+      // More query blocks than the persistent wgmma forward has blocks (the emulator's 4
+      // SMs x 2), causal and not: each block takes several, from the counter.
+      {2, 4, 2, 200, 200, 64, true, at::kBFloat16},  {1, 4, 2, 260, 130, 128, false, at::kHalf},
   };
   if (kLargeCases) {
     cases.insert(cases.end(), {{2, 8, 2, 1000, 1000, 128, true, at::kBFloat16},
@@ -460,7 +473,9 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
                                {3, 2, 2, 1, 257, 64, false, at::kBFloat16},
                                {1, 4, 2, 1000, 1000, 96, true, at::kBFloat16},
                                {2, 4, 4, 513, 513, 80, false, at::kHalf},
-                               {1, 8, 8, 777, 777, 32, true, at::kBFloat16}});
+                               {1, 8, 8, 777, 777, 32, true, at::kBFloat16},
+                               // More query blocks (512) than an H200 has SMs (132).
+                               {4, 16, 4, 1024, 1024, 128, true, at::kBFloat16}});
   }
   for (const auto& c : cases) {
     SCOPED_TRACE(name(c));
@@ -494,8 +509,8 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
     o = poisoned({c.batch, c.heads, c.seq_q, c.dim}, c.type);
     lse = poisoned({c.batch, c.heads, c.seq_q}, at::kFloat);
     f = fwd_params(qd, kd, vd, o, lse, c.causal, scale, kernel);
-    ASSERT_EQ(dtrain_attention_fwd(&f, nullptr), cudaSuccess);
-    kernel_sync();
+    EXPECT_EQ(dtrain_attention_fwd(&f, nullptr), cudaErrorInvalidValue) << "no workspace";
+    ASSERT_EQ(run_fwd(f), cudaSuccess);
     EXPECT_FALSE(o.isnan().any().item<bool>());
     const double err = max_abs(o, want), naive_err = max_abs(naive, want);
     EXPECT_LE(err, 2 * naive_err + 1e-3) << "kernel " << err << ", naive " << naive_err;
@@ -557,9 +572,8 @@ TEST(KERNEL_SUITE(FlashAttention), StridesTensorMapsCannotDescribeFallBackToMma)
     Result r;
     r.o = poisoned({b, h, s, d}, at::kBFloat16);
     auto lse = poisoned({b, h, s}, at::kFloat);
-    const dtrain_attention_fwd_params f = fwd_params(q, kk, vv, r.o, lse, true, 0.125, kernel);
-    r.fwd = dtrain_attention_fwd(&f, nullptr);
-    kernel_sync();
+    dtrain_attention_fwd_params f = fwd_params(q, kk, vv, r.o, lse, true, 0.125, kernel);
+    r.fwd = run_fwd(f);
     if (r.fwd != cudaSuccess) {  // the backward's own refusal, on the reference's outputs
       r.o = attention_math(q, kk, vv, true, 0.125);
       lse.fill_(0);

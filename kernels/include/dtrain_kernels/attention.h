@@ -39,6 +39,9 @@ typedef struct {
   const void* v;
   void* o;
   float* lse;
+  void* workspace; /* dtrain_attention_fwd_workspace_bytes(params) bytes, 4-byte aligned: the
+                      Hopper kernel's count of query blocks handed out (the call zeroes it,
+                      on the stream) */
   dtrain_attention_strides q_stride, k_stride, v_stride, o_stride;
   int64_t batch, heads, kv_heads, seq_q, seq_k, head_dim;
   float scale; /* softmax scale, usually 1 / sqrt(head_dim) */
@@ -68,6 +71,7 @@ typedef struct {
 
 cudaError_t dtrain_attention_fwd(const dtrain_attention_fwd_params* params, cudaStream_t stream);
 cudaError_t dtrain_attention_bwd(const dtrain_attention_bwd_params* params, cudaStream_t stream);
+size_t dtrain_attention_fwd_workspace_bytes(const dtrain_attention_fwd_params* params);
 size_t dtrain_attention_bwd_workspace_bytes(const dtrain_attention_bwd_params* params);
 /* Whether the kernels take this head dim (multiples of 8 from 8 to 128). */
 int dtrain_attention_supports_head_dim(int64_t head_dim);
