@@ -8,9 +8,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <type_traits>
 
 #include "dtrain_kernels/common.h"
 
@@ -92,15 +94,38 @@ __device__ __forceinline__ void store_vec_streaming(T* p, const Vec<T, N>& v) {
     store_vec<N>(p, v);
   }
 }
+// The N elements of r as float32. bfloat16 pairs unpack with one integer operation each
+// (the high half masked, the low one shifted up) instead of a byte permute and a shift.
+template <typename T, int N>
+__device__ __forceinline__ void to_floats(const Vec<T, N>& r, float (&out)[N]) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value && N % 2 == 0) {
+    auto as_float = [](uint32_t u) {
+      float f;
+      std::memcpy(&f, &u, sizeof f);
+      return f;
+    };
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      uint32_t w;
+      std::memcpy(&w, &r.v[2 * i], sizeof w);
+      out[2 * i] = as_float(w << 16);
+      out[2 * i + 1] = as_float(w & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = to_float(r.v[i]);
+  }
+}
 // N elements of T at p as float32, in accesses of at most 16 bytes (p aligned to one).
 template <int N, typename T>
 __device__ __forceinline__ void load_floats(const T* p, float (&out)[N]) {
   constexpr int C = N < vec16<T>() ? N : vec16<T>();
 #pragma unroll
   for (int a = 0; a < N / C; ++a) {
-    const Vec<T, C> r = load_vec<C>(p + a * C);
+    float f[C];
+    to_floats(load_vec<C>(p + a * C), f);
 #pragma unroll
-    for (int i = 0; i < C; ++i) out[a * C + i] = to_float(r.v[i]);
+    for (int i = 0; i < C; ++i) out[a * C + i] = f[i];
   }
 }
 template <int N, typename T>
@@ -115,8 +140,10 @@ __device__ __forceinline__ void store_floats(T* p, const float (&in)[N]) {
   }
 }
 
+constexpr float kLog2e = 1.4426950408889634f;
 // 2^x on the special-function unit (ex2.approx.ftz: about 2 ulp; results below 2^-126
-// flush to 0, and 2^-inf = 0), as the softmax of the attention kernels uses it.
+// flush to 0, and 2^-inf = 0), as the softmaxes of the attention and cross-entropy kernels
+// use it (exp(x) = 2^(x log2 e): one FFMA folds the shift in).
 __device__ __forceinline__ float fast_exp2(float x) {
 #ifdef DTRAIN_KERNELS_EMULATE
   const float y = std::exp2(x);

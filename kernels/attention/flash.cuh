@@ -9,8 +9,6 @@
 
 namespace dtrain_kernels {
 
-constexpr float kLog2e = 1.4426950408889634f;
-
 // The head dims the kernels are instantiated for (D): mma.sync 32, 64, 96, 128; wgmma 64,
 // 128 (its tiles are whole 64-column boxes). Any multiple of 8 up to 128 runs in the
 // smallest D that holds it: the extra columns load as zeros (cp.async's zero fill, the
