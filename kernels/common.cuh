@@ -94,27 +94,26 @@ __device__ __forceinline__ void store_vec_streaming(T* p, const Vec<T, N>& v) {
     store_vec<N>(p, v);
   }
 }
-// The N elements of r as float32. bfloat16 pairs unpack with one integer operation each
-// (the high half masked, the low one shifted up) instead of a byte permute and a shift.
+// Element i of r as float32. A bfloat16 pair's halves unpack with one integer operation
+// each (the high one masked, the low one shifted up) instead of a byte permute and a shift.
+template <typename T, int N>
+__device__ __forceinline__ float to_float_at(const Vec<T, N>& r, int i) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value && N % 2 == 0) {
+    uint32_t w;
+    std::memcpy(&w, &r.v[i & ~1], sizeof w);
+    w = i & 1 ? w & 0xffff0000u : w << 16;
+    float f;
+    std::memcpy(&f, &w, sizeof f);
+    return f;
+  } else {
+    return to_float(r.v[i]);
+  }
+}
+// All N of them.
 template <typename T, int N>
 __device__ __forceinline__ void to_floats(const Vec<T, N>& r, float (&out)[N]) {
-  if constexpr (std::is_same<T, __nv_bfloat16>::value && N % 2 == 0) {
-    auto as_float = [](uint32_t u) {
-      float f;
-      std::memcpy(&f, &u, sizeof f);
-      return f;
-    };
 #pragma unroll
-    for (int i = 0; i < N / 2; ++i) {
-      uint32_t w;
-      std::memcpy(&w, &r.v[2 * i], sizeof w);
-      out[2 * i] = as_float(w << 16);
-      out[2 * i + 1] = as_float(w & 0xffff0000u);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < N; ++i) out[i] = to_float(r.v[i]);
-  }
+  for (int i = 0; i < N; ++i) out[i] = to_float_at(r, i);
 }
 // N elements of T at p as float32, in accesses of at most 16 bytes (p aligned to one).
 template <int N, typename T>

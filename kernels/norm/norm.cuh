@@ -59,7 +59,7 @@ struct RowShare {
   }
   __device__ __forceinline__ float at(int k, int j, int i) const {
     if constexpr (kHeld) {
-      return to_float(held[k].v[i]);
+      return to_float_at(held[k], i);
     } else {
       return to_float(row[j * V + i]);
     }
