@@ -411,7 +411,6 @@ dtrain_attention_bwd_params bwd_params(const dtrain_attention_fwd_params& f, con
   return g;
 }
 
-// Runs the backward g with a poisoned workspace of the size it asks for.
 // Runs the forward f with a fresh poisoned workspace (the call zeroes what it uses).
 cudaError_t run_fwd(dtrain_attention_fwd_params& f) {
   auto ws = poisoned({static_cast<std::int64_t>(dtrain_attention_fwd_workspace_bytes(&f) / sizeof(float))}, at::kFloat);
@@ -422,6 +421,7 @@ cudaError_t run_fwd(dtrain_attention_fwd_params& f) {
   return e;
 }
 
+// Runs the backward g with a poisoned workspace of the size it asks for.
 cudaError_t run_bwd(dtrain_attention_bwd_params& g) {
   auto ws = poisoned({static_cast<std::int64_t>(dtrain_attention_bwd_workspace_bytes(&g) / sizeof(float))}, at::kFloat);
   g.workspace = ws.data_ptr();
