@@ -1,46 +1,95 @@
 // Fused RMSNorm / LayerNorm backward (dtrain_kernels/norm.h). A block owns a strip of rows;
 // per row it reduces the two sums dx needs, writes dx, and adds the row's dy * xhat (and
-// dy) into its own columns' partial sums in shared memory (a thread's weights are held for
-// the whole strip); the strip's partials go to the workspace, and a column kernel sums the
-// strips into dweight (and dbias).
+// dy) into its own columns' partial sums (in registers where they fit beside the weights,
+// else in shared memory); the strip's partials go to the workspace, and a column kernel
+// sums the strips into dweight (and dbias).
 #include "norm/norm.cuh"
 
 namespace dtrain_kernels {
 namespace {
 
+// What a backward instance holds in registers for the whole strip. A thread of at most
+// kRowVecs accesses a row holds their weights: on the H200 that took the backward from 0.61
+// to 0.81-0.83 (RMSNorm) and 0.52 to 0.71-0.75 (LayerNorm) of the copy bandwidth (loading
+// the next row's x and dy ahead instead, into registers or into shared memory by cp.async,
+// did no better). It holds the partial sums of its columns too where they fit: dweight's
+// beside the weights, dbias' at half the accesses. A partial not held lives in shared
+// memory, read and written per row: at 4096 bf16 columns that was 32 KB a row each, against
+// 24 KB of x, dy and dx from DRAM. A bf16 thread of 4 accesses holds 16 + 16 registers of x
+// and dy, 32 of weights and 32 of dweight's partials (ptxas: 128 registers and no spill in
+// bf16 on sm_90a; a few bytes on sm_80 and in fp16); dbias' would make 160.
+template <bool kLayerNorm, int kVecs>
+struct BwdHeld {
+  static constexpr bool kWeights = kVecs <= kRowVecs;
+  static constexpr bool kDweight = kVecs <= kRowVecs;
+  static constexpr bool kDbias = kLayerNorm && kVecs <= kRowVecs / 2;
+  // Rows of cols floats in shared memory: the partials not held.
+  static constexpr int kSmemRows = (kDweight ? 0 : 1) + (kLayerNorm && !kDbias ? 1 : 0);
+};
+
+// The partial sums of a thread's columns (dweight's or dbias'), over its strip's rows: held
+// (held[k]: access k) or in shared memory (smem[column]), where a thread owns the columns of
+// its accesses as in registers, so no barrier guards them. `want` false: nothing is read or
+// written in memory (held sums are added all the same, and never written).
+template <bool kHeld, int V, int kVecs>
+struct ColumnPartial {
+  float* smem;
+  bool want;
+  float held[kHeld ? kVecs : 1][V] = {};
+  __device__ __forceinline__ ColumnPartial(float* s, bool w, int nv) : smem(s), want(w) {
+    if constexpr (!kHeld) {
+      each_access<kVecs>(nv, [&](int, int j) {
+        const float zero[V] = {};
+        if (want) store_floats<V>(smem + j * V, zero);
+      });
+    }
+  }
+  // The V sums of access (k, j) to add into: held[k], or tmp loaded from shared memory,
+  // which end() stores back.
+  __device__ __forceinline__ float* begin(int k, int j, float (&tmp)[V]) {
+    if constexpr (kHeld) return held[k];
+    if (want) load_floats<V>(smem + j * V, tmp);
+    return tmp;
+  }
+  __device__ __forceinline__ void end(int j, const float (&tmp)[V]) {
+    if (!kHeld && want) store_floats<V>(smem + j * V, tmp);
+  }
+  // To out[cols] (the strip's row of the workspace).
+  __device__ __forceinline__ void write(int nv, float* out) const {
+    if (!want) return;
+    each_access<kVecs>(nv, [&](int k, int j) {
+      if constexpr (kHeld) {
+        store_floats<V>(out + j * V, held[k]);
+      } else {
+        float a[V];
+        load_floats<V>(smem + j * V, a);
+        store_floats<V>(out + j * V, a);
+      }
+    });
+  }
+};
+
 template <typename T, bool kLayerNorm, int V, int kVecs>
 __global__ void __launch_bounds__(kMaxThreads) norm_bwd_kernel(dtrain_norm_bwd_params p, int64_t rows_per_strip,
                                                                float inv_cols) {
-  DTRAIN_DYNAMIC_SMEM(float, partial);  // [cols] dw, then [cols] db (LayerNorm)
+  using Held = BwdHeld<kLayerNorm, kVecs>;
+  DTRAIN_DYNAMIC_SMEM(float, partial);  // [Held::kSmemRows][cols]: the partials not held
   __shared__ float2 scratch[32];
   const int64_t n = p.cols;
   const int nv = static_cast<int>(n / V);
   const bool want_w = p.dweight != nullptr, want_b = kLayerNorm && p.dbias != nullptr;
-  float* pw = partial;
-  float* pb = partial + n;
-  // A thread owns the columns of its accesses, here as in registers: no barrier guards them.
-  each_access<kVecs>(nv, [&](int, int j) {
-    const float zero[V] = {};
-    if (want_w) store_floats<V>(pw + j * V, zero);
-    if (want_b) store_floats<V>(pb + j * V, zero);
-  });
+  ColumnPartial<Held::kDweight, V, kVecs> dw(partial, want_w, nv);
+  ColumnPartial<Held::kDbias, V, kVecs> db(partial + (Held::kDweight ? 0 : n), want_b, nv);
   const int64_t first = blockIdx.x * rows_per_strip, last = imin(p.rows, first + rows_per_strip);
   using Row = RowShare<T, V, kVecs>;
   auto x_of = [&](int64_t r) { return Row(static_cast<const T*>(p.x) + r * p.x_stride, nv); };
   auto dy_of = [&](int64_t r) { return Row(static_cast<const T*>(p.dy) + r * p.dy_stride, nv); };
-  // Where a thread holds at most kRowVecs accesses of a row, it also holds their weights,
-  // loaded once for the strip: per row, then, its only loads are x and dy (and the partials
-  // in shared memory). On the H200 that took the backward from 0.61 to 0.81-0.83 (RMSNorm)
-  // and 0.52 to 0.71-0.75 (LayerNorm) of the copy bandwidth; loading the next row's x and dy
-  // ahead (into registers beside the weights, or into shared memory by cp.async) did no
-  // better.
-  constexpr bool kHold = kVecs <= kRowVecs;
-  float wheld[kHold ? kVecs : 1][V];
-  if constexpr (kHold) {
+  float wheld[Held::kWeights ? kVecs : 1][V];
+  if constexpr (Held::kWeights) {
     each_access<kVecs>(nv, [&](int k, int j) { load_weights<V>(p.weight, p.weight_dtype, j, wheld[k]); });
   }
   auto weights = [&](int k, int j, float (&wv)[V]) {
-    if constexpr (kHold) {
+    if constexpr (Held::kWeights) {
 #pragma unroll
       for (int i = 0; i < V; ++i) wv[i] = wheld[k][i];
     } else {
@@ -70,10 +119,10 @@ __global__ void __launch_bounds__(kMaxThreads) norm_bwd_kernel(dtrain_norm_bwd_p
     }
     const float mgx = sums.x * inv_cols, mg = kLayerNorm ? sums.y * inv_cols : 0.f;
     each_access<kVecs>(nv, [&](int k, int j) {
-      float wv[V], aw[V] = {}, ab[V] = {};
+      float wv[V], tw[V] = {}, tb[V] = {};
       weights(k, j, wv);
-      if (want_w) load_floats<V>(pw + j * V, aw);
-      if (want_b) load_floats<V>(pb + j * V, ab);
+      float* aw = dw.begin(k, j, tw);
+      float* ab = db.begin(k, j, tb);
       Vec<T, V> out;
 #pragma unroll
       for (int i = 0; i < V; ++i) {
@@ -81,29 +130,18 @@ __global__ void __launch_bounds__(kMaxThreads) norm_bwd_kernel(dtrain_norm_bwd_p
         const float xhat = (x.at(k, j, i) - mean) * rstd;
         out.v[i] = from_float<T>(rstd * (d * wv[i] - mg - xhat * mgx));
         aw[i] += d * xhat;
-        ab[i] += d;
+        if (kLayerNorm) ab[i] += d;
       }
       store_vec<V>(dx + j * V, out);
-      if (want_w) store_floats<V>(pw + j * V, aw);
-      if (want_b) store_floats<V>(pb + j * V, ab);
+      dw.end(j, tw);
+      db.end(j, tb);
     });
   };
   for (int64_t row = first; row < last; ++row) do_row(row, x_of(row), dy_of(row));
-  if (!want_w && !want_b) return;
   // The strip's partials: workspace [strips, cols] for dw, then [strips, cols] for db.
   float* out = static_cast<float*>(p.workspace);
-  const int64_t nstrips = gridDim.x;
-  each_access<kVecs>(nv, [&](int, int j) {
-    float a[V];
-    if (want_w) {
-      load_floats<V>(pw + j * V, a);
-      store_floats<V>(out + blockIdx.x * n + j * V, a);
-    }
-    if (want_b) {
-      load_floats<V>(pb + j * V, a);
-      store_floats<V>(out + (nstrips + blockIdx.x) * n + j * V, a);
-    }
-  });
+  dw.write(nv, out + blockIdx.x * n);
+  db.write(nv, out + (gridDim.x + blockIdx.x) * n);
 }
 
 // Sums the strips' partials per column: [strips, cols] -> [cols] (blockIdx.y 1: the bias
@@ -150,6 +188,8 @@ void pick_bwd(const dtrain_norm_bwd_params& p, BwdPlan& plan) {
     constexpr int kVecs = decltype(vecs)::value;
     plan.kernel = p.layer_norm ? norm_bwd_kernel<T, true, V, kVecs> : norm_bwd_kernel<T, false, V, kVecs>;
     plan.threads = row_threads((nv + kVecs - 1) / kVecs);
+    plan.smem = sizeof(float) * static_cast<size_t>(p.cols) *
+                (p.layer_norm ? BwdHeld<true, kVecs>::kSmemRows : BwdHeld<false, kVecs>::kSmemRows);
     return cudaSuccess;
   });
 }
@@ -164,7 +204,6 @@ BwdPlan plan_bwd(const dtrain_norm_bwd_params& p) {
   } else {
     pick_bwd<T, 1>(p, plan);
   }
-  plan.smem = sizeof(float) * static_cast<size_t>(p.cols) * (p.layer_norm ? 2 : 1);
   // One strip per block the GPU holds at once, and at least kMinStripRows rows each.
   const Occupancy o = occupancy(plan.kernel, plan.threads, plan.smem);
   const int64_t want = std::max<int64_t>(

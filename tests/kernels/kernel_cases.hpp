@@ -144,8 +144,9 @@ TEST(KERNEL_SUITE(Norm), ForwardAndBackwardMatchFloat64) {
   KERNEL_DEVICE_OR_SKIP();
   torch::manual_seed(3);
   // Rows a multiple of 16 bytes take the kernels' 16-byte accesses, 1001 and 16383 one
-  // element per access.
-  std::vector<std::pair<std::int64_t, std::int64_t>> shapes = {{37, 96}, {37, 1000}, {37, 1001}};
+  // element per access. The backward's instances: 96 and 1000 hold the weights and every
+  // partial sum in registers, 2056 (4 accesses a thread) dbias' in shared memory, 1001 none.
+  std::vector<std::pair<std::int64_t, std::int64_t>> shapes = {{37, 96}, {37, 1000}, {21, 2056}, {37, 1001}};
   if (kLargeCases) shapes.insert(shapes.end(), {{4099, 768}, {1000, 4096}, {70, 16384}, {300, 16383}});
   for (bool layer : {false, true}) {
     for (auto type : {at::kFloat, at::kBFloat16}) {
@@ -209,6 +210,16 @@ TEST(KERNEL_SUITE(Norm), ForwardAndBackwardMatchFloat64) {
         EXPECT_LT(max_abs(dw, wr.grad()), wtol);
         if (layer) {
           EXPECT_LT(max_abs(db, br.grad()), wtol);
+          // dbias without dweight (a frozen weight): the same dx and dbias.
+          auto dx2 = poisoned({rows, cols}, type), db2 = poisoned({cols}, at::kFloat);
+          g.dx = dx2.data_ptr();
+          g.dweight = nullptr;
+          g.dbias = db2.data_ptr();
+          ws.fill_(std::numeric_limits<float>::quiet_NaN());
+          ASSERT_EQ(dtrain_norm_bwd(&g, nullptr), cudaSuccess);
+          kernel_sync();
+          EXPECT_TRUE(torch::equal(dx2.cpu(), dx.cpu()));
+          EXPECT_TRUE(torch::equal(db2.cpu(), db.cpu()));
         }
       }
     }
