@@ -196,6 +196,7 @@ struct WgmmaOp {
   int n;
   std::uint64_t desc_a, desc_b;
   std::uint32_t a[4];
+  const std::uint32_t* a_src;  // the A fragment's registers, which must hold a until the wait
   bool a_regs, trans_b, accumulate, bf16;
   std::vector<float> before;  // d at the issue
   int group;                  // 0 until committed
@@ -702,6 +703,9 @@ void wgmma_product(std::size_t i, bool check_before) {
   if (check_before && std::memcmp(op.d, op.before.data(), op.before.size() * sizeof(float)) != 0) {
     throw std::runtime_error("emulator: wgmma accumulators changed between the issue and the wait");
   }
+  if (op.a_regs && std::memcmp(op.a_src, op.a, sizeof(op.a)) != 0) {
+    throw std::runtime_error("emulator: wgmma A fragment registers changed between the issue and the wait");
+  }
   const unsigned char* mem = async_view();
   float A[16][16];
   std::vector<float> B(static_cast<std::size_t>(16) * op.n);
@@ -763,7 +767,7 @@ void wgmma(float* d, int n, std::uint64_t desc_a, const std::uint32_t* a_regs, s
     if (a_regs == nullptr) check(desc_a, 64, false);
     check(desc_b, n, trans_b);
   }
-  WgmmaOp op{d, n, desc_a, desc_b, {0, 0, 0, 0}, a_regs != nullptr, trans_b, accumulate, bf16,
+  WgmmaOp op{d, n, desc_a, desc_b, {0, 0, 0, 0}, a_regs, a_regs != nullptr, trans_b, accumulate, bf16,
              std::vector<float>(d, d + n / 2), 0};
   if (a_regs) std::memcpy(op.a, a_regs, sizeof(op.a));
   th.ops.push_back(std::move(op));

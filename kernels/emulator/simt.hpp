@@ -62,9 +62,10 @@ std::uint32_t shared_address(const void* p);
 // address, leading and stride byte offsets, no swizzle (anything else throws).
 // Like the hardware, the product happens asynchronously: at the wgmma_wait that retires
 // its group, reading shared memory (as the async proxy sees it) and d as they are then. Stricter than the hardware, it
-// throws when a wgmma follows a wait with no wgmma_fence between them, when d changed
-// between the issue and the wait, or when the threads of the group disagree on the shape
-// or the descriptors.
+// throws when a wgmma follows a wait with no wgmma_fence between them, when d or the A
+// fragment's registers changed between the issue and the wait (the hardware may read
+// them until then), or when the threads of the group disagree on the shape or the
+// descriptors.
 void wgmma(float* d, int n, std::uint64_t desc_a, const std::uint32_t* a_regs, std::uint64_t desc_b, bool trans_b,
            bool accumulate, bool bf16);
 void wgmma_fence();
