@@ -183,12 +183,12 @@ __global__ void __launch_bounds__(FlashSm90Config<D>::kThreads, 1)
 
     zero_tiles(acc);
     float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}}, alpha[1][2];
-    // s holds S_j, then, after its softmax, P_j in float32 until the next turn packs it.
+    // s holds S_j, then, after its softmax, P_j in float32 until retire_pv packs it.
     float s[1][BN / 8][4];
-    // P_j V_j may start once P_{j-1} V_{j-1} has retired (its P registers and O): wait for
-    // it, pack P_j, rescale O. Called right after this warpgroup's turn has come, so that
-    // the wait sits behind that barrier. Issued right after the softmax instead, ptxas
-    // hoisted the wait into the softmax (to fill its first stall on a shuffle), and the
+    // Before P_j V_j: wait for P_{j-1} V_{j-1} (its P registers and O), release its V
+    // stage, pack P_j and rescale O. At the top of the loop, in a block of its own: placed
+    // right after the softmax (where the source had it until 2026-12-04), the wait was
+    // hoisted by ptxas into the softmax, to fill its first stall on a shuffle, and the
     // softmax of S_{j+1} never ran beside P_j V_j (SASS: WARPGROUP.DEPBAR.LE gsb0, 0x0
     // ahead of the first FMNMX).
     auto retire_pv = [&](int t_done) {
@@ -197,6 +197,7 @@ __global__ void __launch_bounds__(FlashSm90Config<D>::kThreads, 1)
       wgmma_fence_regs(pf);
       if (t_done >= 0) mbarrier_arrive(v_empty + t_done % S);
       pack_p(s);
+      rescale(acc, alpha);
     };
     {  // S_0 and its softmax
       wait_k(it);
@@ -209,20 +210,17 @@ __global__ void __launch_bounds__(FlashSm90Config<D>::kThreads, 1)
       mbarrier_arrive(k_empty + it % S);
       softmax_tile(s, 0, row_max, row_sum, alpha);  // alpha is 0 or 1 here: O is still zero
     }
-    // Key tile j: P_j is packed (P_{j-1} V_{j-1} has retired), S_{j+1} = Q K_{j+1}^T goes
-    // out, O is rescaled while it runs, then O += P_j V_j; the softmax of S_{j+1} runs while
-    // P_j V_j is still in flight. Each stage is released as soon as the MMA reading it has
-    // retired.
+    // Key tile j: S_{j+1} = Q K_{j+1}^T and O += P_j V_j go out together; the softmax of
+    // S_{j+1} runs while P_j V_j is still in flight. Each stage is released as soon as the
+    // MMA reading it is known to have retired.
     for (int j = 0; j + 1 < n_tiles; ++j) {
       const int t = it + j;
+      retire_pv(j > 0 ? t - 1 : -1);
       wait_k(t + 1);
       wait_v(t);
       my_turn();
-      retire_pv(j > 0 ? t - 1 : -1);
       wgmma_fence();
       issue_s(s[0], t + 1);
-      rescale(acc, alpha);
-      wgmma_fence();
       issue_pv(t);
       their_turn();
       wgmma_wait<1>();  // S_{j+1}; P_j V_j may still run
@@ -233,10 +231,9 @@ __global__ void __launch_bounds__(FlashSm90Config<D>::kThreads, 1)
     mbarrier_arrive(q_empty);  // every S of this query block has retired: Q may be replaced
     {  // the last key tile: P V only
       const int t = it + n_tiles - 1;
+      retire_pv(n_tiles > 1 ? t - 1 : -1);
       wait_v(t);
       my_turn();
-      retire_pv(n_tiles > 1 ? t - 1 : -1);
-      rescale(acc, alpha);
       wgmma_fence();
       issue_pv(t);
       their_turn();
