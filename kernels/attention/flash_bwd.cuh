@@ -95,17 +95,23 @@ __global__ void flash_bwd_convert_dq_kernel(dtrain_attention_bwd_params p, const
 // a warp's transposed score tile st (16 keys: key0 = the warp's first key + g, key1 =
 // key0 + 8; kN chunks of 8 queries from m0), mma.sync's accumulator layout.
 // The mask: keys past the end, or (causal) after the query. Only a tile past the end of
-// the keys or across the causal diagonal needs it (the callers test that first).
+// the keys or across the causal diagonal needs it (the callers test that first). Per key,
+// the queries before a 32-bit bound relative to m0 + 2 t are masked (as in mask_scores).
 template <int kN>
 __device__ __forceinline__ void mask_scores_t(float (&st)[kN][4], int64_t key0, int64_t key1, int64_t m0,
                                               const dtrain_attention_bwd_params& p) {
-  const int t = threadIdx.x % 4;
+  const int t2 = 2 * (threadIdx.x % 4);
 #pragma unroll
-  for (int nt = 0; nt < kN; ++nt) {
+  for (int r = 0; r < 2; ++r) {
+    const int64_t key = r == 0 ? key0 : key1;
+    const int64_t first = key >= p.seq_k ? kN * 8 : (p.causal ? key - m0 : 0);  // queries before it are masked
+    const int bound = static_cast<int>(imax(0, imin(first, kN * 8))) - t2;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int64_t key = e < 2 ? key0 : key1, query = m0 + nt * 8 + 2 * t + (e & 1);
-      if (key >= p.seq_k || (p.causal && key > query)) st[nt][e] = -INFINITY;
+    for (int nt = 0; nt < kN; ++nt) {
+#pragma unroll
+      for (int e = 2 * r; e < 2 * r + 2; ++e) {
+        if (nt * 8 + (e & 1) < bound) st[nt][e] = -INFINITY;
+      }
     }
   }
 }

@@ -52,19 +52,30 @@ struct FwdBlock {
 // row0 + 16 m + 8 (e / 2) (row0 = the warp's first row + g) and, in chunk nt, key
 // col0 + 8 nt + 2 t + (e & 1).
 // Only tiles past the end of the keys or across the causal diagonal need it: the
-// callers test that first, so that interior tiles carry no per-element compare.
+// callers test that first, so that interior tiles carry no per-element compare. Per row,
+// the first masked key becomes a 32-bit bound relative to col0 + 2 t, so that an element
+// costs one compare with an immediate and a select (64-bit coordinates per element took
+// about 4 more instructions each).
 template <int kM, int kN>
 __device__ __forceinline__ void mask_scores(float (&s)[kM][kN][4], int64_t row0, int64_t col0, int64_t seq_k,
                                             bool causal) {
-  const int t = threadIdx.x % 4;
+  const int t2 = 2 * (threadIdx.x % 4);
+  // Clamped where the bounds below would mask all or nothing alike, so that int holds them.
+  const int end = static_cast<int>(imax(0, imin(seq_k - col0, kN * 8)));          // past the keys
+  const int diag = static_cast<int>(imax(-16 * kM, imin(row0 + 1 - col0, kN * 8)));  // after row0
 #pragma unroll
   for (int m = 0; m < kM; ++m) {
 #pragma unroll
-    for (int nt = 0; nt < kN; ++nt) {
+    for (int r = 0; r < 2; ++r) {
+      const int row_end = diag + m * 16 + r * 8;  // this row's end, relative to col0
+      const int first = !causal ? end : row_end < 0 ? 0 : row_end < end ? row_end : end;
+      const int bound = first - t2;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int64_t col = col0 + nt * 8 + 2 * t + (e & 1), row = row0 + m * 16 + (e / 2) * 8;
-        if (col >= seq_k || (causal && col > row)) s[m][nt][e] = -INFINITY;
+      for (int nt = 0; nt < kN; ++nt) {
+#pragma unroll
+        for (int e = 2 * r; e < 2 * r + 2; ++e) {
+          if (nt * 8 + (e & 1) >= bound) s[m][nt][e] = -INFINITY;
+        }
       }
     }
   }
