@@ -17,7 +17,9 @@
 # passed (a missed target is a result, not a failure), 1 when one failed, 2 when none failed
 # but DTRAIN_CHECK_DEADLINE_S cut some. DTRAIN_CHECK_BENCH overrides
 # train_bench's model and shape (default "--preset gpt2-124m --batch 8 --seq 1024"), e.g.
-# for a CPU dry run; DTRAIN_CHECK_ONLY runs some of the phases (see phase below).
+# for a CPU dry run; DTRAIN_CHECK_ONLY runs some of the phases (see phase below);
+# DTRAIN_CHECK_AB_BASE=ab/<hash> (scripts/ab_tree.sh) adds an A/B of the kernels against
+# that revision (benchmarks/gpu/ab.sh).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="${1:-build-gpu/out}"
@@ -112,6 +114,11 @@ phase kernel_bench 240 "$build/benchmarks/kernel_bench" --json "$out/kernel_benc
 # into its 96 (on Hopper dtrain_* is wgmma, which runs all three padded to 64 or 128).
 phase kernel_bench_hdims 120 "$build/benchmarks/kernel_bench" --only attention --seq 4096 --dims 32,80,96 \
   --json "$out/kernel_bench_hdims.jsonl"
+# DTRAIN_CHECK_AB_BASE: another revision's tree (scripts/ab_tree.sh REV, carried as ab/):
+# its kernel_bench against this tree's, in turn (benchmarks/gpu/ab.sh, default cases).
+if [ -n "${DTRAIN_CHECK_AB_BASE:-}" ]; then
+  phase ab 420 env DTRAIN_GPU_BUILD_DIR="$build" benchmarks/gpu/ab.sh "$DTRAIN_CHECK_AB_BASE" "$out/ab"
+fi
 
 # Tests: the CPU unit tests, the NCCL/CUDA tests and the CLI tests (no MPI here).
 phase tests 300 env OMP_NUM_THREADS=2 ctest --test-dir "$build" --output-on-failure -j 8 \
