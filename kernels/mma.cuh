@@ -75,6 +75,29 @@ __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* row) {
 #endif
 }
 
+// ldsm_x4's inverse (stmatrix, sm_90 and later): this lane's fragments r[i] of four 8 x 8
+// matrices to shared memory, lane l giving the address of row l % 8 of matrix l / 8 (with
+// kTrans: the matrices are stored transposed, lane l's address taking column l % 8).
+template <bool kTrans>
+__device__ __forceinline__ void stsm_x4(const uint32_t (&r)[4], void* row) {
+#ifdef DTRAIN_KERNELS_EMULATE
+  ::dtrain_emu::stmatrix_x4(r, row, kTrans);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  if constexpr (kTrans) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(a), "r"(r[0]),
+                 "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
+  } else {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(a), "r"(r[0]), "r"(r[1]),
+                 "r"(r[2]), "r"(r[3])
+                 : "memory");
+  }
+#else
+  __trap();  // no stmatrix before sm_90: only the Hopper kernels call it
+#endif
+}
+
 // The A fragment of the 16 x 16 tile at `tile` (row-major, `pitch` elements).
 template <typename T>
 __device__ __forceinline__ void load_a(uint32_t (&a)[4], const T* tile, int pitch) {

@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(FlashBwdSm90Config<D>::kThreads, 1)
   }
 
   setmaxnreg_inc<C::kConsumerRegs>();
-  const int cg = wg - 1, tid = threadIdx.x % 128, g = lane / 4, t = lane % 4;
+  const int cg = wg - 1, tid = threadIdx.x % 128, g = lane / 4;
   const int64_t kc0 = n0 + 64 * cg;  // this warpgroup's first key
   const int64_t key0 = kc0 + warp * 16 + g, key1 = key0 + 8;
   const float scale_log2 = p.scale * kLog2e;
@@ -211,16 +211,17 @@ __global__ void __launch_bounds__(FlashBwdSm90Config<D>::kThreads, 1)
     // this tile parity's buffer: the other one may still be read by the other consumer's
     // dQ products of the previous tile (this one's, of two tiles ago, have retired: both
     // consumers passed the last tile's dS barrier after them).
+    // The A fragments of dK's product are the 8 x 8 blocks of dS^T that stmatrix stores
+    // transposed: fragment kk holds queries 16 kk .. (blocks 2 kk, 2 kk + 1) of the warp's
+    // keys 0-7 and 8-15, and lane l gives the row (query 16 kk + 8 (l / 16) + l % 8) of
+    // block l / 8 in dS's blocked layout. Four stores a tile instead of 32 of 16 bits.
     T* dss = dsbuf(i & 1, cg);
     ds_t(dp_t, s_t, delta_s);
-#pragma unroll
-    for (int nt = 0; nt < BM / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        dss[blocked_offset<64>(nt * 8 + 2 * t + (e & 1), warp * 16 + g + (e < 2 ? 0 : 8))] = from_float<T>(dp_t[nt][e]);
-      }
-    }
     pack_a_fragments<T>(dsf, dp_t);
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) {
+      stsm_x4<true>(dsf[kk], dss + blocked_offset<64>(16 * kk + 8 * (lane / 16) + lane % 8, warp * 16 + 8 * (lane / 8 % 2)));
+    }
     fence_async_shared();  // dS, written by plain stores, is read by wgmma next
     // dQ[:, NQ cg ..] = dS K over all BN keys, once both consumers' dS are stored (keys
     // 64 c .. from consumer c's buffer); then dK += dS^T Q, which runs on while the staged

@@ -623,6 +623,30 @@ void ldmatrix_x4(std::uint32_t out[4], const void* row, bool trans) {
   sync_warp();
 }
 
+void stmatrix_x4(const std::uint32_t in[4], void* row, bool trans) {
+  auto* addr = static_cast<unsigned char*>(row);
+  if ((reinterpret_cast<std::uintptr_t>(addr) & 15) != 0) {
+    throw std::runtime_error("emulator: stmatrix row not 16-byte aligned");
+  }
+  if (addr < s.smem.data() || addr + 16 > s.smem.data() + s.smem.size()) {
+    throw std::runtime_error("emulator: stmatrix row outside the dynamic shared memory");
+  }
+  const int base = s.current / 32 * 32, l = s.current - base, m = l / 8, i = l % 8;
+  std::memcpy(&s.slots[static_cast<std::size_t>(s.current) * kSlot], in, 4 * sizeof(std::uint32_t));
+  sync_warp();
+  std::uint16_t out[8];
+  for (int c = 0; c < 8; ++c) {
+    // Element (r, k) of matrix m is in lane 4 r + k / 2, register m, half k % 2; this lane
+    // stores row i of matrix m, or with trans its column i.
+    const int r = trans ? c : i, k = trans ? i : c;
+    std::uint32_t reg;
+    std::memcpy(&reg, &s.slots[static_cast<std::size_t>(base + 4 * r + k / 2) * kSlot + 4 * m], sizeof reg);
+    out[c] = static_cast<std::uint16_t>(k % 2 ? reg >> 16 : reg & 0xffffu);
+  }
+  sync_warp();
+  std::memcpy(addr, out, sizeof out);
+}
+
 cudaError_t get_last_error() { return cudaSuccess; }
 cudaError_t func_set_attribute() { return cudaSuccess; }
 cudaError_t get_device(int* device) {

@@ -48,6 +48,11 @@ void mma_m16n8k16(float d[4], const std::uint32_t a[4], const std::uint32_t b[2]
 // addresses (16 bytes each) of matrix i; out[i] gets this lane's two elements of matrix i,
 // row lane / 4 and columns 2 (lane % 4) + {0, 1} (transposed: that column, those rows).
 void ldmatrix_x4(std::uint32_t out[4], const void* row, bool trans);
+// stmatrix.sync.aligned.m8n8.x4{.trans}.shared.b16 (sm_90): ldmatrix's inverse. in[i]
+// holds this lane's two elements of matrix i (row lane / 4, columns 2 (lane % 4) + {0, 1});
+// lanes 8 i .. 8 i + 7 give the row addresses where matrix i's rows are stored (transposed:
+// its columns).
+void stmatrix_x4(const std::uint32_t in[4], void* row, bool trans);
 
 // ---- warpgroup MMA (wgmma, sm_90a) -------------------------------------------------------
 // The shared-memory address (byte offset into the block's dynamic shared memory) that a

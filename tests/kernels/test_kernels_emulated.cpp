@@ -105,6 +105,34 @@ void expect_race(const std::string& error, const std::string& what) {
   EXPECT_NE(error.find("race: " + what + " of warp"), std::string::npos) << error;
 }
 
+// The emulated stmatrix (the Hopper backward stores dS with it) is checked against the PTX
+// ISA's fragment layout directly and against ldmatrix, whose emulation the GPU runs of the
+// mma.sync kernels confirm: a warp stores four matrices of distinct values, each lane finds
+// its row where the layout puts it, and ldmatrix of the same rows gives the fragments back.
+TEST(EmulatorFragments, StmatrixStoresWhatLdmatrixLoads) {
+  for (bool trans : {false, true}) {
+    const std::string error = launch_error(32, [trans] {
+      const int l = emu::lane();
+      auto elem = [](int m, int r, int c) { return static_cast<std::uint32_t>(256 * m + 8 * r + c + 1); };
+      std::uint32_t in[4], back[4];
+      for (int m = 0; m < 4; ++m) in[m] = elem(m, l / 4, 2 * (l % 4)) | elem(m, l / 4, 2 * (l % 4) + 1) << 16;
+      void* row = smem() + 16 * l;  // row l % 8 of matrix l / 8
+      emu::stmatrix_x4(in, row, trans);
+      std::uint16_t got[8];
+      std::memcpy(got, row, sizeof got);
+      for (int c = 0; c < 8; ++c) {
+        const std::uint32_t want = trans ? elem(l / 8, c, l % 8) : elem(l / 8, l % 8, c);
+        if (got[c] != want) throw std::runtime_error("lane " + std::to_string(l) + " element " + std::to_string(c));
+      }
+      emu::ldmatrix_x4(back, row, trans);
+      for (int m = 0; m < 4; ++m) {
+        if (back[m] != in[m]) throw std::runtime_error("ldmatrix gives back another fragment");
+      }
+    });
+    EXPECT_EQ(error, "") << (trans ? "trans" : "plain");
+  }
+}
+
 TEST(EmulatorRaceCheck, LdmatrixOfAnotherWarpsStoresNeedsABarrier) {
   EXPECT_EQ(launch_error(64, [] {
               store_my_row();
