@@ -44,13 +44,23 @@ if [ "${DTRAIN_AB_NO_BUILD:-0}" != 1 ]; then
   build_tree "$base" "$base_build" base || { tail -30 "$out/build_base.log" "$out/configure_base.log"; exit 1; }
   echo "built both trees in $((SECONDS - t0)) s"
 fi
-run() {  # run SIDE
+run() {  # run SIDE: one kernel_bench run; a failure ends the A/B with its log's tail
   local bin="$new_build/benchmarks/kernel_bench"
   [ "$1" = base ] && bin="$base_build/benchmarks/kernel_bench"
-  "$bin" "${args[@]}" --json "$out/$1.jsonl" >>"$out/$1.log" 2>&1
+  "$bin" "${args[@]}" --json "$out/$1.jsonl" >>"$out/$1.log" 2>&1 || {
+    echo "ab: the $1 side's kernel_bench failed" >&2
+    tail -20 "$out/$1.log" >&2
+    exit 1
+  }
 }
 for ((r = 1; r <= rounds; r++)); do
-  if ((r % 2)); then run base && run new; else run new && run base; fi
+  if ((r % 2)); then
+    run base
+    run new
+  else
+    run new
+    run base
+  fi
   echo "round $r of $rounds done"
 done
 python3 benchmarks/gpu/ab_compare.py "$out/base.jsonl" "$out/new.jsonl" | tee "$out/ab.txt"
