@@ -21,7 +21,7 @@ namespace {
 template <bool kLayerNorm, int kVecs>
 struct BwdHeld {
   static constexpr bool kWeights = kVecs <= kRowVecs;
-  static constexpr bool kDweight = kVecs <= kRowVecs;
+  static constexpr bool kDweight = kWeights;  // beside them
   static constexpr bool kDbias = kLayerNorm && kVecs <= kRowVecs / 2;
   // Rows of cols floats in shared memory: the partials not held.
   static constexpr int kSmemRows = (kDweight ? 0 : 1) + (kLayerNorm && !kDbias ? 1 : 0);
