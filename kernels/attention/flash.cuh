@@ -69,6 +69,32 @@ __device__ __forceinline__ BlockCoords block_coords(int64_t section) {
   }
 }
 
+// Sliding windows (window W > 0, causal only): query i sees keys i - W < j <= i.
+// window_first_key: the first key query `row` sees (0 without a window).
+// window_query_end: one past the last query that sees key `key` (seq_q without one).
+template <typename Params>
+__host__ __device__ __forceinline__ int64_t window_first_key(const Params& p, int64_t row) {
+  return p.window > 0 ? imax(0, row - p.window + 1) : 0;
+}
+template <typename Params>
+__host__ __device__ __forceinline__ int64_t window_query_end(const Params& p, int64_t key) {
+  return p.window > 0 ? imin(p.seq_q, key + p.window) : p.seq_q;
+}
+
+// The query tiles of kBlockM a backward block of keys [n0, n0 + kBlockN) walks, per query
+// head: from m_begin (causal: the tile holding its first key, since the queries before it
+// see none of its keys), n_tiles of them, up to the last query that sees its last key.
+template <int kBlockM, int kBlockN>
+struct BwdQueryTiles {
+  int64_t m_begin;
+  int n_tiles;
+  __device__ __forceinline__ BwdQueryTiles(const dtrain_attention_bwd_params& p, int64_t n0)
+      : m_begin(p.causal ? n0 / kBlockM * kBlockM : 0) {
+    const int64_t m_end = window_query_end(p, n0 + kBlockN - 1);
+    n_tiles = m_begin < m_end ? static_cast<int>((m_end - m_begin + kBlockM - 1) / kBlockM) : 0;
+  }
+};
+
 // The keys a backward block owns, as (b, hk, n0): a causal key block sees fewer query
 // tiles the later it starts, so rank r is key block r; a section's pairs share their
 // heads' Q, dO and float32 dQ in L2.

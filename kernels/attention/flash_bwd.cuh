@@ -116,6 +116,36 @@ __device__ __forceinline__ void mask_scores_t(float (&st)[kN][4], int64_t key0, 
   }
 }
 
+// The sliding window's side: queries at and after key + window are masked (per key, a
+// 32-bit bound relative to m0 + 2 t, as above; key1 is key0 + 8).
+template <int kN>
+__device__ __forceinline__ void mask_window_t(float (&st)[kN][4], int64_t key0, int64_t m0, int64_t window) {
+  const int t2 = 2 * (threadIdx.x % 4);
+  const int end0 = static_cast<int>(imax(-8, imin(key0 + window - m0, kN * 8)));  // key0's queries end
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int bound = end0 + 8 * r - t2;
+#pragma unroll
+    for (int nt = 0; nt < kN; ++nt) {
+#pragma unroll
+      for (int e = 2 * r; e < 2 * r + 2; ++e) {
+        if (nt * 8 + (e & 1) >= bound) st[nt][e] = -INFINITY;
+      }
+    }
+  }
+}
+
+// The mask of a warp's transposed score tile for keys [k0, k0 + kKeys) (its own, key0 and
+// key1, among them) against the queries [m0, m0 + kBlockM): only a tile past the end of
+// the keys, across the causal diagonal or, with a sliding window, reaching past its
+// first key's last query has masked entries.
+template <int kKeys, int kBlockM, int kN>
+__device__ __forceinline__ void mask_tile_t(float (&st)[kN][4], const dtrain_attention_bwd_params& p, int64_t k0,
+                                            int64_t m0, int64_t key0, int64_t key1) {
+  if (k0 + kKeys > p.seq_k || (p.causal && k0 + kKeys - 1 > m0)) mask_scores_t(st, key0, key1, m0, p);
+  if (p.window > 0 && m0 + kBlockM - 1 >= k0 + p.window) mask_window_t(st, key0, m0, p.window);
+}
+
 // This thread's two queries (columns 2 t and 2 t + 1 of chunk nt) of a per-query statistic
 // staged in shared memory (the log-sum-exp or delta): one 8-byte load.
 __device__ __forceinline__ float2 query_pair(const float* stat_s, int nt) {
@@ -249,15 +279,16 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads)
   zero_tiles(dv_tiles);
   auto& dk = dk_tiles[0];
   auto& dv = dv_tiles[0];
-  // Causal: query tiles wholly before the first key see none of them.
-  const int64_t m_begin = p.causal ? n0 / BM * BM : 0;
+  const BwdQueryTiles<BM, BN> qtiles(p, n0);
+  const int64_t m_begin = qtiles.m_begin;
 
   for (int hh = 0; hh < group; ++hh) {
     const int64_t h = hk * group + hh;
     const T* q = static_cast<const T*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head;
     const T* dout = static_cast<const T*>(p.dout) + b * p.dout_stride.batch + h * p.dout_stride.head;
     const int64_t stat = (b * p.heads + h) * p.seq_q;  // row of (b, h, query 0) in lse / delta / dq
-    for (int64_t m0 = m_begin; m0 < p.seq_q; m0 += BM) {
+    for (int i = 0; i < qtiles.n_tiles; ++i) {
+      const int64_t m0 = m_begin + int64_t{i} * BM;
       __syncthreads();  // the previous tile's shared memory is no longer read
       load_tile_async<BM, D, kThreads>(qs, P, q + m0 * p.q_stride.seq, p.q_stride.seq, p.seq_q - m0, p.head_dim);
       load_tile_async<BM, D, kThreads>(dos, P, dout + m0 * p.dout_stride.seq, p.dout_stride.seq, p.seq_q - m0,
@@ -272,9 +303,9 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads)
       auto& st = st_tiles[0];
       zero_tiles(st);
       mma_rows_rows<T, 1, D, BM / 8>(st_tiles, ks + warp * 16 * P, P, qs, P);
-      // Mask only a tile past the end of the keys or across the causal diagonal; padding
-      // query rows have lse = inf, so their p is 0 without one.
-      if (n0 + BN > p.seq_k || (p.causal && n0 + BN - 1 > m0)) mask_scores_t(st, key0, key1, m0, p);
+      // Mask only the tiles that need one (mask_tile_t); padding query rows have lse = inf,
+      // so their p is 0 without one.
+      mask_tile_t<BN, BM>(st, p, n0, m0, key0, key1);
       probabilities_t(st, lse_s, scale_log2);
       // dV += P^T dO.
       mma_acc_cols<T, 1, BM, D / 8>(dv_tiles, st_tiles, dos, P);

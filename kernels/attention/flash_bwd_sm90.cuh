@@ -72,9 +72,9 @@ __global__ void __launch_bounds__(FlashBwdSm90Config<D>::kThreads, 1)
   const BwdBlock blk = bwd_block<T, BN, true>(p);
   const int64_t b = blk.b, hk = blk.hk, n0 = blk.n0;
   const int group = static_cast<int>(p.heads / p.kv_heads);
-  // Causal: query tiles wholly before the block's first key see none of its keys.
-  const int64_t m_begin = p.causal ? n0 / BM * BM : 0;
-  const int per_head = m_begin < p.seq_q ? static_cast<int>((p.seq_q - m_begin + BM - 1) / BM) : 0;
+  const BwdQueryTiles<BM, BN> qtiles(p, n0);
+  const int64_t m_begin = qtiles.m_begin;
+  const int per_head = qtiles.n_tiles;
   const int n_tiles = group * per_head;  // tile i: head hk group + i / per_head, queries m0(i)..
   auto m0_of = [&](int i) { return m_begin + int64_t{i % per_head} * BM; };
   auto head_of = [&](int i) { return hk * group + i / per_head; };
@@ -193,7 +193,7 @@ __global__ void __launch_bounds__(FlashBwdSm90Config<D>::kThreads, 1)
     wgmma_commit();
     wgmma_wait<1>();  // S^T
     wgmma_fence_regs(s_t);
-    if (kc0 + 64 > p.seq_k || (p.causal && kc0 + 63 > m0)) mask_scores_t(s_t, key0, key1, m0, p);
+    mask_tile_t<64, BM>(s_t, p, kc0, m0, key0, key1);
     probabilities_t(s_t, lse_s, scale_log2);
     uint32_t pf[BM / 16][4], dsf[BM / 16][4];
     pack_a_fragments<T>(pf, s_t);

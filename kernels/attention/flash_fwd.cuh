@@ -31,14 +31,17 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads) flash_fwd_kernel(dtr
   const FwdBlock<T, BM, BN, false> blk(p);
   const int64_t b = blk.b, h = blk.h, m0 = blk.m0;
   const T *q = blk.q, *k = blk.k, *v = blk.v;
-  const int n_tiles = blk.n_tiles;
+  // The key tiles [k_first, k_end) in steps of BN (k_first > 0: a sliding window's first).
+  const int64_t k_first = int64_t{blk.n_begin} * BN, k_end = k_first + int64_t{blk.n_tiles} * BN;
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4;
   const int64_t warp_row0 = m0 + warp * 16 * kM + g;  // this thread's first row (mask_scores)
 
   load_tile_async<BM, D, kThreads>(qs, P, q, p.q_stride.seq, p.seq_q - m0, p.head_dim);
-  load_tile_async<BN, D, kThreads>(ks, P, k, p.k_stride.seq, p.seq_k, p.head_dim);
+  load_tile_async<BN, D, kThreads>(ks, P, k + k_first * p.k_stride.seq, p.k_stride.seq, p.seq_k - k_first,
+                                   p.head_dim);
   cp_async_commit();
-  load_tile_async<BN, D, kThreads>(vs, P, v, p.v_stride.seq, p.seq_k, p.head_dim);
+  load_tile_async<BN, D, kThreads>(vs, P, v + k_first * p.v_stride.seq, p.v_stride.seq, p.seq_k - k_first,
+                                   p.head_dim);
   cp_async_commit();
 
   float acc[kM][D / 8][4];
@@ -49,14 +52,15 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads) flash_fwd_kernel(dtr
   const float scale_log2 = p.scale * kLog2e;
   uint32_t qf[kQInRegs ? D / 16 : 1][kM][4];
 
-  for (int j = 0; j < n_tiles; ++j) {
+  for (int64_t n0 = k_first; n0 < k_end; n0 += BN) {
+    const bool more = n0 + BN < k_end;
     cp_async_wait<1>();  // Q and K_j
     __syncthreads();
     // S = Q K_j^T: 16 kM x 64 per warp (unscaled).
     float s[kM][BN / 8][4];
     zero_tiles(s);
     if constexpr (kQInRegs) {
-      if (j == 0) {
+      if (n0 == k_first) {
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
@@ -69,17 +73,14 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads) flash_fwd_kernel(dtr
       mma_rows_rows<T, kM, D, BN / 8>(s, qs + warp * 16 * kM * P, P, ks, P);
     }
     __syncthreads();  // every warp is done with K_j
-    const int64_t n0 = int64_t{j} * BN;
-    if (j + 1 < n_tiles) {
+    if (more) {
       load_tile_async<BN, D, kThreads>(ks, P, k + (n0 + BN) * p.k_stride.seq, p.k_stride.seq, p.seq_k - n0 - BN,
                                        p.head_dim);
       cp_async_commit();
     }
-    // Mask: only a tile past the end of the keys or across the causal diagonal (a key
-    // after the block's first query) has masked entries.
-    if (n0 + BN > p.seq_k || (p.causal && n0 + BN - 1 > m0)) mask_scores(s, warp_row0, n0, p.seq_k, p.causal);
+    mask_tile<BM, BN>(s, p, m0, warp_row0, n0);
     online_softmax(s, acc, row_max, row_sum, scale_log2);
-    if (j + 1 < n_tiles) {
+    if (more) {
       cp_async_wait<1>();  // V_j (K_{j+1} may still be in flight)
     } else {
       cp_async_wait<0>();
@@ -88,13 +89,13 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads) flash_fwd_kernel(dtr
     // O += P V_j.
     mma_acc_cols<T, kM, BN, D / 8>(acc, s, vs, P);
     __syncthreads();  // every warp is done with V_j
-    if (j + 1 < n_tiles) {
+    if (more) {
       load_tile_async<BN, D, kThreads>(vs, P, v + (n0 + BN) * p.v_stride.seq, p.v_stride.seq, p.seq_k - n0 - BN,
                                        p.head_dim);
       cp_async_commit();
     }
   }
-  cp_async_wait<0>();  // nothing may stay in flight (n_tiles == 0 leaves Q, K, V loads)
+  cp_async_wait<0>();  // nothing may stay in flight
 
   store_output<T>(p, b, h, warp_row0, acc, row_max, row_sum);
 }

@@ -32,10 +32,10 @@ struct FlashSm90Config {
   static constexpr int kProducerRegs = 32, kConsumerRegs = 240;
   // Q, then kStages K and kStages V tiles ([D / 64][rows][64] each), then the mbarriers
   // (Q full, Q empty; per stage K full, V full, K empty, V empty), then the current query
-  // block's (batch, head, first row, key tiles) as 4 int64; 1024 bytes of slack to align
-  // the tiles to the swizzle's 1024-byte atoms.
+  // block's (batch, head, first row, key tiles, first key tile) as 5 int64; 1024 bytes of
+  // slack to align the tiles to the swizzle's 1024-byte atoms.
   static constexpr size_t kTileElements = static_cast<size_t>(kBlockM + 2 * kStages * kBlockN) * D;
-  static constexpr size_t kSmemBytes = 1024 + 2 * kTileElements + 8 * (2 + 4 * kStages) + 32;
+  static constexpr size_t kSmemBytes = 1024 + 2 * kTileElements + 8 * (2 + 4 * kStages) + 40;
 };
 
 template <typename T, int D>
@@ -55,8 +55,8 @@ __global__ void __launch_bounds__(FlashSm90Config<D>::kThreads, 1)
   uint64_t* bars = reinterpret_cast<uint64_t*>(qs + C::kTileElements);
   uint64_t *q_full = bars, *q_empty = bars + 1, *k_full = bars + 2, *v_full = bars + 2 + S,
            *k_empty = bars + 2 + 2 * S, *v_empty = bars + 2 + 3 * S;
-  // The query block whose Q the producer loads, as (b, h, m0, n_tiles; n_tiles -1: none
-  // left), written before its arrival on q_full, read by the consumers after their wait on
+  // The query block whose Q the producer loads, as (b, h, m0, n_tiles, n_begin; n_tiles
+  // -1: none left), written before its arrival on q_full, read by the consumers after their wait on
   // it, rewritten only after q_empty: the consumers do no division for it.
   volatile int64_t* current = reinterpret_cast<int64_t*>(bars + 2 + 4 * S);
 
@@ -93,6 +93,7 @@ __global__ void __launch_bounds__(FlashSm90Config<D>::kThreads, 1)
       current[1] = blk.h;
       current[2] = blk.m0;
       current[3] = more ? blk.n_tiles : -1;
+      current[4] = blk.n_begin;
       if (!more) {
         mbarrier_arrive(q_full);
         break;
@@ -105,7 +106,7 @@ __global__ void __launch_bounds__(FlashSm90Config<D>::kThreads, 1)
       }
       // Tile it into stage it % S once both consumers have released that stage's previous
       // tile (phase parity flips every S tiles).
-      for (int n = 0; n < blk.n_tiles; ++n, ++it) {
+      for (int n = blk.n_begin; n < blk.n_begin + blk.n_tiles; ++n, ++it) {
         const int st = it % S, parity = (it / S) & 1;
         mbarrier_wait_or_trap(k_empty + st, parity ^ 1);
         mbarrier_arrive_expect_tx(k_full + st, kTileBytes);
@@ -171,13 +172,13 @@ __global__ void __launch_bounds__(FlashSm90Config<D>::kThreads, 1)
     const int n_tiles = static_cast<int>(current[3]);
     if (n_tiles < 0) break;
     const int64_t b = current[0], h = current[1], m0 = current[2];
+    const int64_t k_first = current[4] * BN;  // the first key tile's (a sliding window's)
     const int64_t row0 = m0 + cg * 64 + warp * 16 + g;  // this thread's first row
-    // The mask (only tiles past the end of the keys or across the causal diagonal) and the
-    // softmax of key tile n: s becomes P, alpha the rescale of what O holds so far.
+    // The mask (only the tiles that need one: mask_tile) and the softmax of the block's key
+    // tile n: s becomes P, alpha the rescale of what O holds so far.
     auto softmax_tile = [&](float (&s)[1][BN / 8][4], int n, float (&row_max)[1][2], float (&row_sum)[1][2],
                             float (&alpha)[1][2]) {
-      const int64_t n0 = int64_t{n} * BN;
-      if (n0 + BN > p.seq_k || (p.causal && n0 + BN - 1 > m0)) mask_scores(s, row0, n0, p.seq_k, p.causal);
+      mask_tile<BM, BN>(s, p, m0, row0, k_first + int64_t{n} * BN);
       softmax_step(s, row_max, row_sum, scale_log2, alpha);
     };
 

@@ -16,14 +16,17 @@ namespace dtrain_kernels {
 // row; k and v are its kv head's (GQA); n_tiles counts the key tiles of kBlockN it visits
 // (causal: none past its last row, all masked there). The one-argument form is this
 // block's of a grid launched as (query blocks, heads, batch); the other is query block
-// number `block` in that order, for a persistent grid's loop.
+// number `block` in that order, for a persistent grid's loop. With a sliding window the
+// walk starts at n_begin, the tile of the first row's first key (at most the last tile, so
+// that a block whose rows see no key still visits one, all masked: their log-sum-exp is
+// +inf and their output 0).
 template <typename T, int kBlockM, int kBlockN, bool kSectioned>
 struct FwdBlock {
   int64_t b, h, m0;
   const T* q;
   const T* k;
   const T* v;
-  int n_tiles;
+  int n_begin, n_tiles;
   __device__ __forceinline__ explicit FwdBlock(const dtrain_attention_fwd_params& p)
       : FwdBlock(p, block_coords<kSectioned>(section(p)), gridDim.x) {}
   __device__ __forceinline__ FwdBlock(const dtrain_attention_fwd_params& p, int64_t block)
@@ -44,7 +47,9 @@ struct FwdBlock {
     k = static_cast<const T*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;
     v = static_cast<const T*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head;
     const int64_t n_end = p.causal ? imin(p.seq_k, m0 + kBlockM) : p.seq_k;
-    n_tiles = static_cast<int>((n_end + kBlockN - 1) / kBlockN);
+    const int64_t end_tiles = (n_end + kBlockN - 1) / kBlockN;
+    n_begin = static_cast<int>(imin(window_first_key(p, m0) / kBlockN, end_tiles - 1));
+    n_tiles = static_cast<int>(end_tiles - n_begin);
   }
 };
 
@@ -79,6 +84,40 @@ __device__ __forceinline__ void mask_scores(float (&s)[kM][kN][4], int64_t row0,
       }
     }
   }
+}
+
+// The sliding window's side of the mask: keys before row's first, row - window + 1,
+// are masked; per row one 32-bit bound relative to col0 + 2 t, clamped as above.
+template <int kM, int kN>
+__device__ __forceinline__ void mask_window(float (&s)[kM][kN][4], int64_t row0, int64_t col0, int64_t window) {
+  const int t2 = 2 * (threadIdx.x % 4);
+  const int first = static_cast<int>(imax(-16 * kM, imin(row0 + 1 - window - col0, kN * 8)));  // of row0
+#pragma unroll
+  for (int m = 0; m < kM; ++m) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int bound = first + m * 16 + r * 8 - t2;
+#pragma unroll
+      for (int nt = 0; nt < kN; ++nt) {
+#pragma unroll
+        for (int e = 2 * r; e < 2 * r + 2; ++e) {
+          if (nt * 8 + (e & 1) < bound) s[m][nt][e] = -INFINITY;
+        }
+      }
+    }
+  }
+}
+
+// The mask of a warp's score tiles (rows from row0, as above) for key tile [n0, n0 +
+// kBlockN) of the query block [m0, m0 + kBlockM): only a tile past the end of the keys,
+// across the causal diagonal (a key after the block's first query) or, with a sliding
+// window, before the block's last row's first key has masked entries, so that interior
+// tiles carry no per-element compare.
+template <int kBlockM, int kBlockN, int kM, int kN>
+__device__ __forceinline__ void mask_tile(float (&s)[kM][kN][4], const dtrain_attention_fwd_params& p, int64_t m0,
+                                          int64_t row0, int64_t n0) {
+  if (n0 + kBlockN > p.seq_k || (p.causal && n0 + kBlockN - 1 > m0)) mask_scores(s, row0, n0, p.seq_k, p.causal);
+  if (p.window > 0 && n0 < m0 + kBlockM - p.window) mask_window(s, row0, n0, p.window);
 }
 
 // Folds the (unscaled) scores s into the running row max and sum; s becomes P

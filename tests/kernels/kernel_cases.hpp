@@ -348,12 +348,14 @@ struct AttnCase {
   std::int64_t batch, heads, kv_heads, seq_q, seq_k, dim;
   bool causal;
   at::ScalarType type;
+  std::int64_t window = 0;  // a sliding window of this many keys (causal only); 0: none
 };
 
 std::string name(const AttnCase& c) {
   return "b" + std::to_string(c.batch) + " h" + std::to_string(c.heads) + "/" + std::to_string(c.kv_heads) + " s" +
          std::to_string(c.seq_q) + "x" + std::to_string(c.seq_k) + " d" + std::to_string(c.dim) +
-         (c.causal ? " causal " : " ") + c10::toString(c.type);
+         (c.causal ? " causal " : " ") + (c.window > 0 ? "window " + std::to_string(c.window) + " " : "") +
+         c10::toString(c.type);
 }
 
 dtrain_attention_strides strides(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
@@ -361,7 +363,8 @@ dtrain_attention_strides strides(const at::Tensor& t) { return {t.stride(0), t.s
 // The forward's params for q, o [batch, heads, seq_q, dim], k, v [batch, kv_heads, seq_k,
 // dim] and lse, in their own strides.
 dtrain_attention_fwd_params fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& o,
-                                       at::Tensor& lse, bool causal, double scale, dtrain_attention_kernel kernel) {
+                                       at::Tensor& lse, bool causal, double scale, dtrain_attention_kernel kernel,
+                                       std::int64_t window = 0) {
   dtrain_attention_fwd_params f{};
   f.q = q.data_ptr();
   f.k = k.data_ptr();
@@ -380,6 +383,7 @@ dtrain_attention_fwd_params fwd_params(const at::Tensor& q, const at::Tensor& k,
   f.head_dim = q.size(3);
   f.scale = static_cast<float>(scale);
   f.causal = causal;
+  f.window = window;
   f.dtype = kernel_dtype(q);
   f.kernel = kernel;
   return f;
@@ -418,6 +422,7 @@ dtrain_attention_bwd_params bwd_params(const dtrain_attention_fwd_params& f, con
   g.head_dim = f.head_dim;
   g.scale = f.scale;
   g.causal = f.causal;
+  g.window = f.window;
   g.dtype = f.dtype;
   return g;
 }
@@ -441,18 +446,33 @@ cudaError_t run_bwd(dtrain_attention_bwd_params& g) {
   return e;
 }
 
+// Which keys each query sees: [seq_q, seq_k], true where it sees the key (causal: keys j
+// <= i; a sliding window of w keys: i - w < j <= i).
+at::Tensor visible(std::int64_t seq_q, std::int64_t seq_k, bool causal, std::int64_t window, const at::Device& device) {
+  auto ones = torch::ones({seq_q, seq_k}, torch::TensorOptions().dtype(torch::kBool).device(device));
+  if (!causal) return ones;
+  auto mask = ones.tril();
+  return window > 0 ? mask.logical_and(ones.triu(-(window - 1))) : mask;
+}
+
 // softmax(q k^T scale) v in the inputs' arithmetic (a naive implementation for 16-bit
-// inputs, softmax in float32; the reference for float64); kv heads repeated for GQA.
-at::Tensor attention_math(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale) {
+// inputs, softmax in float32; the reference for float64); kv heads repeated for GQA. A
+// row that sees no key (a window past the keys' end) gives 0, as the kernels do.
+at::Tensor attention_math(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
+                          std::int64_t window = 0) {
   const auto group = q.size(1) / k.size(1);
   auto kk = k.repeat_interleave(group, 1), vv = v.repeat_interleave(group, 1);
   auto s = at::matmul(q, kk.transpose(-2, -1)) * scale;
+  at::Tensor none;  // [seq_q, 1]: rows that see no key, whose scores stay finite (no NaN)
   if (causal) {
-    auto mask = torch::ones({q.size(2), k.size(2)}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).tril();
-    s = s.masked_fill(mask.logical_not(), -std::numeric_limits<double>::infinity());
+    const auto vis = visible(q.size(2), k.size(2), causal, window, q.device());
+    none = vis.any(-1, /*keepdim=*/true).logical_not();
+    s = s.masked_fill(vis.logical_not().logical_and(none.logical_not()), -std::numeric_limits<double>::infinity());
   }
   auto sf = q.scalar_type() == at::kDouble ? s : s.to(at::kFloat);
-  return at::matmul(at::softmax(sf, -1).to(q.scalar_type()), vv);
+  auto probs = at::softmax(sf, -1);
+  if (none.defined()) probs = probs.masked_fill(none, 0.0);
+  return at::matmul(probs.to(q.scalar_type()), vv);
 }
 
 TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
@@ -476,6 +496,13 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
       // More query blocks than the persistent wgmma forward has blocks (the emulator's 4
       // SMs x 2), causal and not: each block takes several, from the counter.
       {2, 4, 2, 200, 200, 64, true, at::kBFloat16},  {1, 4, 2, 260, 130, 128, false, at::kHalf},
+      // Sliding windows: narrower than a key tile (blocks skip their first tiles and mask
+      // both edges), of one key, of exactly a tile, at head dim 32 where the last query that
+      // sees a backward block's last key starts a query tile (130 = 2 tiles + 2), and past
+      // the keys' end (rows 109 and on see no key: log-sum-exp +inf, output and dq 0).
+      {1, 2, 1, 300, 300, 64, true, at::kBFloat16, 100}, {1, 2, 2, 260, 260, 128, true, at::kHalf, 1},
+      {2, 4, 2, 200, 200, 64, true, at::kBFloat16, 64},  {1, 2, 1, 250, 250, 32, true, at::kHalf, 130},
+      {1, 2, 1, 300, 60, 128, true, at::kBFloat16, 50},
   };
   if (kLargeCases) {
     cases.insert(cases.end(), {{2, 8, 2, 1000, 1000, 128, true, at::kBFloat16},
@@ -486,7 +513,9 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
                                {2, 4, 4, 513, 513, 80, false, at::kHalf},
                                {1, 8, 8, 777, 777, 32, true, at::kBFloat16},
                                // More query blocks (512) than an H200 has SMs (132).
-                               {4, 16, 4, 1024, 1024, 128, true, at::kBFloat16}});
+                               {4, 16, 4, 1024, 1024, 128, true, at::kBFloat16},
+                               {1, 4, 2, 2049, 2049, 128, true, at::kBFloat16, 512},
+                               {1, 4, 4, 1000, 1000, 64, true, at::kHalf, 300}});
   }
   for (const auto& c : cases) {
     SCOPED_TRACE(name(c));
@@ -499,13 +528,13 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
 
     auto qr = q.to(at::kDouble).requires_grad_(), kr = k.to(at::kDouble).requires_grad_(),
          vr = v.to(at::kDouble).requires_grad_();
-    auto want = attention_math(qr, kr, vr, c.causal, scale);
+    auto want = attention_math(qr, kr, vr, c.causal, scale, c.window);
     want.backward(dout.to(at::kDouble));
     // The naive 16-bit implementation, on the kernels' device (CPU matmuls in float16 are
     // not what a GPU user would compare against).
     auto qn = dev(q).detach().requires_grad_(), kn = dev(k).detach().requires_grad_(),
          vn = dev(v).detach().requires_grad_();
-    auto naive = attention_math(qn, kn, vn, c.causal, scale);
+    auto naive = attention_math(qn, kn, vn, c.causal, scale, c.window);
     naive.backward(dev(dout));
 
     auto qd = dev(q.transpose(1, 2).contiguous()).transpose(1, 2);  // keep the strided layout
@@ -519,20 +548,35 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
     SCOPED_TRACE(kernel == DTRAIN_ATTENTION_KERNEL_MMA ? "mma.sync forward" : "wgmma forward");
     o = poisoned({c.batch, c.heads, c.seq_q, c.dim}, c.type);
     lse = poisoned({c.batch, c.heads, c.seq_q}, at::kFloat);
-    f = fwd_params(qd, kd, vd, o, lse, c.causal, scale, kernel);
+    f = fwd_params(qd, kd, vd, o, lse, c.causal, scale, kernel, c.window);
     EXPECT_EQ(dtrain_attention_fwd(&f, nullptr), cudaErrorInvalidValue) << "no workspace";
+    if (c.window > 0) {  // a window is causal only, and never negative
+      auto g = f;
+      g.causal = 0;
+      EXPECT_EQ(run_fwd(g), cudaErrorInvalidValue) << "a window without causal";
+      g = f;
+      g.window = -1;
+      EXPECT_EQ(run_fwd(g), cudaErrorInvalidValue) << "window -1";
+    }
     ASSERT_EQ(run_fwd(f), cudaSuccess);
     EXPECT_FALSE(o.isnan().any().item<bool>());
     const double err = max_abs(o, want), naive_err = max_abs(naive, want);
     EXPECT_LE(err, 2 * naive_err + 1e-3) << "kernel " << err << ", naive " << naive_err;
-    {  // The log-sum-exp of the scaled scores (every row sees at least key 0).
+    {  // The log-sum-exp of the scaled scores (without a window every row sees key 0;
+       // with one, a row that sees no key has +inf).
       auto s = at::matmul(q.to(at::kDouble), k.to(at::kDouble).repeat_interleave(c.heads / c.kv_heads, 1)
                                                  .transpose(-2, -1)) * scale;
       if (c.causal) {
-        auto mask = torch::ones({c.seq_q, c.seq_k}, torch::kBool).tril();
-        s = s.masked_fill(mask.logical_not(), -std::numeric_limits<double>::infinity());
+        s = s.masked_fill(visible(c.seq_q, c.seq_k, c.causal, c.window, s.device()).logical_not(),
+                          -std::numeric_limits<double>::infinity());
       }
-      EXPECT_LT(max_abs(lse, s.logsumexp(-1)), 1e-3);
+      auto want_lse = s.logsumexp(-1);
+      want_lse = want_lse.masked_fill(want_lse == -std::numeric_limits<double>::infinity(),
+                                      std::numeric_limits<double>::infinity());
+      const auto lse_d = lse.to(at::kDouble).cpu();
+      EXPECT_TRUE(lse_d.isinf().equal(want_lse.isinf())) << "rows that see no key";
+      const auto finite = want_lse.isfinite();
+      EXPECT_LT(max_abs(lse_d.masked_select(finite), want_lse.masked_select(finite)), 1e-3);
     }
     }
 

@@ -5,7 +5,10 @@
  * q, o: [batch, heads, seq_q, head_dim]; k, v: [batch, kv_heads, seq_k, head_dim], each
  * with its own batch/head/seq strides in elements (unit stride along head_dim; strides
  * multiples of 8 and pointers 16-byte aligned). Causal masking is top-left aligned as in
- * at::scaled_dot_product_attention: query i sees keys j <= i.
+ * at::scaled_dot_product_attention: query i sees keys j <= i; with a sliding window of W
+ * keys (window = W > 0, causal only), keys i - W < j <= i (Mistral's sliding window;
+ * FlashAttention's window_size (W - 1, 0)), and only the key tiles a block can see are
+ * visited.
  * The forward writes o and the log-sum-exp per query row (float32, [batch, heads, seq_q],
  * contiguous; +inf for a row that sees no key), by mma.sync or, on Hopper, by wgmma
  * (dtrain_attention_kernel). The backward recomputes the attention
@@ -48,6 +51,7 @@ typedef struct {
   int causal;
   dtrain_kernel_dtype dtype; /* BF16 or F16 */
   dtrain_attention_kernel kernel;
+  int64_t window; /* 0: none; W > 0 (causal only): query i sees keys i - W < j <= i */
 } dtrain_attention_fwd_params;
 
 typedef struct {
@@ -67,6 +71,7 @@ typedef struct {
   int causal;
   dtrain_kernel_dtype dtype;
   dtrain_attention_kernel kernel;
+  int64_t window; /* as the forward's */
 } dtrain_attention_bwd_params;
 
 cudaError_t dtrain_attention_fwd(const dtrain_attention_fwd_params* params, cudaStream_t stream);
