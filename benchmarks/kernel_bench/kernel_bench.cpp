@@ -8,9 +8,13 @@
 // at::layer_norm and at::cross_entropy_loss and the same copy. On CUDA the dtrain side is
 // the kernels of kernels/; elsewhere it is their reference paths (a sanity run, not a
 // performance claim). Prints a table and JSON lines (--json appends them to a file).
+// --window W: causal sliding-window attention only, against LibTorch's FlashAttention-2
+// with window_size (W - 1, 0) (at::_flash_attention_forward) and sdpa with a boolean mask,
+// FLOPs counting the visible (query, key) pairs.
 //
 //   build/benchmarks/kernel_bench                          (CUDA when present)
 //   build/benchmarks/kernel_bench --only attention --seq 1024,4096,16384 --json out.jsonl
+//   build/benchmarks/kernel_bench --only attention --seq 4096,16384 --dims 128 --window 1024
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
@@ -35,6 +39,7 @@ struct Options {
   std::vector<std::int64_t> dims = {64, 128};
   std::int64_t tokens = 0;        // attention: batch x seq (0: 16384 on CUDA, 1024 on CPU)
   std::int64_t hidden = 2048;     // attention: heads x head_dim
+  std::int64_t window = 0;        // attention: a causal sliding window (0: none)
   int iters = 0, rounds = 3;      // iters 0: 20 on CUDA, 3 on CPU
 };
 
@@ -94,6 +99,14 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
 #endif
   std::printf("# dtrain_f, dtrain_fb: %s=%s%s\n", dtrain::env::kAttentionKernel, kernel.c_str(),
               both ? " (wgmma here); mma_f, mma_fb: mma.sync" : "");
+  const std::int64_t w = o.window;
+  if (w > 0) {
+    std::printf("# window %lld (causal only): flash_* = LibTorch's FlashAttention-2 with window_size (%lld, 0), "
+                "cudnn_* = sdpa with a boolean mask (flash_*: CUDA only)\n",
+                static_cast<long long>(w), static_cast<long long>(w - 1));
+  }
+  // The JSON names of the two baselines.
+  const std::string base1 = w > 0 ? "fa2_window" : "sdpa_flash", base2 = w > 0 ? "sdpa_mask" : "sdpa_cudnn";
   std::printf("%6s %4s %6s %4s %5s %9s %9s %9s %9s %9s %9s %9s %9s %9s %9s %9s %9s %8s %8s %8s\n", "seq", "dim",
               "causal", "B", "H", "dtrain_f", "mma_f", "flash_f", "cudnn_f", "dtrain_fb", "mma_fb", "flash_fb",
               "cudnn_fb", "dtrain_b", "mma_b", "flash_b", "cudnn_b", "ratio_f", "ratio_fb", "ratio_b");
@@ -103,12 +116,17 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
   for (auto s : seqs) {
     for (auto d : o.dims) {
       for (bool causal : {true, false}) {
+        if (w > 0 && !causal) continue;
         const auto b = std::max<std::int64_t>(1, tokens / s), h = std::max<std::int64_t>(1, o.hidden / d);
         auto opts = torch::TensorOptions().device(dev).dtype(dtype);
         auto q = torch::randn({b, h, s, d}, opts).requires_grad_(), k = torch::randn({b, h, s, d}, opts).requires_grad_(),
              v = torch::randn({b, h, s, d}, opts).requires_grad_();
         auto dout = torch::randn({b, h, s, d}, opts);
-        const double fwd_flops = 4.0 * b * h * s * s * d / (causal ? 2 : 1);
+        // (query, key) pairs: S^2, halved when causal (as FlashAttention counts), or with a
+        // window those it lets through.
+        const double pairs = w > 0 ? (w >= s ? s * (s + 1) / 2.0 : w * (w + 1) / 2.0 + double(s - w) * w)
+                                   : double(s) * s / (causal ? 2 : 1);
+        const double fwd_flops = 4.0 * b * h * d * pairs;
         auto fwd = [&](const std::function<at::Tensor()>& f) {
           return [&, f] {
             torch::NoGradGuard no_grad;
@@ -121,9 +139,22 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
             f().backward(dout);
           };
         };
-        auto ours = [&] { return dtrain::ops::flash_attention(q, k, v, causal); };
+        auto ours = [&] { return dtrain::ops::flash_attention(q, k, v, causal, 0.0, w); };
         std::function<at::Tensor()> flash, cudnn;
-        if (cuda(dev)) {
+        at::Tensor seen;  // with a window: the keys each query sees, [s, s]
+        if (w > 0) {
+          auto i = torch::arange(s, torch::TensorOptions().device(dev).dtype(torch::kLong));
+          seen = (i.unsqueeze(0) <= i.unsqueeze(1)).logical_and(i.unsqueeze(0) > i.unsqueeze(1) - w);
+          cudnn = [&] { return at::scaled_dot_product_attention(q, k, v, seen, 0.0, false); };
+          if (cuda(dev)) {
+            flash = [&] {
+              auto t = [](const at::Tensor& x) { return x.transpose(1, 2); };  // [B, S, H, D]
+              return std::get<0>(at::_flash_attention_forward(t(q), t(k), t(v), std::nullopt, std::nullopt, s, s, 0.0,
+                                                              true, false, std::nullopt, w - 1, 0))
+                  .transpose(1, 2);
+            };
+          }
+        } else if (cuda(dev)) {
           flash = [&] { return std::get<0>(at::_scaled_dot_product_flash_attention(q, k, v, 0.0, causal)); };
           cudnn = [&] { return std::get<0>(at::_scaled_dot_product_cudnn_attention(q, k, v, {}, true, 0.0, causal)); };
         } else {
@@ -167,14 +198,14 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
             cell(r_mma.fb), cell(r_flash.fb), cell(r_cudnn.fb), cell(r_ours.b), cell(r_mma.b), cell(r_flash.b),
             cell(r_cudnn.b), rf, rfb, rb);
         out.line({{"bench", "kernel"}, {"op", "attention"}, {"device", cuda(dev) ? "cuda" : "cpu"},
-                  {"dtype", c10::toString(dtype)}, {"seq", s}, {"head_dim", d}, {"causal", causal}, {"batch", b},
-                  {"heads", h}, {"kernel", kernel}, {"fwd_tflops", opt(r_ours.f)},
-                  {"fwd_tflops_mma", opt(r_mma.f)}, {"fwd_tflops_sdpa_flash", opt(r_flash.f)},
-                  {"fwd_tflops_sdpa_cudnn", opt(r_cudnn.f)}, {"fwdbwd_tflops", opt(r_ours.fb)},
-                  {"fwdbwd_tflops_mma", opt(r_mma.fb)}, {"fwdbwd_tflops_sdpa_flash", opt(r_flash.fb)},
-                  {"fwdbwd_tflops_sdpa_cudnn", opt(r_cudnn.fb)}, {"bwd_tflops", opt(r_ours.b)},
-                  {"bwd_tflops_mma", opt(r_mma.b)}, {"bwd_tflops_sdpa_flash", opt(r_flash.b)},
-                  {"bwd_tflops_sdpa_cudnn", opt(r_cudnn.b)}, {"fwd_ratio", rf}, {"fwdbwd_ratio", rfb},
+                  {"dtype", c10::toString(dtype)}, {"seq", s}, {"head_dim", d}, {"causal", causal}, {"window", w},
+                  {"batch", b}, {"heads", h}, {"kernel", kernel}, {"fwd_tflops", opt(r_ours.f)},
+                  {"fwd_tflops_mma", opt(r_mma.f)}, {"fwd_tflops_" + base1, opt(r_flash.f)},
+                  {"fwd_tflops_" + base2, opt(r_cudnn.f)}, {"fwdbwd_tflops", opt(r_ours.fb)},
+                  {"fwdbwd_tflops_mma", opt(r_mma.fb)}, {"fwdbwd_tflops_" + base1, opt(r_flash.fb)},
+                  {"fwdbwd_tflops_" + base2, opt(r_cudnn.fb)}, {"bwd_tflops", opt(r_ours.b)},
+                  {"bwd_tflops_mma", opt(r_mma.b)}, {"bwd_tflops_" + base1, opt(r_flash.b)},
+                  {"bwd_tflops_" + base2, opt(r_cudnn.b)}, {"fwd_ratio", rf}, {"fwdbwd_ratio", rfb},
                   {"bwd_ratio", rb}});
       }
     }
@@ -322,6 +353,8 @@ int main(int argc, char** argv) {
   app.add_option("--dims", o.dims, "attention head dims (multiples of 8 up to 128; default 64,128)")->delimiter(',');
   app.add_option("--tokens", o.tokens, "attention: batch x seq (0: 16384 on CUDA, 1024 on CPU)");
   app.add_option("--hidden", o.hidden, "attention: heads x head_dim");
+  app.add_option("--window", o.window, "attention: causal sliding windows of this many keys only (0: none)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--iters", o.iters, "calls per timing (0: 20 on CUDA, 3 on CPU)");
   app.add_option("--rounds", o.rounds, "timings per case (the median is reported)");
   app.add_option("--json", o.json, "also append the JSON lines to this file");

@@ -42,6 +42,7 @@ struct Options {
   std::string family, tie_embeddings, activation_checkpointing = "none";
   std::int64_t vocab_size = -1, context = -1, n_layer = -1, n_head = -1, n_kv_head = -1,
                d_model = -1, ffn_hidden = -1;
+  std::int64_t attention_window = 0;
   double bucket_mb = 25;
   std::string export_hf;
   // Kernels (docs/kernels.md): which implementation of attention, norms and the loss.
@@ -88,6 +89,7 @@ void define(CLI::App& app, Options& o) {
   app.add_option("--d-model", o.d_model, "model width (default: the preset's)")->default_str("preset")->group(model);
   app.add_option("--ffn-hidden", o.ffn_hidden, "MLP width, 0: 4 x d (gpt2) or SwiGLU 8/3 x d (default: the preset's)")->default_str("preset")->group(model);
   app.add_option("--tie-embeddings", o.tie_embeddings, "true or false (default: the preset's)")->default_str("preset")->group(model);
+  app.add_option("--attention-window", o.attention_window, "sliding-window attention: each token attends to itself and the W - 1 before it (0: all earlier tokens)")->group(model);
   app.add_option("--dropout", o.dropout, "dropout on embeddings, attention probabilities and residual branches (training only)")->group(model);
   app.add_option("--activation-checkpointing", o.activation_checkpointing, "none, or full (recompute every block in backward)")
       ->check(CLI::IsMember({"none", "full"}))->group(model);
@@ -242,6 +244,7 @@ dtrain::models::GptConfig model_config(const Options& o) {
     c.tie_embeddings = o.tie_embeddings == "true";
   }
   c.activation_checkpointing = o.activation_checkpointing == "full";
+  c.attention_window = o.attention_window;
   c.dropout = o.dropout;
   c.attention = dtrain::ops::parse_attention_backend(o.attention);
   c.fused_norm = o.fused_norm;

@@ -56,6 +56,8 @@ void GptConfig::validate() const {
   DTRAIN_CHECK_ARG(ffn_hidden >= 0, "ffn_hidden=", ffn_hidden, " must not be negative");
   DTRAIN_CHECK_ARG(init_std > 0 && norm_eps > 0 && rope_theta > 0,
                    "init_std, norm_eps and rope_theta must be positive");
+  DTRAIN_CHECK_ARG(attention_window >= 0, "attention_window=", attention_window,
+                   " (--attention-window) is out of range; allowed: 0 (every earlier token) or a number of tokens >= 1");
   DTRAIN_CHECK_ARG(dropout >= 0 && dropout < 1, "dropout=", dropout,
                    " is out of range; allowed: [0, 1)");
   moe.validate();
@@ -155,7 +157,8 @@ double GptConfig::flops_per_token(std::int64_t seq_len) const {
     matmul -= (moe.experts - moe.topk) * 3 * d_model * expert_hidden();
   }
   return 6.0 * static_cast<double>(matmul) +
-         12.0 * static_cast<double>(n_layer * n_head * head_dim() * seq_len);
+         12.0 * static_cast<double>(n_layer * n_head * head_dim() *
+                                    (attention_window > 0 ? std::min(seq_len, attention_window) : seq_len));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -282,9 +285,9 @@ torch::Tensor BlockImpl::attention(const torch::Tensor& in, const torch::Tensor&
   torch::Tensor y;
   if (p > 0) {  // heads differ across tp: the split stream
     const auto fork = tp_.rng->fork(tp::RngTracker::Stream::kSplit);
-    y = ops::attention(q, k, v, /*causal=*/true, p);
+    y = ops::attention(q, k, v, /*causal=*/true, p, ops::AttentionBackend::kSdpa, config_.attention_window);
   } else {
-    y = ops::attention(q, k, v, /*causal=*/true, 0.0, config_.attention);
+    y = ops::attention(q, k, v, /*causal=*/true, 0.0, config_.attention, config_.attention_window);
   }
   return y.transpose(1, 2).reshape({B, T, H * D});
 }

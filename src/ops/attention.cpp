@@ -42,7 +42,9 @@ namespace {
 constexpr const char* kOp = "flash_attention";
 constexpr std::int64_t kChunk = 256;  // query rows per step of the reference path
 
-void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, std::int64_t window) {
+  DTRAIN_OP_CHECK(window >= 0 && (window == 0 || causal), kOp, "window=", window, causal ? "" : " without causal",
+                  " is not allowed; allowed: 0 (none) or, with causal, a number of keys >= 1");
   DTRAIN_OP_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, kOp,
                   "q, k, v must be [batch, heads, time, head_dim]; got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
   DTRAIN_OP_CHECK(k.sizes() == v.sizes(), kOp, "k ", k.sizes(), " and v ", v.sizes(), " must have the same shape");
@@ -62,21 +64,27 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
 
 at::ScalarType compute_type(const at::Tensor& q) { return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
+// Whether query i may not see key j, for query rows [r0, r0 + n) and sk keys: [n, sk]
+// (undefined without a mask).
+at::Tensor hidden_keys(std::int64_t r0, std::int64_t n, std::int64_t sk, bool causal, std::int64_t window,
+                       const at::TensorOptions& options) {
+  if (!causal) return {};
+  auto rows = at::arange(r0, r0 + n, options.dtype(at::kLong)).unsqueeze(1);
+  auto cols = at::arange(sk, options.dtype(at::kLong)).unsqueeze(0);
+  auto hidden = cols > rows;
+  return window > 0 ? hidden.logical_or_(cols <= rows - window) : hidden;
+}
+
 // Scores of query rows [r0, r0 + n) against every key, scaled and masked: [B, H, n, Sk].
 at::Tensor scores(const at::Tensor& qf, const at::Tensor& kf, std::int64_t r0, std::int64_t n, bool causal,
-                  double scale) {
+                  std::int64_t window, double scale) {
   auto s = at::matmul(qf.narrow(2, r0, n), kf.transpose(-2, -1)) * scale;
-  if (causal) {
-    const auto sk = kf.size(2);
-    auto rows = at::arange(r0, r0 + n, s.options().dtype(at::kLong)).unsqueeze(1);
-    auto cols = at::arange(sk, s.options().dtype(at::kLong)).unsqueeze(0);
-    s = s.masked_fill(cols > rows, -std::numeric_limits<double>::infinity());
-  }
-  return s;
+  const auto hidden = hidden_keys(r0, n, kf.size(2), causal, window, s.options());
+  return hidden.defined() ? s.masked_fill(hidden, -std::numeric_limits<double>::infinity()) : s;
 }
 
 std::pair<at::Tensor, at::Tensor> reference_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                    bool causal, double scale) {
+                                                    bool causal, std::int64_t window, double scale) {
   detail::NoAutocast no_autocast;
   const auto ct = compute_type(q);
   const auto group = q.size(1) / k.size(1);
@@ -85,8 +93,10 @@ std::pair<at::Tensor, at::Tensor> reference_forward(const at::Tensor& q, const a
   auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, qf.options());
   for (std::int64_t r0 = 0; r0 < q.size(2); r0 += kChunk) {
     const auto n = std::min(kChunk, q.size(2) - r0);
-    auto s = scores(qf, kf, r0, n, causal, scale);
+    auto s = scores(qf, kf, r0, n, causal, window, scale);
+    // A row that sees no key: log-sum-exp +inf (as the kernel's), so its probabilities are 0.
     auto l = s.logsumexp(-1, /*keepdim=*/true);
+    l.masked_fill_(l == -std::numeric_limits<double>::infinity(), std::numeric_limits<double>::infinity());
     o.narrow(2, r0, n).copy_(at::matmul((s - l).exp(), vf));
     lse.narrow(2, r0, n).copy_(l.squeeze(-1));
   }
@@ -95,7 +105,7 @@ std::pair<at::Tensor, at::Tensor> reference_forward(const at::Tensor& q, const a
 
 std::vector<at::Tensor> reference_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                            const at::Tensor& o, const at::Tensor& lse, const at::Tensor& dout,
-                                           bool causal, double scale) {
+                                           bool causal, std::int64_t window, double scale) {
   detail::NoAutocast no_autocast;
   const auto ct = compute_type(q);
   const auto B = q.size(0), H = q.size(1), Hkv = k.size(1), Sk = k.size(2), D = q.size(3), group = H / Hkv;
@@ -107,7 +117,7 @@ std::vector<at::Tensor> reference_backward(const at::Tensor& q, const at::Tensor
   auto dk = at::zeros({B, H, Sk, D}, qf.options()), dv = at::zeros({B, H, Sk, D}, qf.options());
   for (std::int64_t r0 = 0; r0 < q.size(2); r0 += kChunk) {
     const auto n = std::min(kChunk, q.size(2) - r0);
-    auto p = (scores(qf, kf, r0, n, causal, scale) - lsef.narrow(2, r0, n)).exp();
+    auto p = (scores(qf, kf, r0, n, causal, window, scale) - lsef.narrow(2, r0, n)).exp();
     auto d = dof.narrow(2, r0, n);
     dv += at::matmul(p.transpose(-2, -1), d);
     auto ds = p * (at::matmul(d, vf.transpose(-2, -1)) - delta.narrow(2, r0, n));
@@ -156,7 +166,8 @@ dtrain_attention_kernel chosen_kernel() {
 }
 
 template <typename Params>
-void fill_shape(Params& p, const at::Tensor& q, const at::Tensor& k, bool causal, double scale) {
+void fill_shape(Params& p, const at::Tensor& q, const at::Tensor& k, bool causal, std::int64_t window,
+                double scale) {
   p.batch = q.size(0);
   p.heads = q.size(1);
   p.kv_heads = k.size(1);
@@ -165,12 +176,13 @@ void fill_shape(Params& p, const at::Tensor& q, const at::Tensor& k, bool causal
   p.head_dim = q.size(3);
   p.scale = static_cast<float>(scale);
   p.causal = causal ? 1 : 0;
+  p.window = window;
   p.dtype = detail::kernel_dtype(q, kOp, "q");
   p.kernel = chosen_kernel();
 }
 
 std::pair<at::Tensor, at::Tensor> kernel_forward(at::Tensor q, at::Tensor k, at::Tensor v, bool causal,
-                                                 double scale) {
+                                                 std::int64_t window, double scale) {
   check_kernel_inputs(q);
   q = kernel_layout(q), k = kernel_layout(k), v = kernel_layout(v);
   const detail::DeviceGuard guard(q.device());
@@ -187,7 +199,7 @@ std::pair<at::Tensor, at::Tensor> kernel_forward(at::Tensor q, at::Tensor k, at:
   p.k_stride = strides_of(k);
   p.v_stride = strides_of(v);
   p.o_stride = strides_of(o);
-  fill_shape(p, q, k, causal, scale);
+  fill_shape(p, q, k, causal, window, scale);
   auto workspace = at::empty({static_cast<std::int64_t>(dtrain_attention_fwd_workspace_bytes(&p) / sizeof(int))},
                              q.options().dtype(at::kInt));
   p.workspace = workspace.data_ptr();
@@ -196,7 +208,7 @@ std::pair<at::Tensor, at::Tensor> kernel_forward(at::Tensor q, at::Tensor k, at:
 }
 
 std::vector<at::Tensor> kernel_backward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor o, const at::Tensor& lse,
-                                        at::Tensor dout, bool causal, double scale) {
+                                        at::Tensor dout, bool causal, std::int64_t window, double scale) {
   q = kernel_layout(q), k = kernel_layout(k), v = kernel_layout(v), o = kernel_layout(o), dout = kernel_layout(dout);
   const detail::DeviceGuard guard(q.device());
   auto dq = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options()).transpose(1, 2);
@@ -219,7 +231,7 @@ std::vector<at::Tensor> kernel_backward(at::Tensor q, at::Tensor k, at::Tensor v
   p.dq_stride = strides_of(dq);
   p.dk_stride = strides_of(dk);
   p.dv_stride = strides_of(dv);
-  fill_shape(p, q, k, causal, scale);
+  fill_shape(p, q, k, causal, window, scale);
   auto workspace = at::empty({static_cast<std::int64_t>(dtrain_attention_bwd_workspace_bytes(&p) / sizeof(float))},
                              q.options().dtype(at::kFloat));
   p.workspace = workspace.data_ptr();
@@ -231,18 +243,19 @@ std::vector<at::Tensor> kernel_backward(at::Tensor q, at::Tensor k, at::Tensor v
 class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, bool causal, double scale) {
+                            const at::Tensor& v, bool causal, std::int64_t window, double scale) {
     at::Tensor o, lse;
 #ifdef DTRAIN_WITH_CUDA
     if (detail::on_kernel_device(q)) {
-      std::tie(o, lse) = kernel_forward(q, k, v, causal, scale);
+      std::tie(o, lse) = kernel_forward(q, k, v, causal, window, scale);
     } else
 #endif
     {
-      std::tie(o, lse) = reference_forward(q, k, v, causal, scale);
+      std::tie(o, lse) = reference_forward(q, k, v, causal, window, scale);
     }
     ctx->save_for_backward({q, k, v, o, lse});
     ctx->saved_data["causal"] = causal;
+    ctx->saved_data["window"] = window;
     ctx->saved_data["scale"] = scale;
     return o;
   }
@@ -251,36 +264,39 @@ class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
                                                torch::autograd::tensor_list grads) {
     const auto saved = ctx->get_saved_variables();
     const bool causal = ctx->saved_data["causal"].toBool();
+    const std::int64_t window = ctx->saved_data["window"].toInt();
     const double scale = ctx->saved_data["scale"].toDouble();
     std::vector<at::Tensor> g;
 #ifdef DTRAIN_WITH_CUDA
     if (detail::on_kernel_device(saved[0])) {
-      g = kernel_backward(saved[0], saved[1], saved[2], saved[3], saved[4], grads[0], causal, scale);
+      g = kernel_backward(saved[0], saved[1], saved[2], saved[3], saved[4], grads[0], causal, window, scale);
     } else
 #endif
     {
-      g = reference_backward(saved[0], saved[1], saved[2], saved[3], saved[4], grads[0], causal, scale);
+      g = reference_backward(saved[0], saved[1], saved[2], saved[3], saved[4], grads[0], causal, window, scale);
     }
-    return {g[0], g[1], g[2], at::Tensor(), at::Tensor()};
+    return {g[0], g[1], g[2], at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
 
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                           double scale) {
-  check_inputs(q, k, v);
+                           double scale, std::int64_t window) {
+  check_inputs(q, k, v, causal, window);
   if (scale <= 0) scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
-  return FlashAttentionFn::apply(q, k, v, causal, scale);
+  return FlashAttentionFn::apply(q, k, v, causal, window, scale);
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                     double dropout_p, AttentionBackend backend) {
+                     double dropout_p, AttentionBackend backend, std::int64_t window) {
   if (backend == AttentionBackend::kFlash) {
     DTRAIN_CHECK_ARG(dropout_p == 0.0, "attention: the flash backend has no dropout (dropout_p=", dropout_p,
                      "); use the sdpa backend");
-    return flash_attention(q, k, v, causal);
+    return flash_attention(q, k, v, causal, 0.0, window);
   }
+  DTRAIN_CHECK_ARG(window >= 0 && (window == 0 || causal), "attention: window=", window,
+                   causal ? "" : " without causal", " is not allowed; allowed: 0 (none) or, with causal, >= 1");
   DTRAIN_CHECK_ARG(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
                    "attention: q, k, v must be [batch, heads, time, head_dim]; got ", q.sizes(),
                    ", ", k.sizes(), ", ", v.sizes());
@@ -291,6 +307,10 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   if (hkv != h) {
     kk = k.repeat_interleave(h / hkv, 1);
     vv = v.repeat_interleave(h / hkv, 1);
+  }
+  if (window > 0) {  // an explicit mask of the keys each query sees (sdpa has no window)
+    auto seen = hidden_keys(0, q.size(2), k.size(2), causal, window, q.options()).logical_not_();
+    return at::scaled_dot_product_attention(q, kk, vv, seen, dropout_p, /*is_causal=*/false);
   }
   return at::scaled_dot_product_attention(q, kk, vv, /*attn_mask=*/{}, dropout_p, causal);
 }

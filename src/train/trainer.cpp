@@ -640,10 +640,12 @@ double Trainer::comm_bytes() const {
 
 void Trainer::log_summary() const {
   const auto& o = options_;
-  log_info("model: {} family, {} layers, d_model {}, {} heads ({} kv), context {}, vocab {}: "
+  log_info("model: {} family, {} layers, d_model {}, {} heads ({} kv), context {}{}, vocab {}: "
            "{}M parameters, {} GFLOP per token (seq {})",
            model_config_.family, model_config_.n_layer, model_config_.d_model,
            model_config_.n_head, model_config_.n_kv_head, model_config_.context,
+           model_config_.attention_window > 0 ? format(" (attention window {})", model_config_.attention_window)
+                                              : std::string(),
            model_config_.vocab_size,
            std::round(static_cast<double>(model_config_.num_parameters()) / 1e4) / 100,
            flops_per_token_ / 1e9, o.seq_len);

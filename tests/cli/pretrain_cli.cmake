@@ -62,9 +62,11 @@ expect(hybrid-without-dp-shard 2 "--fsdp hybrid needs --dp-shard N" ARGS ${DATA}
 expect(fsdp-unknown 2 "--fsdp 'zero9' is not known; allowed: none, zero1, zero2, full, hybrid" ARGS ${DATA} --fsdp zero9)
 expect(attention-unknown 2 "--attention=fast is not an attention backend; allowed: sdpa, flash" ARGS ${DATA} --attention fast)
 expect(flash-without-dropout 2 "--attention flash has no dropout \\(--dropout=0.1\\)" ARGS ${DATA} --attention flash --dropout 0.1)
-# Every kernel option on the CPU (their reference paths) trains.
-expect(fused-ops-on-cpu 0 "device cpu.*kernels: attention flash, fused norm on, fused cross-entropy on, fused AdamW on.*done: 5 steps" CPU ARGS ${DATA} --global-batch 8 --steps 5 --warmup-steps 1 --attention flash --fused-norm
-       --fused-ce --fused-adamw --fsdp zero1)
+expect(attention-window-negative 2 "attention_window=-3 \\(--attention-window\\) is out of range; allowed: 0"
+       ARGS ${DATA} --attention-window -3)
+# Every kernel option on the CPU (their reference paths) trains, with a sliding window.
+expect(fused-ops-on-cpu 0 "device cpu.*kernels: attention flash, fused norm on, fused cross-entropy on, fused AdamW on.*context 64 \\(attention window 16\\).*done: 5 steps" CPU ARGS ${DATA} --global-batch 8 --steps 5 --warmup-steps 1 --attention flash --fused-norm
+       --fused-ce --fused-adamw --fsdp zero1 --attention-window 16)
 expect(fused-on-and-off nonzero "--fused-ce excludes --no-fused-ce" ARGS ${DATA} --fused-ce --no-fused-ce)
 expect(param-dtype-needs-fsdp 2 "--param-dtype / --reduce-dtype other than float32 need --fsdp"
        ARGS ${DATA} --param-dtype bfloat16)

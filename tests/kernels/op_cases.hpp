@@ -40,16 +40,22 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionAutogradMatchesTheReferencePath) {
   env::ScopedOverride only(env::kAttentionKernel, kernel == DTRAIN_ATTENTION_KERNEL_MMA ? "mma" : "wgmma");
   SCOPED_TRACE(kernel == DTRAIN_ATTENTION_KERNEL_MMA ? "mma.sync" : "wgmma");
   torch::manual_seed(11);
-  for (bool causal : {true, false}) {
+  // The emulator runs a block in milliseconds: fewer heads and tokens there.
+  const std::int64_t nb = kLargeCases ? 2 : 1, nh = kLargeCases ? 8 : 4, nt = kLargeCases ? 300 : 70;
+  // (causal, sliding window): a window that starts inside the first key tile and ends
+  // inside the last query tile's.
+  const std::int64_t w = kLargeCases ? 100 : 23;
+  for (const auto& mask : {std::pair<bool, std::int64_t>{true, 0}, {false, 0}, {true, w}}) {
+    const bool causal = mask.first;
+    const std::int64_t window = mask.second;
     for (std::int64_t d : {64, 128, 32, 80}) {
-      // The emulator runs a block in milliseconds: fewer heads and tokens there.
-      const std::int64_t nb = kLargeCases ? 2 : 1, nh = kLargeCases ? 8 : 4, nt = kLargeCases ? 300 : 70;
       auto q = torch::randn({nb, nh, nt, d}), k = torch::randn({nb, 2, nt, d}), v = torch::randn({nb, 2, nt, d});
       auto dout = torch::randn({nb, nh, nt, d});
       auto run = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, const at::Tensor& g,
                      bool sdpa) -> std::vector<at::Tensor> {
         auto qa = a.detach().requires_grad_(), kb = b.detach().requires_grad_(), vc = c.detach().requires_grad_();
-        auto o = sdpa ? ops::attention(qa, kb, vc, causal) : ops::flash_attention(qa, kb, vc, causal);
+        auto o = sdpa ? ops::attention(qa, kb, vc, causal, 0.0, ops::AttentionBackend::kSdpa, window)
+                      : ops::flash_attention(qa, kb, vc, causal, 0.0, window);
         o.backward(g);
         return {o.cpu().to(at::kDouble), qa.grad().cpu().to(at::kDouble), kb.grad().cpu().to(at::kDouble),
                 vc.grad().cpu().to(at::kDouble)};
@@ -61,7 +67,8 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionAutogradMatchesTheReferencePath) {
       for (int i = 0; i < 4; ++i) {
         const double e = (got[i] - want[i]).abs().max().item<double>();
         const double base = (sdpa[i] - want[i]).abs().max().item<double>();
-        EXPECT_LE(e, 2 * base + 1e-3) << "output " << i << " d " << d << (causal ? " causal" : "") << ": flash " << e
+        EXPECT_LE(e, 2 * base + 1e-3) << "output " << i << " d " << d << (causal ? " causal" : "") << " window "
+                                      << window << ": flash " << e
                                       << ", sdpa " << base;
       }
     }
@@ -237,8 +244,9 @@ TEST(KERNEL_SUITE(Ops), FusedAdamWMatchesLibTorchAdamW) {
   }
 }
 
-// The tiny model in bf16 with every fused option against the unfused run: the model and
-// trainer's use of the ops (the loss's upstream gradient announced, its gradient in place).
+// The tiny model in bf16 (a sliding window over part of its sequence) with every fused
+// option against the unfused run: the model and trainer's use of the ops (the loss's
+// upstream gradient announced, its gradient in place).
 TEST(KERNEL_SUITE(Ops), TrainerWithFusedOpsTracksTheUnfusedRun) {
   KERNEL_DEVICE_OR_SKIP();
   testing::TestCorpus corpus("gpufused");
@@ -247,6 +255,7 @@ TEST(KERNEL_SUITE(Ops), TrainerWithFusedOpsTracksTheUnfusedRun) {
   cfg.d_model = 128;  // head dim 64
   cfg.n_head = 2;
   cfg.n_kv_head = 1;
+  cfg.attention_window = kLargeCases ? 24 : 6;  // sdpa's mask against the kernels' window
   train::TrainOptions o;
   o.train_data = corpus.train();
   // The emulator switches fibers at every barrier of every row's block: few tokens there.

@@ -1,5 +1,5 @@
 // The GPT model: presets and parameter counts, validation, seeded initialisation, loss at
-// initialisation, causality, activation checkpointing leaves gradients unchanged, a tiny
+// initialisation, causality, sliding-window attention's reach, activation checkpointing leaves gradients unchanged, a tiny
 // model learns a repeating sequence, and pipeline stages chained equal the whole model.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -80,6 +80,43 @@ TEST(Gpt, LossAtInitIsNearUniformAndModelIsCausal) {
     EXPECT_TRUE(torch::allclose(l1.slice(1, 0, 31), l2.slice(1, 0, 31), 1e-5, 1e-6)) << cfg.family;
     EXPECT_FALSE(torch::allclose(l1.slice(1, 31), l2.slice(1, 31))) << cfg.family;
   }
+}
+
+// A sliding window of W tokens per layer: through n_layer layers token t sees tokens from
+// t - n_layer (W - 1) on, and no earlier one; a window as long as the context is no window.
+TEST(Gpt, AttentionWindowBoundsWhatEachTokenSees) {
+  for (auto cfg : {GptConfig::preset("tiny"), tiny_llama()}) {
+    SCOPED_TRACE(cfg.family);
+    Gpt full(single(), cfg, 3);
+    cfg.attention_window = 5;
+    Gpt windowed(single(), cfg, 3);  // the same parameters
+    auto idx = torch::randint(0, 256, {2, 32}, torch::kLong);
+    const std::int64_t reach = cfg.n_layer * (cfg.attention_window - 1), t = 31;
+    torch::NoGradGuard no_grad;
+    auto changed = [&](Gpt& m, std::int64_t pos) {
+      auto idx2 = idx.clone();
+      idx2.index_put_({torch::indexing::Slice(), pos}, (idx.select(1, pos) + 1) % 256);
+      return !torch::allclose(m->forward(idx).select(1, t), m->forward(idx2).select(1, t), 1e-5, 1e-6);
+    };
+    EXPECT_FALSE(changed(windowed, t - reach - 1)) << "a token outside the window reached the last logits";
+    EXPECT_TRUE(changed(windowed, t - reach)) << "the window's farthest token did not";
+    EXPECT_TRUE(changed(full, t - reach - 1));
+    auto l0 = full->forward(idx), l1 = windowed->forward(idx);
+    EXPECT_TRUE(torch::allclose(l0.slice(1, 0, 5), l1.slice(1, 0, 5), 1e-5, 1e-6)) << "inside one window";
+    EXPECT_FALSE(torch::allclose(l0, l1));
+    cfg.attention_window = cfg.context;
+    Gpt whole(single(), cfg, 3);
+    EXPECT_TRUE(torch::allclose(l0, whole->forward(idx), 1e-5, 1e-6));
+  }
+  auto c = GptConfig::preset("tiny");
+  c.attention_window = -2;
+  EXPECT_THROW(c.validate(), InvalidArgument);
+  // Attention FLOPs count the window's keys, not the sequence's.
+  c.attention_window = 256;
+  auto none = GptConfig::preset("tiny");
+  EXPECT_DOUBLE_EQ(none.flops_per_token(1024) - c.flops_per_token(1024),
+                   12.0 * c.n_layer * c.n_head * c.head_dim() * (1024 - 256));
+  EXPECT_DOUBLE_EQ(none.flops_per_token(200), c.flops_per_token(200));
 }
 
 TEST(Gpt, ActivationCheckpointingLeavesGradientsUnchanged) {

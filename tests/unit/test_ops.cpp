@@ -35,27 +35,63 @@ void expect_has(const std::string& msg, const std::vector<std::string>& parts) {
 
 // ---- attention ---------------------------------------------------------------------------
 
+// Which keys each query sees with a causal sliding window, written out element by
+// element (independent of the ops' own masks): [sq, sk], true where i - w < j <= i.
+at::Tensor window_mask(std::int64_t sq, std::int64_t sk, std::int64_t w) {
+  auto mask = torch::zeros({sq, sk}, torch::kBool);
+  auto a = mask.accessor<bool, 2>();
+  for (std::int64_t i = 0; i < sq; ++i) {
+    for (std::int64_t j = std::max<std::int64_t>(0, i - w + 1); j <= std::min(i, sk - 1); ++j) a[i][j] = true;
+  }
+  return mask;
+}
+
 TEST(FlashAttentionReference, MatchesSdpaForwardAndBackward) {
   torch::manual_seed(0);
   struct Case {
     std::int64_t b, h, hkv, sq, sk, d;
     bool causal;
+    std::int64_t window = 0;
   };
+  // Sliding windows: across the reference path's 256-row chunks (GQA), of one key, and
+  // past the keys' end (45 queries over 20 keys: rows 29.. see none, sdpa's all-masked
+  // rows are not compared, below).
   for (const auto& c : {Case{2, 4, 4, 33, 33, 16, true}, Case{1, 4, 2, 300, 300, 8, true},
-                        Case{2, 2, 1, 20, 45, 8, false}, Case{1, 2, 2, 45, 20, 8, true}}) {
-    SCOPED_TRACE("sq " + std::to_string(c.sq) + " sk " + std::to_string(c.sk) + (c.causal ? " causal" : ""));
+                        Case{2, 2, 1, 20, 45, 8, false}, Case{1, 2, 2, 45, 20, 8, true},
+                        Case{1, 4, 2, 300, 300, 8, true, 57}, Case{2, 2, 2, 33, 33, 16, true, 1},
+                        Case{1, 2, 1, 45, 20, 8, true, 10}}) {
+    SCOPED_TRACE("sq " + std::to_string(c.sq) + " sk " + std::to_string(c.sk) + (c.causal ? " causal" : "") +
+                 " window " + std::to_string(c.window));
     auto q = torch::randn({c.b, c.h, c.sq, c.d}, torch::kDouble).requires_grad_();
     auto k = torch::randn({c.b, c.hkv, c.sk, c.d}, torch::kDouble).requires_grad_();
     auto v = torch::randn({c.b, c.hkv, c.sk, c.d}, torch::kDouble).requires_grad_();
     auto dout = torch::randn({c.b, c.h, c.sq, c.d}, torch::kDouble);
-    auto got = ops::flash_attention(q, k, v, c.causal);
+    auto got = ops::flash_attention(q, k, v, c.causal, 0.0, c.window);
     got.backward(dout);
     const auto dq = q.grad().clone(), dk = k.grad().clone(), dv = v.grad().clone();
     q.mutable_grad().reset(), k.mutable_grad().reset(), v.mutable_grad().reset();
-    auto want = ops::attention(q, k, v, c.causal, 0.0, ops::AttentionBackend::kSdpa);
-    want.backward(dout);
-    EXPECT_LT(max_abs(got, want), 1e-10);
-    EXPECT_LT(max_abs(dq, q.grad()), 1e-10);
+    // The rows that see a key (all but, with a window, those past sk + window - 1): the
+    // others give 0 and no gradient.
+    const auto seen = c.window > 0 ? std::min(c.sq, c.sk + c.window - 1) : c.sq;
+    if (seen < c.sq) {
+      EXPECT_EQ(got.narrow(2, seen, c.sq - seen).abs().max().item<double>(), 0.0);
+      EXPECT_EQ(dq.narrow(2, seen, c.sq - seen).abs().max().item<double>(), 0.0);
+    }
+    at::Tensor want;
+    if (c.window > 0) {
+      const auto group = c.h / c.hkv;
+      want = at::scaled_dot_product_attention(q.narrow(2, 0, seen), k.repeat_interleave(group, 1),
+                                              v.repeat_interleave(group, 1), window_mask(seen, c.sk, c.window));
+      // The sdpa backend's window is the same function.
+      EXPECT_LT(max_abs(ops::attention(q.narrow(2, 0, seen), k, v, true, 0.0, ops::AttentionBackend::kSdpa, c.window),
+                        want),
+                1e-10);
+    } else {
+      want = ops::attention(q, k, v, c.causal, 0.0, ops::AttentionBackend::kSdpa);
+    }
+    want.backward(dout.narrow(2, 0, seen));
+    EXPECT_LT(max_abs(got.narrow(2, 0, seen), want), 1e-10);
+    EXPECT_LT(max_abs(dq.narrow(2, 0, seen), q.grad().narrow(2, 0, seen)), 1e-10);
     EXPECT_LT(max_abs(dk, k.grad()), 1e-10);
     EXPECT_LT(max_abs(dv, v.grad()), 1e-10);
   }
@@ -77,6 +113,11 @@ TEST(FlashAttentionReference, NamedInputChecks) {
   expect_has(error_message([&] { ops::attention(q, q, q, true, 0.1, ops::AttentionBackend::kFlash); }),
              {"no dropout"});
   expect_has(error_message([&] { ops::parse_attention_backend("fast"); }), {"--attention=fast", "sdpa, flash"});
+  expect_has(error_message([&] { ops::flash_attention(q, q, q, false, 0.0, 16); }),
+             {"flash_attention", "window=16 without causal", "allowed"});
+  expect_has(error_message([&] { ops::flash_attention(q, q, q, true, 0.0, -1); }), {"window=-1", "allowed"});
+  expect_has(error_message([&] { ops::attention(q, q, q, false, 0.0, ops::AttentionBackend::kSdpa, 4); }),
+             {"attention", "window=4 without causal"});
 }
 
 // The CUDA kernel's head dims (the reference path above takes any): multiples of 8 up to
@@ -256,6 +297,7 @@ TEST(FusedOps, TrainerMatchesThePlainRun) {
     auto cfg = models::GptConfig::preset("tiny");
     cfg.family = family;
     if (family == "llama") cfg.n_kv_head = cfg.n_head / 2;
+    if (family == "llama") cfg.attention_window = 9;  // sdpa's mask against flash's window
     train::TrainOptions o;
     o.train_data = corpus.train();
     o.progress = "off";

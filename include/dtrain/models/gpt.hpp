@@ -39,6 +39,9 @@ struct GptConfig {
   double init_std = 0.02;
   bool tie_embeddings = true;     // output projection shares the token embedding
   bool activation_checkpointing = false;  // recompute each block in backward
+  // Sliding-window attention (Mistral's): 0 attends to every earlier token; W > 0 lets each
+  // token attend to itself and the W - 1 before it (both attention backends).
+  std::int64_t attention_window = 0;
   // Dropout on the embeddings, the attention probabilities and both residual branches
   // (training only); masks come from the model's tp::RngTracker.
   double dropout = 0.0;
@@ -74,7 +77,7 @@ struct GptConfig {
   // weight used in a matmul (of a MoE layer: the router and topk experts) (every parameter except norms, biases and learned positions;
   // the tied embedding counts once, as the output projection) plus attention's
   // 12 * n_layer * n_head * head_dim * seq_len (scores and values, causal mask ignored,
-  // as in PaLM and nanoGPT).
+  // as in PaLM and nanoGPT; with a sliding window, min(seq_len, attention_window) keys).
   double flops_per_token(std::int64_t seq_len) const;
 };
 
