@@ -82,6 +82,49 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionAutogradMatchesTheReferencePath) {
   EXPECT_THROW(ops::flash_attention(f, f, f, true), InvalidArgument);  // float32 on the kernels' device
 }
 
+// The window's convention is FlashAttention's window_size (W - 1, 0): on CUDA, LibTorch's
+// FlashAttention-2 run with it computes the function of the op's float64 reference path
+// (within twice the error of sdpa with the window as a mask), output and gradients. A
+// window of 8 keys makes one key more or less a large change.
+TEST(KERNEL_SUITE(Ops), FlashAttentionWindowIsFlashAttention2sWindowSize) {
+  KERNEL_DEVICE_OR_SKIP();
+  if (!kernel_device().is_cuda()) GTEST_SKIP() << "LibTorch's FlashAttention-2 runs on CUDA only";
+  torch::manual_seed(13);
+  for (std::int64_t w : {8, 100}) {
+    auto q = torch::randn({2, 4, 300, 64}), k = torch::randn({2, 4, 300, 64}), v = torch::randn({2, 4, 300, 64});
+    auto dout = torch::randn({2, 4, 300, 64});
+    enum class Impl { kReference, kOp, kSdpaMask, kFa2 };
+    auto run = [&](Impl impl) -> std::vector<at::Tensor> {
+      auto in = [&](const at::Tensor& t) {
+        return (impl == Impl::kReference ? t.to(at::kDouble) : t.to(kernel_device(), at::kBFloat16)).requires_grad_();
+      };
+      auto qa = in(q), kb = in(k), vc = in(v);
+      at::Tensor o;
+      if (impl == Impl::kFa2) {
+        auto t = [](const at::Tensor& x) { return x.transpose(1, 2); };
+        o = std::get<0>(at::_flash_attention_forward(t(qa), t(kb), t(vc), std::nullopt, std::nullopt, 300, 300, 0.0,
+                                                     true, false, std::nullopt, w - 1, 0))
+                .transpose(1, 2);
+      } else if (impl == Impl::kSdpaMask) {
+        o = ops::attention(qa, kb, vc, true, 0.0, ops::AttentionBackend::kSdpa, w);
+      } else {
+        o = ops::flash_attention(qa, kb, vc, true, 0.0, w);
+      }
+      o.backward(impl == Impl::kReference ? dout.to(at::kDouble) : dout.to(kernel_device(), at::kBFloat16));
+      return {o.cpu().to(at::kDouble), qa.grad().cpu().to(at::kDouble), kb.grad().cpu().to(at::kDouble),
+              vc.grad().cpu().to(at::kDouble)};
+    };
+    const auto want = run(Impl::kReference), ours = run(Impl::kOp), mask = run(Impl::kSdpaMask), fa2 = run(Impl::kFa2);
+    for (int i = 0; i < 4; ++i) {
+      const double base = (mask[i] - want[i]).abs().max().item<double>();
+      EXPECT_LE((fa2[i] - want[i]).abs().max().item<double>(), 2 * base + 1e-3) << "FlashAttention-2, output " << i
+                                                                               << " window " << w;
+      EXPECT_LE((ours[i] - want[i]).abs().max().item<double>(), 2 * base + 1e-3) << "dtrain, output " << i
+                                                                                << " window " << w;
+    }
+  }
+}
+
 TEST(KERNEL_SUITE(Ops), NormsMatchTheReferencePath) {
   KERNEL_DEVICE_OR_SKIP();
   torch::manual_seed(12);
