@@ -42,9 +42,14 @@ namespace {
 constexpr const char* kOp = "flash_attention";
 constexpr std::int64_t kChunk = 256;  // query rows per step of the reference path
 
-void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, std::int64_t window) {
-  DTRAIN_OP_CHECK(window >= 0 && (window == 0 || causal), kOp, "window=", window, causal ? "" : " without causal",
+// Both backends' sliding-window rule, named after the op (`op`) that got it.
+void check_window(const char* op, bool causal, std::int64_t window) {
+  DTRAIN_OP_CHECK(window >= 0 && (window == 0 || causal), op, "window=", window, causal ? "" : " without causal",
                   " is not allowed; allowed: 0 (none) or, with causal, a number of keys >= 1");
+}
+
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, std::int64_t window) {
+  check_window(kOp, causal, window);
   DTRAIN_OP_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, kOp,
                   "q, k, v must be [batch, heads, time, head_dim]; got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
   DTRAIN_OP_CHECK(k.sizes() == v.sizes(), kOp, "k ", k.sizes(), " and v ", v.sizes(), " must have the same shape");
@@ -295,8 +300,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      "); use the sdpa backend");
     return flash_attention(q, k, v, causal, 0.0, window);
   }
-  DTRAIN_CHECK_ARG(window >= 0 && (window == 0 || causal), "attention: window=", window,
-                   causal ? "" : " without causal", " is not allowed; allowed: 0 (none) or, with causal, >= 1");
+  check_window("attention", causal, window);
   DTRAIN_CHECK_ARG(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
                    "attention: q, k, v must be [batch, heads, time, head_dim]; got ", q.sizes(),
                    ", ", k.sizes(), ", ", v.sizes());
