@@ -118,6 +118,10 @@ phase kernel_bench_hdims 120 "$build/benchmarks/kernel_bench" --only attention -
 # FlashAttention-2 with the same window and sdpa with a mask.
 phase kernel_bench_window 120 "$build/benchmarks/kernel_bench" --only attention --seq 4096,16384 --dims 128 \
   --window 1024 --json "$out/kernel_bench_window.jsonl"
+# Packed documents of 2048 tokens at 16k, D 128, against LibTorch's FlashAttention-2
+# varlen and sdpa with a mask.
+phase kernel_bench_documents 90 "$build/benchmarks/kernel_bench" --only attention --seq 16384 --dims 128 \
+  --documents 2048 --json "$out/kernel_bench_documents.jsonl"
 # DTRAIN_CHECK_AB_BASE: another revision's tree (scripts/ab_tree.sh REV, carried as ab/):
 # its kernel_bench against this tree's, in turn (benchmarks/gpu/ab.sh, default cases).
 if [ -n "${DTRAIN_CHECK_AB_BASE:-}" ]; then
@@ -208,6 +212,7 @@ done
 [ -f "$out/kernel_bench.log" ] && { echo "-- kernel_bench"; grep -vE '^\{' "$out/kernel_bench.log"; }
 [ -f "$out/kernel_bench_hdims.log" ] && { echo "-- kernel_bench, head dims 32, 80, 96"; grep -vE '^\{|^#' "$out/kernel_bench_hdims.log"; }
 [ -f "$out/kernel_bench_window.log" ] && { echo "-- kernel_bench, window 1024"; grep -vE '^\{' "$out/kernel_bench_window.log"; }
+[ -f "$out/kernel_bench_documents.log" ] && { echo "-- kernel_bench, documents of 2048"; grep -vE '^\{' "$out/kernel_bench_documents.log"; }
 # The targets (a missed one is a result, not a failed phase).
 [ -f "$out/kernel_bench.jsonl" ] && { echo "-- targets"; python3 benchmarks/gpu/targets.py "$out/kernel_bench.jsonl" | tee "$out/targets.txt"; }
 for run in fp32 bf16 bf16_fused bf16_fused_sdpa bf16_b32; do

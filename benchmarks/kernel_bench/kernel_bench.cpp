@@ -11,10 +11,15 @@
 // --window W: causal sliding-window attention only, against LibTorch's FlashAttention-2
 // with window_size (W - 1, 0) (at::_flash_attention_forward) and sdpa with a boolean mask,
 // FLOPs counting the visible (query, key) pairs.
+// --documents L: causal attention over packed documents of L tokens (the last one of a
+// sequence shorter), against LibTorch's FlashAttention-2 varlen (at::_flash_attention_forward
+// with cu_seqlens over the rows laid end to end; q, k, v are stored [B, S, H, D] for every
+// side, so that its [B S, H, D] is a view) and sdpa with a boolean mask; FLOPs as above.
 //
 //   build/benchmarks/kernel_bench                          (CUDA when present)
 //   build/benchmarks/kernel_bench --only attention --seq 1024,4096,16384 --json out.jsonl
 //   build/benchmarks/kernel_bench --only attention --seq 4096,16384 --dims 128 --window 1024
+//   build/benchmarks/kernel_bench --only attention --seq 16384 --dims 128 --documents 2048
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
@@ -40,6 +45,7 @@ struct Options {
   std::int64_t tokens = 0;        // attention: batch x seq (0: 16384 on CUDA, 1024 on CPU)
   std::int64_t hidden = 2048;     // attention: heads x head_dim
   std::int64_t window = 0;        // attention: a causal sliding window (0: none)
+  std::int64_t documents = 0;     // attention: packed documents of this many tokens (0: none)
   int iters = 0, rounds = 3;      // iters 0: 20 on CUDA, 3 on CPU
 };
 
@@ -99,14 +105,20 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
 #endif
   std::printf("# dtrain_f, dtrain_fb: %s=%s%s\n", dtrain::env::kAttentionKernel, kernel.c_str(),
               both ? " (wgmma here); mma_f, mma_fb: mma.sync" : "");
-  const std::int64_t w = o.window;
+  const std::int64_t w = o.window, L = o.documents;
+  if (L > 0) {
+    std::printf("# documents of %lld tokens (causal only): flash_* = LibTorch's FlashAttention-2 varlen, cudnn_* = "
+                "sdpa with a boolean mask (flash_*: CUDA only)\n",
+                static_cast<long long>(L));
+  }
   if (w > 0) {
     std::printf("# window %lld (causal only): flash_* = LibTorch's FlashAttention-2 with window_size (%lld, 0), "
                 "cudnn_* = sdpa with a boolean mask (flash_*: CUDA only)\n",
                 static_cast<long long>(w), static_cast<long long>(w - 1));
   }
   // The JSON names of the two baselines.
-  const std::string base1 = w > 0 ? "fa2_window" : "sdpa_flash", base2 = w > 0 ? "sdpa_mask" : "sdpa_cudnn";
+  const std::string base1 = L > 0 ? "fa2_varlen" : w > 0 ? "fa2_window" : "sdpa_flash",
+                    base2 = w > 0 || L > 0 ? "sdpa_mask" : "sdpa_cudnn";
   std::printf("%6s %4s %6s %4s %5s %9s %9s %9s %9s %9s %9s %9s %9s %9s %9s %9s %9s %8s %8s %8s\n", "seq", "dim",
               "causal", "B", "H", "dtrain_f", "mma_f", "flash_f", "cudnn_f", "dtrain_fb", "mma_fb", "flash_fb",
               "cudnn_fb", "dtrain_b", "mma_b", "flash_b", "cudnn_b", "ratio_f", "ratio_fb", "ratio_b");
@@ -116,16 +128,25 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
   for (auto s : seqs) {
     for (auto d : o.dims) {
       for (bool causal : {true, false}) {
-        if (w > 0 && !causal) continue;
+        if ((w > 0 || L > 0) && !causal) continue;
         const auto b = std::max<std::int64_t>(1, tokens / s), h = std::max<std::int64_t>(1, o.hidden / d);
         auto opts = torch::TensorOptions().device(dev).dtype(dtype);
-        auto q = torch::randn({b, h, s, d}, opts).requires_grad_(), k = torch::randn({b, h, s, d}, opts).requires_grad_(),
-             v = torch::randn({b, h, s, d}, opts).requires_grad_();
+        // The leaves, [B, H, S, D] (with documents stored [B, S, H, D]), and q, k, v as
+        // [B, H, S, D] views of them.
+        const bool bshd = L > 0;
+        std::vector<at::Tensor> leaves;
+        for (int i = 0; i < 3; ++i) {
+          leaves.push_back((bshd ? torch::randn({b, s, h, d}, opts) : torch::randn({b, h, s, d}, opts)).requires_grad_());
+        }
+        auto as_bhsd = [&](const at::Tensor& t) { return bshd ? t.transpose(1, 2) : t; };
+        auto q = as_bhsd(leaves[0]), k = as_bhsd(leaves[1]), v = as_bhsd(leaves[2]);
         auto dout = torch::randn({b, h, s, d}, opts);
         // (query, key) pairs: S^2, halved when causal (as FlashAttention counts), or with a
-        // window those it lets through.
-        const double pairs = w > 0 ? (w >= s ? s * (s + 1) / 2.0 : w * (w + 1) / 2.0 + double(s - w) * w)
-                                   : double(s) * s / (causal ? 2 : 1);
+        // window or documents those they let through.
+        auto causal_pairs = [](std::int64_t n) { return n * (n + 1) / 2.0; };
+        const double pairs = L > 0   ? double(s / L) * causal_pairs(L) + causal_pairs(s % L)
+                             : w > 0 ? (w >= s ? causal_pairs(s) : causal_pairs(w) + double(s - w) * w)
+                                     : double(s) * s / (causal ? 2 : 1);
         const double fwd_flops = 4.0 * b * h * d * pairs;
         auto fwd = [&](const std::function<at::Tensor()>& f) {
           return [&, f] {
@@ -135,14 +156,42 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
         };
         auto fwdbwd = [&](const std::function<at::Tensor()>& f) {
           return [&, f] {
-            q.mutable_grad().reset(), k.mutable_grad().reset(), v.mutable_grad().reset();
+            for (auto& t : leaves) t.mutable_grad().reset();
             f().backward(dout);
           };
         };
-        auto ours = [&] { return dtrain::ops::flash_attention(q, k, v, causal, 0.0, w); };
+        // Packed documents: a document number per token, and FlashAttention's cu_seqlens over
+        // the b rows end to end (int32 starts of every document, then b s).
+        at::Tensor doc_ids, cu_seqlens;
+        if (L > 0) {
+          auto i = torch::arange(s, torch::TensorOptions().device(dev).dtype(torch::kLong));
+          doc_ids = i.div(L, "floor").expand({b, s}).contiguous();
+          std::vector<std::int32_t> cu;
+          for (std::int64_t r = 0; r < b; ++r) {
+            for (std::int64_t t = 0; t < s; t += L) cu.push_back(static_cast<std::int32_t>(r * s + t));
+          }
+          cu.push_back(static_cast<std::int32_t>(b * s));
+          cu_seqlens = torch::tensor(cu, torch::kInt).to(dev);
+        }
+        auto ours = [&] { return dtrain::ops::flash_attention(q, k, v, causal, 0.0, w, doc_ids); };
         std::function<at::Tensor()> flash, cudnn;
-        at::Tensor seen;  // with a window: the keys each query sees, [s, s]
-        if (w > 0) {
+        at::Tensor seen;  // with a window or documents: the keys each query sees, [s, s]
+        if (L > 0) {
+          auto i = torch::arange(s, torch::TensorOptions().device(dev).dtype(torch::kLong));
+          seen = (i.unsqueeze(0) <= i.unsqueeze(1)).logical_and(i.div(L, "floor").unsqueeze(0) == i.div(L, "floor").unsqueeze(1));
+          cudnn = [&] { return at::scaled_dot_product_attention(q, k, v, seen, 0.0, false); };
+          if (cuda(dev)) {
+            flash = [&] {
+              auto packed = [&](const at::Tensor& x) { return x.view({b * s, h, d}); };
+              const std::int64_t longest = std::min(L, s);
+              return std::get<0>(at::_flash_attention_forward(packed(leaves[0]), packed(leaves[1]), packed(leaves[2]),
+                                                              cu_seqlens, cu_seqlens, longest, longest, 0.0, true,
+                                                              false))
+                  .view({b, s, h, d})
+                  .transpose(1, 2);
+            };
+          }
+        } else if (w > 0) {
           auto i = torch::arange(s, torch::TensorOptions().device(dev).dtype(torch::kLong));
           seen = (i.unsqueeze(0) <= i.unsqueeze(1)).logical_and(i.unsqueeze(0) > i.unsqueeze(1) - w);
           cudnn = [&] { return at::scaled_dot_product_attention(q, k, v, seen, 0.0, false); };
@@ -199,6 +248,7 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
             cell(r_cudnn.b), rf, rfb, rb);
         out.line({{"bench", "kernel"}, {"op", "attention"}, {"device", cuda(dev) ? "cuda" : "cpu"},
                   {"dtype", c10::toString(dtype)}, {"seq", s}, {"head_dim", d}, {"causal", causal}, {"window", w},
+                  {"documents", L},
                   {"batch", b}, {"heads", h}, {"kernel", kernel}, {"fwd_tflops", opt(r_ours.f)},
                   {"fwd_tflops_mma", opt(r_mma.f)}, {"fwd_tflops_" + base1, opt(r_flash.f)},
                   {"fwd_tflops_" + base2, opt(r_cudnn.f)}, {"fwdbwd_tflops", opt(r_ours.fb)},
@@ -355,6 +405,9 @@ int main(int argc, char** argv) {
   app.add_option("--hidden", o.hidden, "attention: heads x head_dim");
   app.add_option("--window", o.window, "attention: causal sliding windows of this many keys only (0: none)")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--documents", o.documents,
+                 "attention: causal attention over packed documents of this many tokens only (0: none)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--iters", o.iters, "calls per timing (0: 20 on CUDA, 3 on CPU)");
   app.add_option("--rounds", o.rounds, "timings per case (the median is reported)");
   app.add_option("--json", o.json, "also append the JSON lines to this file");
@@ -362,6 +415,8 @@ int main(int argc, char** argv) {
   try {
     const bool has_cuda = torch::cuda::is_available();
     DTRAIN_CHECK_ARG(o.device != "cuda" || has_cuda, "--device cuda: no CUDA device is visible");
+    DTRAIN_CHECK_ARG(o.window == 0 || o.documents == 0, "--window ", o.window, " with --documents ", o.documents,
+                     ": one at a time; allowed: either, or neither");
     const c10::Device dev = (o.device == "cuda" || (o.device == "auto" && has_cuda)) ? c10::Device(c10::kCUDA, 0)
                                                                                        : c10::Device(c10::kCPU);
     const int iters = o.iters > 0 ? o.iters : (cuda(dev) ? 20 : 3);

@@ -43,6 +43,7 @@ struct Options {
   std::int64_t vocab_size = -1, context = -1, n_layer = -1, n_head = -1, n_kv_head = -1,
                d_model = -1, ffn_hidden = -1;
   std::int64_t attention_window = 0;
+  std::int64_t document_separator = -1;
   double bucket_mb = 25;
   std::string export_hf;
   // Kernels (docs/kernels.md): which implementation of attention, norms and the loss.
@@ -90,6 +91,7 @@ void define(CLI::App& app, Options& o) {
   app.add_option("--ffn-hidden", o.ffn_hidden, "MLP width, 0: 4 x d (gpt2) or SwiGLU 8/3 x d (default: the preset's)")->default_str("preset")->group(model);
   app.add_option("--tie-embeddings", o.tie_embeddings, "true or false (default: the preset's)")->default_str("preset")->group(model);
   app.add_option("--attention-window", o.attention_window, "sliding-window attention: each token attends to itself and the W - 1 before it (0: all earlier tokens)")->group(model);
+  app.add_option("--document-separator", o.document_separator, "packed documents: this token id ends a document, and tokens after it attend only to tokens from there on (Megatron's --reset-attention-mask; GPT-2's <|endoftext|> is 50256, the byte tokenizer's newline 10; -1: none)")->group(model);
   app.add_option("--dropout", o.dropout, "dropout on embeddings, attention probabilities and residual branches (training only)")->group(model);
   app.add_option("--activation-checkpointing", o.activation_checkpointing, "none, or full (recompute every block in backward)")
       ->check(CLI::IsMember({"none", "full"}))->group(model);
@@ -245,6 +247,7 @@ dtrain::models::GptConfig model_config(const Options& o) {
   }
   c.activation_checkpointing = o.activation_checkpointing == "full";
   c.attention_window = o.attention_window;
+  c.document_separator = o.document_separator;
   c.dropout = o.dropout;
   c.attention = dtrain::ops::parse_attention_backend(o.attention);
   c.fused_norm = o.fused_norm;

@@ -81,16 +81,45 @@ __host__ __device__ __forceinline__ int64_t window_query_end(const Params& p, in
   return p.window > 0 ? imin(p.seq_q, key + p.window) : p.seq_q;
 }
 
-// The query tiles of kBlockM a backward block of keys [n0, n0 + kBlockN) walks, per query
-// head: from m_begin (causal: the tile holding its first key, since the queries before it
-// see none of its keys), n_tiles of them, up to the last query that sees its last key.
+// Packed documents (p.documents, causal, seq_q == seq_k): token i of batch b belongs to
+// [document_start, document_end). Positions past the sequence read its last token's (a
+// padding row or key, masked anyway); values are clamped into the sequence, so that
+// wrong ones give a wrong mask but never a read out of bounds.
+template <typename Params>
+__device__ __forceinline__ int64_t document_start(const Params& p, int64_t b, int64_t i) {
+  return imax(0, p.documents.start[b * p.seq_q + imin(i, p.seq_q - 1)]);
+}
+template <typename Params>
+__device__ __forceinline__ int64_t document_end(const Params& p, int64_t b, int64_t i) {
+  return imin(p.seq_q, p.documents.end[b * p.seq_q + imin(i, p.seq_q - 1)]);
+}
+
+// What a query row sees of the keys from the left, and a key of the queries to the right,
+// under the window and the documents together: the first key `row` sees, and one past the
+// last query that sees `key`. Both are non-decreasing, so a block's first row and last key
+// bound its walk.
+template <typename Params>
+__device__ __forceinline__ int64_t first_key(const Params& p, int64_t b, int64_t row) {
+  const int64_t w = window_first_key(p, row);
+  return p.documents.start != nullptr ? imax(w, document_start(p, b, row)) : w;
+}
+template <typename Params>
+__device__ __forceinline__ int64_t query_end(const Params& p, int64_t b, int64_t key) {
+  const int64_t w = window_query_end(p, key);
+  return p.documents.end != nullptr ? imin(w, document_end(p, b, key)) : w;
+}
+
+// The query tiles of kBlockM a backward block of keys [n0, n0 + kBlockN) of batch b walks,
+// per query head: from m_begin (causal: the tile holding its first key, since the queries
+// before it see none of its keys), n_tiles of them, up to the last query that sees its
+// last key.
 template <int kBlockM, int kBlockN>
 struct BwdQueryTiles {
   int64_t m_begin;
   int n_tiles;
-  __device__ __forceinline__ BwdQueryTiles(const dtrain_attention_bwd_params& p, int64_t n0)
+  __device__ __forceinline__ BwdQueryTiles(const dtrain_attention_bwd_params& p, int64_t b, int64_t n0)
       : m_begin(p.causal ? n0 / kBlockM * kBlockM : 0) {
-    const int64_t m_end = window_query_end(p, n0 + kBlockN - 1);
+    const int64_t m_end = query_end(p, b, n0 + kBlockN - 1);
     n_tiles = m_begin < m_end ? static_cast<int>((m_end - m_begin + kBlockM - 1) / kBlockM) : 0;
   }
 };

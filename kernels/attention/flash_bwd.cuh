@@ -116,15 +116,29 @@ __device__ __forceinline__ void mask_scores_t(float (&st)[kN][4], int64_t key0, 
   }
 }
 
-// The sliding window's side: queries at and after key + window are masked (per key, a
-// 32-bit bound relative to m0 + 2 t, as above; key1 is key0 + 8).
+// The window's and the documents' side of the mask works from each key's query_end (one
+// past the last query that sees it), which a warp stages for its 16 keys in shared memory
+// before its first tile: ends_s[key - n0] = query_end - n0 (n0 the block's first key;
+// 32-bit, clamped: a sequence of 2^31 tokens does not fit in memory anyway). Held in
+// registers, or loaded per tile, it cost the mma.sync D 128 backward 4 bytes of spill.
+__device__ __forceinline__ void stage_query_ends(int* ends_s, const dtrain_attention_bwd_params& p, int64_t b,
+                                                 int64_t n0, int64_t warp_key0) {
+  const int lane = threadIdx.x % 32;
+  if (lane < 16) {
+    ends_s[warp_key0 - n0 + lane] = static_cast<int>(imin(query_end(p, b, warp_key0 + lane) - n0, INT32_MAX));
+  }
+  __syncwarp();
+}
+
+// Queries at and after a key's query_end are masked (per key, a 32-bit bound relative to
+// m0 + 2 t, as above; ends_w: this warp's 16 staged ends, key0's at g).
 template <int kN>
-__device__ __forceinline__ void mask_window_t(float (&st)[kN][4], int64_t key0, int64_t m0, int64_t window) {
-  const int t2 = 2 * (threadIdx.x % 4);
-  const int end0 = static_cast<int>(imax(-8, imin(key0 + window - m0, kN * 8)));  // key0's queries end
+__device__ __forceinline__ void mask_query_end_t(float (&st)[kN][4], const int* ends_w, int64_t n0, int64_t m0) {
+  const int t2 = 2 * (threadIdx.x % 4), g = threadIdx.x % 32 / 4;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int bound = end0 + 8 * r - t2;
+    const int64_t end = n0 + ends_w[g + 8 * r];
+    const int bound = static_cast<int>(imax(0, imin(end - m0, kN * 8))) - t2;
 #pragma unroll
     for (int nt = 0; nt < kN; ++nt) {
 #pragma unroll
@@ -137,13 +151,16 @@ __device__ __forceinline__ void mask_window_t(float (&st)[kN][4], int64_t key0, 
 
 // The mask of a warp's transposed score tile for keys [k0, k0 + kKeys) (its own, key0 and
 // key1, among them) against the queries [m0, m0 + kBlockM): only a tile past the end of
-// the keys, across the causal diagonal or, with a sliding window, reaching past its
-// first key's last query has masked entries.
+// the keys, across the causal diagonal or, with a sliding window or packed documents,
+// reaching past its warp's first key's query_end (non-decreasing) has masked entries.
+// ends_w, n0: as for mask_query_end_t.
 template <int kKeys, int kBlockM, int kN>
 __device__ __forceinline__ void mask_tile_t(float (&st)[kN][4], const dtrain_attention_bwd_params& p, int64_t k0,
-                                            int64_t m0, int64_t key0, int64_t key1) {
+                                            int64_t m0, int64_t key0, int64_t key1, const int* ends_w, int64_t n0) {
   if (k0 + kKeys > p.seq_k || (p.causal && k0 + kKeys - 1 > m0)) mask_scores_t(st, key0, key1, m0, p);
-  if (p.window > 0 && m0 + kBlockM - 1 >= k0 + p.window) mask_window_t(st, key0, m0, p.window);
+  if ((p.window > 0 || p.documents.end != nullptr) && m0 + kBlockM > n0 + ends_w[0]) {
+    mask_query_end_t(st, ends_w, n0, m0);
+  }
 }
 
 // This thread's two queries (columns 2 t and 2 t + 1 of chunk nt) of a per-query statistic
@@ -245,7 +262,10 @@ cudaError_t run_bwd_passes(const dtrain_attention_bwd_params& p, cudaStream_t st
 }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(FlashConfig<D>::kThreads)
+// At D <= 64, three blocks an SM: ptxas took 168 registers for D 64 on its own until the
+// documents' load (2026-12-05), then 208 (two blocks); held to 170, it spills 8 bytes (two
+// stores and two loads a query tile). Untimed, like the documents.
+__global__ void __launch_bounds__(FlashConfig<D>::kThreads, D <= 64 ? 3 : 1)
     flash_bwd_kernel(dtrain_attention_bwd_params p, float* dq_accum, const float* delta) {
   using C = FlashConfig<D>;
   constexpr int BM = C::kBwdBlockM, BN = C::kBwdBlockN, P = C::kPitch, PS = C::kPitchS, kThreads = C::kThreads;
@@ -257,12 +277,14 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads)
   T* dss = dos + BM * P;  // [BM][PS]: dS as [query][key]
   float* lse_s = reinterpret_cast<float*>(dss + BM * PS);
   float* delta_s = lse_s + BM;
+  int* ends_s = reinterpret_cast<int*>(delta_s + BM);  // [BN]: stage_query_ends
 
   const BwdBlock blk = bwd_block<T, BN, false>(p);
   const int64_t b = blk.b, hk = blk.hk, n0 = blk.n0;
   const int group = static_cast<int>(p.heads / p.kv_heads);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t key0 = n0 + warp * 16 + g, key1 = key0 + 8;  // keys of c0,c1 and of c2,c3
+  stage_query_ends(ends_s, p, b, n0, n0 + warp * 16);
   const float scale_log2 = p.scale * kLog2e;
 
   load_tile_async<BN, D, kThreads>(ks, P, static_cast<const T*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head +
@@ -279,7 +301,7 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads)
   zero_tiles(dv_tiles);
   auto& dk = dk_tiles[0];
   auto& dv = dv_tiles[0];
-  const BwdQueryTiles<BM, BN> qtiles(p, n0);
+  const BwdQueryTiles<BM, BN> qtiles(p, b, n0);
   const int64_t m_begin = qtiles.m_begin;
 
   for (int hh = 0; hh < group; ++hh) {
@@ -305,7 +327,7 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads)
       mma_rows_rows<T, 1, D, BM / 8>(st_tiles, ks + warp * 16 * P, P, qs, P);
       // Mask only the tiles that need one (mask_tile_t); padding query rows have lse = inf,
       // so their p is 0 without one.
-      mask_tile_t<BN, BM>(st, p, n0, m0, key0, key1);
+      mask_tile_t<BN, BM>(st, p, n0, m0, key0, key1, ends_s + warp * 16, n0);
       probabilities_t(st, lse_s, scale_log2);
       // dV += P^T dO.
       mma_acc_cols<T, 1, BM, D / 8>(dv_tiles, st_tiles, dos, P);
@@ -357,7 +379,7 @@ cudaError_t run_flash_bwd(const dtrain_attention_bwd_params& p, cudaStream_t str
   return run_bwd_passes<T, DqRows<D>>(p, stream, [&](float* dq_accum, const float* delta) {
     const size_t smem = sizeof(T) * (static_cast<size_t>(2 * C::kBwdBlockN + 2 * C::kBwdBlockM) * C::kPitch +
                                      static_cast<size_t>(C::kBwdBlockM) * C::kPitchS) +
-                        sizeof(float) * 2 * C::kBwdBlockM;
+                        sizeof(float) * 2 * C::kBwdBlockM + sizeof(int) * C::kBwdBlockN;
     auto* kernel = flash_bwd_kernel<T, D>;
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (e != cudaSuccess) return e;

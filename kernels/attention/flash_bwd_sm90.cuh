@@ -35,14 +35,15 @@ struct FlashBwdSm90Config {
   // 16-bit tiles, each [D / 64][rows][64]: K and V (kBlockN rows), kStages Q and dO tiles
   // (kBlockM rows), then two buffers of dS [kBlockM][64] per consumer in the blocked
   // layout; then float32: the staged dQ tile (kBlockM x D in DqLayout's order), per stage
-  // the log-sum-exp and delta [2][kBlockM]; then the mbarriers (K/V full; per stage full,
+  // the log-sum-exp and delta [2][kBlockM]; int32: the keys' staged query ends [kBlockN]
+  // (stage_query_ends); then the mbarriers (K/V full; per stage full,
   // empty); 1024 bytes of slack to align the tiles to the swizzle's 1024-byte atoms.
   static constexpr size_t kKvElements = static_cast<size_t>(kBlockN) * D;
   static constexpr size_t kTileElements = static_cast<size_t>(kBlockM) * D;
   static constexpr size_t kDsElements = static_cast<size_t>(kBlockM) * 64;
   static constexpr size_t kHalfElements =
       2 * kKvElements + 2 * kStages * kTileElements + 2 * kConsumers * kDsElements;
-  static constexpr size_t kFloats = kTileElements + 2 * kStages * kBlockM;
+  static constexpr size_t kFloats = kTileElements + 2 * kStages * kBlockM + kBlockN;  // and the ints
   static constexpr size_t kSmemBytes = 1024 + 2 * kHalfElements + 4 * kFloats + 8 * (1 + 2 * kStages);
 };
 
@@ -66,13 +67,14 @@ __global__ void __launch_bounds__(FlashBwdSm90Config<D>::kThreads, 1)
   auto dsbuf = [&](int par, int cg) { return ds_all + (par * C::kConsumers + cg) * C::kDsElements; };
   float* dq_stage = reinterpret_cast<float*>(ds_all + 2 * C::kConsumers * C::kDsElements);
   float* stats = dq_stage + C::kTileElements;  // stage st: log-sum-exp at st 2 BM, delta after
-  uint64_t* bars = reinterpret_cast<uint64_t*>(stats + 2 * S * BM);
+  int* ends_s = reinterpret_cast<int*>(stats + 2 * S * BM);  // [BN]: stage_query_ends
+  uint64_t* bars = reinterpret_cast<uint64_t*>(ends_s + BN);
   uint64_t *kv_full = bars, *full = bars + 1, *empty = bars + 1 + S;
 
   const BwdBlock blk = bwd_block<T, BN, true>(p);
   const int64_t b = blk.b, hk = blk.hk, n0 = blk.n0;
   const int group = static_cast<int>(p.heads / p.kv_heads);
-  const BwdQueryTiles<BM, BN> qtiles(p, n0);
+  const BwdQueryTiles<BM, BN> qtiles(p, b, n0);
   const int64_t m_begin = qtiles.m_begin;
   const int per_head = qtiles.n_tiles;
   const int n_tiles = group * per_head;  // tile i: head hk group + i / per_head, queries m0(i)..
@@ -148,6 +150,7 @@ __global__ void __launch_bounds__(FlashBwdSm90Config<D>::kThreads, 1)
   const int cg = wg - 1, tid = threadIdx.x % 128, g = lane / 4;
   const int64_t kc0 = n0 + 64 * cg;  // this warpgroup's first key
   const int64_t key0 = kc0 + warp * 16 + g, key1 = key0 + 8;
+  stage_query_ends(ends_s, p, b, n0, kc0 + warp * 16);
   const float scale_log2 = p.scale * kLog2e;
   // Columns 16 kk .. 16 kk + 15 of a K-major swizzled tile of `rows` rows: box kk / 4, 32
   // bytes per 16 columns inside its rows. This warpgroup's K and V are rows 64 cg .. of
@@ -193,7 +196,7 @@ __global__ void __launch_bounds__(FlashBwdSm90Config<D>::kThreads, 1)
     wgmma_commit();
     wgmma_wait<1>();  // S^T
     wgmma_fence_regs(s_t);
-    mask_tile_t<64, BM>(s_t, p, kc0, m0, key0, key1);
+    mask_tile_t<64, BM>(s_t, p, kc0, m0, key0, key1, ends_s + 64 * cg + warp * 16, n0);
     probabilities_t(s_t, lse_s, scale_log2);
     uint32_t pf[BM / 16][4], dsf[BM / 16][4];
     pack_a_fragments<T>(pf, s_t);

@@ -31,7 +31,7 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads) flash_fwd_kernel(dtr
   const FwdBlock<T, BM, BN, false> blk(p);
   const int64_t b = blk.b, h = blk.h, m0 = blk.m0;
   const T *q = blk.q, *k = blk.k, *v = blk.v;
-  // The key tiles [k_first, k_end) in steps of BN (k_first > 0: a sliding window's first).
+  // The key tiles [k_first, k_end) in steps of BN (k_first > 0: a sliding window's or a document's first).
   const int64_t k_first = int64_t{blk.n_begin} * BN, k_end = k_first + int64_t{blk.n_tiles} * BN;
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4;
   const int64_t warp_row0 = m0 + warp * 16 * kM + g;  // this thread's first row (mask_scores)
@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads) flash_fwd_kernel(dtr
                                        p.head_dim);
       cp_async_commit();
     }
-    mask_tile<BM, BN>(s, p, m0, warp_row0, n0);
+    mask_tile<BM, BN>(s, p, b, m0, warp_row0, n0);
     online_softmax(s, acc, row_max, row_sum, scale_log2);
     if (more) {
       cp_async_wait<1>();  // V_j (K_{j+1} may still be in flight)

@@ -172,13 +172,13 @@ __global__ void __launch_bounds__(FlashSm90Config<D>::kThreads, 1)
     const int n_tiles = static_cast<int>(current[3]);
     if (n_tiles < 0) break;
     const int64_t b = current[0], h = current[1], m0 = current[2];
-    const int64_t k_first = current[4] * BN;  // the first key tile's (a sliding window's)
+    const int64_t k_first = current[4] * BN;  // the first key tile's (a sliding window's or a document's)
     const int64_t row0 = m0 + cg * 64 + warp * 16 + g;  // this thread's first row
     // The mask (only the tiles that need one: mask_tile) and the softmax of the block's key
     // tile n: s becomes P, alpha the rescale of what O holds so far.
     auto softmax_tile = [&](float (&s)[1][BN / 8][4], int n, float (&row_max)[1][2], float (&row_sum)[1][2],
                             float (&alpha)[1][2]) {
-      mask_tile<BM, BN>(s, p, m0, row0, k_first + int64_t{n} * BN);
+      mask_tile<BM, BN>(s, p, b, m0, row0, k_first + int64_t{n} * BN);
       softmax_step(s, row_max, row_sum, scale_log2, alpha);
     };
 

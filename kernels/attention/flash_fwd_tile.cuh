@@ -19,7 +19,8 @@ namespace dtrain_kernels {
 // number `block` in that order, for a persistent grid's loop. With a sliding window the
 // walk starts at n_begin, the tile of the first row's first key (at most the last tile, so
 // that a block whose rows see no key still visits one, all masked: their log-sum-exp is
-// +inf and their output 0).
+// +inf and their output 0); with packed documents, at the first row's document's start
+// if that is later.
 template <typename T, int kBlockM, int kBlockN, bool kSectioned>
 struct FwdBlock {
   int64_t b, h, m0;
@@ -48,7 +49,7 @@ struct FwdBlock {
     v = static_cast<const T*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head;
     const int64_t n_end = p.causal ? imin(p.seq_k, m0 + kBlockM) : p.seq_k;
     const int64_t end_tiles = (n_end + kBlockN - 1) / kBlockN;
-    n_begin = static_cast<int>(imin(window_first_key(p, m0) / kBlockN, end_tiles - 1));
+    n_begin = static_cast<int>(imin(first_key(p, b, m0) / kBlockN, end_tiles - 1));
     n_tiles = static_cast<int>(end_tiles - n_begin);
   }
 };
@@ -108,16 +109,43 @@ __device__ __forceinline__ void mask_window(float (&s)[kM][kN][4], int64_t row0,
   }
 }
 
+// Packed documents' side of the mask: keys before a row's document start are masked; per
+// row (this thread's 2 kM) one load of its start and a 32-bit bound relative to col0 + 2 t,
+// as above.
+template <int kM, int kN>
+__device__ __forceinline__ void mask_documents(float (&s)[kM][kN][4], const dtrain_attention_fwd_params& p,
+                                               int64_t b, int64_t row0, int64_t col0) {
+  const int t2 = 2 * (threadIdx.x % 4);
+#pragma unroll
+  for (int m = 0; m < kM; ++m) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t start = document_start(p, b, row0 + m * 16 + r * 8);
+      const int bound = static_cast<int>(imax(0, imin(start - col0, kN * 8))) - t2;
+#pragma unroll
+      for (int nt = 0; nt < kN; ++nt) {
+#pragma unroll
+        for (int e = 2 * r; e < 2 * r + 2; ++e) {
+          if (nt * 8 + (e & 1) < bound) s[m][nt][e] = -INFINITY;
+        }
+      }
+    }
+  }
+}
+
 // The mask of a warp's score tiles (rows from row0, as above) for key tile [n0, n0 +
-// kBlockN) of the query block [m0, m0 + kBlockM): only a tile past the end of the keys,
-// across the causal diagonal (a key after the block's first query) or, with a sliding
-// window, before the block's last row's first key has masked entries, so that interior
-// tiles carry no per-element compare.
+// kBlockN) of the query block [m0, m0 + kBlockM) of batch b: only a tile past the end of
+// the keys, across the causal diagonal or, with a sliding window or packed documents,
+// before the block's last row's first key has masked entries, so that interior tiles carry
+// no per-element compare.
 template <int kBlockM, int kBlockN, int kM, int kN>
-__device__ __forceinline__ void mask_tile(float (&s)[kM][kN][4], const dtrain_attention_fwd_params& p, int64_t m0,
-                                          int64_t row0, int64_t n0) {
+__device__ __forceinline__ void mask_tile(float (&s)[kM][kN][4], const dtrain_attention_fwd_params& p, int64_t b,
+                                          int64_t m0, int64_t row0, int64_t n0) {
   if (n0 + kBlockN > p.seq_k || (p.causal && n0 + kBlockN - 1 > m0)) mask_scores(s, row0, n0, p.seq_k, p.causal);
   if (p.window > 0 && n0 < m0 + kBlockM - p.window) mask_window(s, row0, n0, p.window);
+  if (p.documents.start != nullptr && n0 < document_start(p, b, m0 + kBlockM - 1)) {
+    mask_documents(s, p, b, row0, n0);
+  }
 }
 
 // Folds the (unscaled) scores s into the running row max and sum; s becomes P

@@ -58,6 +58,9 @@ void GptConfig::validate() const {
                    "init_std, norm_eps and rope_theta must be positive");
   DTRAIN_CHECK_ARG(attention_window >= 0, "attention_window=", attention_window,
                    " (--attention-window) is out of range; allowed: 0 (every earlier token) or a number of tokens >= 1");
+  DTRAIN_CHECK_ARG(document_separator >= -1 && document_separator < vocab_size, "document_separator=",
+                   document_separator, " (--document-separator) is out of range; allowed: -1 (none) or a token id in "
+                   "0..", vocab_size - 1);
   DTRAIN_CHECK_ARG(dropout >= 0 && dropout < 1, "dropout=", dropout,
                    " is out of range; allowed: [0, 1)");
   moe.validate();
@@ -248,7 +251,7 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
 
 // Attention of this rank's heads on the (gathered) normed input; [B, T, H/tp * D].
 torch::Tensor BlockImpl::attention(const torch::Tensor& in, const torch::Tensor& rope_cos,
-                                   const torch::Tensor& rope_sin) {
+                                   const torch::Tensor& rope_sin, const torch::Tensor& documents) {
   const auto B = in.size(0), T = in.size(1);
   const auto D = config_.head_dim(), H = config_.n_head / tp_.size;
   namespace F = torch::nn::functional;
@@ -285,19 +288,20 @@ torch::Tensor BlockImpl::attention(const torch::Tensor& in, const torch::Tensor&
   torch::Tensor y;
   if (p > 0) {  // heads differ across tp: the split stream
     const auto fork = tp_.rng->fork(tp::RngTracker::Stream::kSplit);
-    y = ops::attention(q, k, v, /*causal=*/true, p, ops::AttentionBackend::kSdpa, config_.attention_window);
+    y = ops::attention(q, k, v, /*causal=*/true, p, ops::AttentionBackend::kSdpa, config_.attention_window,
+                       documents);
   } else {
-    y = ops::attention(q, k, v, /*causal=*/true, 0.0, config_.attention, config_.attention_window);
+    y = ops::attention(q, k, v, /*causal=*/true, 0.0, config_.attention, config_.attention_window, documents);
   }
   return y.transpose(1, 2).reshape({B, T, H * D});
 }
 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& rope_cos,
-                                 const torch::Tensor& rope_sin) {
+                                 const torch::Tensor& rope_sin, const torch::Tensor& documents) {
   const double p = config_.dropout;
   auto& rng = *tp_.rng;
   auto a = attention(tp::enter_column_region(norm(x, ln1_w_, ln1_b_), tp_.comm, column_),
-                     rope_cos, rope_sin);
+                     rope_cos, rope_sin, documents);
   auto h = x + tp::dropout(proj_->forward(a), p, is_training(), rng, stream_of(tp_));
   if (moe_) {
     return h + tp::dropout(moe_->forward(norm(h, ln2_w_, ln2_b_)), p, is_training(), rng, stream_of(tp_));
@@ -317,17 +321,24 @@ namespace {
 // parameter gradients accumulate during the recomputation's own backward. The dropout
 // streams are replayed from their state at the forward, so the recomputation draws the
 // same masks.
+// The document numbers travel as a non-Tensor argument (a Tensor argument is tracked as
+// an input of the graph, which an undefined one cannot be).
+struct BlockDocuments {
+  torch::Tensor ids;
+};
 struct CheckpointBlock : public torch::autograd::Function<CheckpointBlock> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x,
-                               torch::Tensor cos, torch::Tensor sin, BlockImpl* block) {
+                               torch::Tensor cos, torch::Tensor sin, const BlockDocuments& docs, BlockImpl* block) {
+    const auto& documents = docs.ids;
     ctx->save_for_backward({x, cos, sin});
+    ctx->saved_data["documents"] = documents;
     // The block outlives the autograd graph (the model owns it); IValue cannot hold it.
     ctx->saved_data["block"] = reinterpret_cast<std::int64_t>(block);
     const auto states = block->rng().states();
     ctx->saved_data["rng_replicated"] = states[0];
     ctx->saved_data["rng_split"] = states[1];
     torch::NoGradGuard no_grad;
-    return block->forward(x, cos, sin);
+    return block->forward(x, cos, sin, documents);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
@@ -341,11 +352,11 @@ struct CheckpointBlock : public torch::autograd::Function<CheckpointBlock> {
                                ctx->saved_data["rng_split"].toTensor()});
       torch::AutoGradMode enable(true);
       MoeRecomputeScope recompute;  // routing statistics were recorded in the forward
-      out = block->forward(x, saved[1], saved[2]);
+      out = block->forward(x, saved[1], saved[2], ctx->saved_data["documents"].toTensor());
       block->rng().set_states(now);
     }
     torch::autograd::backward({out}, {grads[0]});
-    return {x.grad(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return {x.grad(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 }  // namespace
@@ -429,6 +440,9 @@ GptImpl::GptImpl(ContextPtr ctx, const GptConfig& config, std::uint64_t seed, Gp
                        stage_.end_block <= config_.n_layer,
                    "pipeline stage: blocks [", stage_.first_block, ", ", stage_.end_block,
                    ") are not a non-empty range of the model's ", config_.n_layer, " blocks");
+  DTRAIN_CHECK_ARG(config_.document_separator < 0 || stage_.embedding, "document_separator=",
+                   config_.document_separator, " (--document-separator) needs the tokens in every block, and a "
+                   "pipeline stage after the first has none; allowed: --pp 1, or -1 (no document mask)");
   const auto& c = config_;
   const bool gpt2 = c.family == "gpt2";
   tp_.comm = ctx_->tp_comm();
@@ -593,7 +607,7 @@ bool GptImpl::is_whole() const {
 
 torch::Tensor GptImpl::forward_stage(const torch::Tensor& input) {
   const auto& c = config_;
-  torch::Tensor x;
+  torch::Tensor x, documents;
   if (stage_.embedding) {
     const auto& idx = input;
     DTRAIN_CHECK_ARG(idx.dim() == 2 && idx.size(1) <= c.context, "model input must be [batch, time] with time <= context ",
@@ -602,6 +616,10 @@ torch::Tensor GptImpl::forward_stage(const torch::Tensor& input) {
     DTRAIN_CHECK_ARG(!tp_.sequence_parallel || T % tp_.size == 0, "sequence parallelism splits the ",
                      T, " positions of the input across tp=", tp_.size,
                      "; allowed: a sequence length divisible by tp");
+    if (c.document_separator >= 0) {  // a document number per token: separators before it
+      const auto ends = idx.eq(c.document_separator).to(torch::kInt);
+      documents = ends.cumsum(1, torch::kInt) - ends;
+    }
     if (hooks_ != nullptr) hooks_->enter_embedding();
     x = tok_emb_->forward(idx);  // [B, T / tp, d] with sequence parallelism
     if (pos_emb_) {
@@ -626,9 +644,9 @@ torch::Tensor GptImpl::forward_stage(const torch::Tensor& input) {
     auto& block = blocks_[i];
     if (hooks_ != nullptr) x = hooks_->enter(i, x);
     if (c.activation_checkpointing && is_training() && torch::GradMode::is_enabled()) {
-      x = CheckpointBlock::apply(x, rope_cos_, rope_sin_, block.get());
+      x = CheckpointBlock::apply(x, rope_cos_, rope_sin_, BlockDocuments{documents}, block.get());
     } else {
-      x = block->forward(x, rope_cos_, rope_sin_);
+      x = block->forward(x, rope_cos_, rope_sin_, documents);
     }
     if (hooks_ != nullptr) x = hooks_->exit(i, x);
   }

@@ -48,6 +48,22 @@ void check_window(const char* op, bool causal, std::int64_t window) {
                   " is not allowed; allowed: 0 (none) or, with causal, a number of keys >= 1");
 }
 
+// Both backends' rule for packed documents: integer [batch, time] over one sequence (q's
+// and k's), on q's device, causal only.
+void check_documents(const char* op, const at::Tensor& q, const at::Tensor& k, bool causal,
+                     const at::Tensor& documents) {
+  if (!documents.defined()) return;
+  DTRAIN_OP_CHECK(causal, op, "documents without causal are not allowed; allowed: causal attention");
+  DTRAIN_OP_CHECK(q.size(2) == k.size(2), op, "documents need one sequence for queries and keys; got ", q.size(2),
+                  " queries and ", k.size(2), " keys");
+  DTRAIN_OP_CHECK(documents.dim() == 2 && documents.size(0) == q.size(0) && documents.size(1) == q.size(2), op,
+                  "documents must be [batch, time] = [", q.size(0), ", ", q.size(2), "]; got ", documents.sizes());
+  DTRAIN_OP_CHECK(at::isIntegralType(documents.scalar_type(), /*includeBool=*/false), op, "documents are ",
+                  detail::dtype_name(documents), "; allowed: an integer dtype (a document number per token)");
+  DTRAIN_OP_CHECK(documents.device() == q.device(), op, "documents are on ", documents.device(), ", q on ",
+                  q.device(), "; they must be on one device");
+}
+
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, std::int64_t window) {
   check_window(kOp, causal, window);
   DTRAIN_OP_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, kOp,
@@ -65,31 +81,51 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   detail::dtype_name(v));
 }
 
+// Each token's document [start, end) from document numbers [B, T]: a document is a run of
+// equal numbers. int32 [B, T] each, contiguous, on the numbers' device (the kernel's form).
+std::pair<at::Tensor, at::Tensor> document_bounds(const at::Tensor& documents) {
+  const auto T = documents.size(1);
+  const auto pos = at::arange(T, documents.options().dtype(at::kLong)).expand(documents.sizes());
+  auto first = at::ones(documents.sizes(), documents.options().dtype(at::kBool));
+  auto last = first.clone();
+  if (T > 1) {
+    first.narrow(1, 1, T - 1).copy_(documents.narrow(1, 1, T - 1) != documents.narrow(1, 0, T - 1));
+    last.narrow(1, 0, T - 1).copy_(first.narrow(1, 1, T - 1));
+  }
+  auto start = std::get<0>(at::where(first, pos, 0).cummax(1));
+  auto end = std::get<0>(at::where(last, pos + 1, T).flip({1}).cummin(1)).flip({1});
+  return {start.to(at::kInt).contiguous(), end.to(at::kInt).contiguous()};
+}
+
 // ---- reference path --------------------------------------------------------------------
 
 at::ScalarType compute_type(const at::Tensor& q) { return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
-// Whether query i may not see key j, for query rows [r0, r0 + n) and sk keys: [n, sk]
+// Whether query i may not see key j, for query rows [r0, r0 + n) and sk keys: [n, sk], or
+// with documents (doc_start: each token's document start, [B, T]) [B, 1, n, sk]
 // (undefined without a mask).
 at::Tensor hidden_keys(std::int64_t r0, std::int64_t n, std::int64_t sk, bool causal, std::int64_t window,
-                       const at::TensorOptions& options) {
+                       const at::Tensor& doc_start, const at::TensorOptions& options) {
   if (!causal) return {};
   auto rows = at::arange(r0, r0 + n, options.dtype(at::kLong)).unsqueeze(1);
   auto cols = at::arange(sk, options.dtype(at::kLong)).unsqueeze(0);
   auto hidden = cols > rows;
-  return window > 0 ? hidden.logical_or_(cols <= rows - window) : hidden;
+  if (window > 0) hidden.logical_or_(cols <= rows - window);
+  if (!doc_start.defined()) return hidden;
+  return hidden.logical_or(cols < doc_start.narrow(1, r0, n).unsqueeze(-1)).unsqueeze(1);
 }
 
 // Scores of query rows [r0, r0 + n) against every key, scaled and masked: [B, H, n, Sk].
 at::Tensor scores(const at::Tensor& qf, const at::Tensor& kf, std::int64_t r0, std::int64_t n, bool causal,
-                  std::int64_t window, double scale) {
+                  std::int64_t window, const at::Tensor& doc_start, double scale) {
   auto s = at::matmul(qf.narrow(2, r0, n), kf.transpose(-2, -1)) * scale;
-  const auto hidden = hidden_keys(r0, n, kf.size(2), causal, window, s.options());
+  const auto hidden = hidden_keys(r0, n, kf.size(2), causal, window, doc_start, s.options());
   return hidden.defined() ? s.masked_fill(hidden, -std::numeric_limits<double>::infinity()) : s;
 }
 
 std::pair<at::Tensor, at::Tensor> reference_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                    bool causal, std::int64_t window, double scale) {
+                                                    bool causal, std::int64_t window, const at::Tensor& doc_start,
+                                                    double scale) {
   detail::NoAutocast no_autocast;
   const auto ct = compute_type(q);
   const auto group = q.size(1) / k.size(1);
@@ -98,7 +134,7 @@ std::pair<at::Tensor, at::Tensor> reference_forward(const at::Tensor& q, const a
   auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, qf.options());
   for (std::int64_t r0 = 0; r0 < q.size(2); r0 += kChunk) {
     const auto n = std::min(kChunk, q.size(2) - r0);
-    auto s = scores(qf, kf, r0, n, causal, window, scale);
+    auto s = scores(qf, kf, r0, n, causal, window, doc_start, scale);
     // A row that sees no key: log-sum-exp +inf (as the kernel's), so its probabilities are 0.
     auto l = s.logsumexp(-1, /*keepdim=*/true);
     l.masked_fill_(l == -std::numeric_limits<double>::infinity(), std::numeric_limits<double>::infinity());
@@ -110,7 +146,8 @@ std::pair<at::Tensor, at::Tensor> reference_forward(const at::Tensor& q, const a
 
 std::vector<at::Tensor> reference_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                            const at::Tensor& o, const at::Tensor& lse, const at::Tensor& dout,
-                                           bool causal, std::int64_t window, double scale) {
+                                           bool causal, std::int64_t window, const at::Tensor& doc_start,
+                                           double scale) {
   detail::NoAutocast no_autocast;
   const auto ct = compute_type(q);
   const auto B = q.size(0), H = q.size(1), Hkv = k.size(1), Sk = k.size(2), D = q.size(3), group = H / Hkv;
@@ -122,7 +159,7 @@ std::vector<at::Tensor> reference_backward(const at::Tensor& q, const at::Tensor
   auto dk = at::zeros({B, H, Sk, D}, qf.options()), dv = at::zeros({B, H, Sk, D}, qf.options());
   for (std::int64_t r0 = 0; r0 < q.size(2); r0 += kChunk) {
     const auto n = std::min(kChunk, q.size(2) - r0);
-    auto p = (scores(qf, kf, r0, n, causal, window, scale) - lsef.narrow(2, r0, n)).exp();
+    auto p = (scores(qf, kf, r0, n, causal, window, doc_start, scale) - lsef.narrow(2, r0, n)).exp();
     auto d = dof.narrow(2, r0, n);
     dv += at::matmul(p.transpose(-2, -1), d);
     auto ds = p * (at::matmul(d, vf.transpose(-2, -1)) - delta.narrow(2, r0, n));
@@ -172,7 +209,7 @@ dtrain_attention_kernel chosen_kernel() {
 
 template <typename Params>
 void fill_shape(Params& p, const at::Tensor& q, const at::Tensor& k, bool causal, std::int64_t window,
-                double scale) {
+                const at::Tensor& doc_start, const at::Tensor& doc_end, double scale) {
   p.batch = q.size(0);
   p.heads = q.size(1);
   p.kv_heads = k.size(1);
@@ -182,12 +219,14 @@ void fill_shape(Params& p, const at::Tensor& q, const at::Tensor& k, bool causal
   p.scale = static_cast<float>(scale);
   p.causal = causal ? 1 : 0;
   p.window = window;
+  if (doc_start.defined()) p.documents = {doc_start.data_ptr<std::int32_t>(), doc_end.data_ptr<std::int32_t>()};
   p.dtype = detail::kernel_dtype(q, kOp, "q");
   p.kernel = chosen_kernel();
 }
 
 std::pair<at::Tensor, at::Tensor> kernel_forward(at::Tensor q, at::Tensor k, at::Tensor v, bool causal,
-                                                 std::int64_t window, double scale) {
+                                                 std::int64_t window, const at::Tensor& doc_start,
+                                                 const at::Tensor& doc_end, double scale) {
   check_kernel_inputs(q);
   q = kernel_layout(q), k = kernel_layout(k), v = kernel_layout(v);
   const detail::DeviceGuard guard(q.device());
@@ -204,7 +243,7 @@ std::pair<at::Tensor, at::Tensor> kernel_forward(at::Tensor q, at::Tensor k, at:
   p.k_stride = strides_of(k);
   p.v_stride = strides_of(v);
   p.o_stride = strides_of(o);
-  fill_shape(p, q, k, causal, window, scale);
+  fill_shape(p, q, k, causal, window, doc_start, doc_end, scale);
   auto workspace = at::empty({static_cast<std::int64_t>(dtrain_attention_fwd_workspace_bytes(&p) / sizeof(int))},
                              q.options().dtype(at::kInt));
   p.workspace = workspace.data_ptr();
@@ -213,7 +252,8 @@ std::pair<at::Tensor, at::Tensor> kernel_forward(at::Tensor q, at::Tensor k, at:
 }
 
 std::vector<at::Tensor> kernel_backward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor o, const at::Tensor& lse,
-                                        at::Tensor dout, bool causal, std::int64_t window, double scale) {
+                                        at::Tensor dout, bool causal, std::int64_t window, const at::Tensor& doc_start,
+                                        const at::Tensor& doc_end, double scale) {
   q = kernel_layout(q), k = kernel_layout(k), v = kernel_layout(v), o = kernel_layout(o), dout = kernel_layout(dout);
   const detail::DeviceGuard guard(q.device());
   auto dq = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options()).transpose(1, 2);
@@ -236,7 +276,7 @@ std::vector<at::Tensor> kernel_backward(at::Tensor q, at::Tensor k, at::Tensor v
   p.dq_stride = strides_of(dq);
   p.dk_stride = strides_of(dk);
   p.dv_stride = strides_of(dv);
-  fill_shape(p, q, k, causal, window, scale);
+  fill_shape(p, q, k, causal, window, doc_start, doc_end, scale);
   auto workspace = at::empty({static_cast<std::int64_t>(dtrain_attention_bwd_workspace_bytes(&p) / sizeof(float))},
                              q.options().dtype(at::kFloat));
   p.workspace = workspace.data_ptr();
@@ -245,20 +285,31 @@ std::vector<at::Tensor> kernel_backward(at::Tensor q, at::Tensor k, at::Tensor v
 }
 #endif
 
+// Each token's document bounds (document_bounds), or undefined: not a Tensor argument of
+// the Function, which would track it as a differentiable input.
+struct DocumentBounds {
+  at::Tensor start, end;
+};
+
 class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, bool causal, std::int64_t window, double scale) {
+                            const at::Tensor& v, bool causal, std::int64_t window, const DocumentBounds& docs,
+                            double scale) {
+    const auto& doc_start = docs.start;
+    const auto& doc_end = docs.end;
     at::Tensor o, lse;
 #ifdef DTRAIN_WITH_CUDA
     if (detail::on_kernel_device(q)) {
-      std::tie(o, lse) = kernel_forward(q, k, v, causal, window, scale);
+      std::tie(o, lse) = kernel_forward(q, k, v, causal, window, doc_start, doc_end, scale);
     } else
 #endif
     {
-      std::tie(o, lse) = reference_forward(q, k, v, causal, window, scale);
+      std::tie(o, lse) = reference_forward(q, k, v, causal, window, doc_start, scale);
     }
     ctx->save_for_backward({q, k, v, o, lse});
+    ctx->saved_data["doc_start"] = doc_start;
+    ctx->saved_data["doc_end"] = doc_end;
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["window"] = window;
     ctx->saved_data["scale"] = scale;
@@ -271,34 +322,40 @@ class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
     const bool causal = ctx->saved_data["causal"].toBool();
     const std::int64_t window = ctx->saved_data["window"].toInt();
     const double scale = ctx->saved_data["scale"].toDouble();
+    const auto doc_start = ctx->saved_data["doc_start"].toTensor(), doc_end = ctx->saved_data["doc_end"].toTensor();
     std::vector<at::Tensor> g;
 #ifdef DTRAIN_WITH_CUDA
     if (detail::on_kernel_device(saved[0])) {
-      g = kernel_backward(saved[0], saved[1], saved[2], saved[3], saved[4], grads[0], causal, window, scale);
+      g = kernel_backward(saved[0], saved[1], saved[2], saved[3], saved[4], grads[0], causal, window, doc_start,
+                          doc_end, scale);
     } else
 #endif
     {
-      g = reference_backward(saved[0], saved[1], saved[2], saved[3], saved[4], grads[0], causal, window, scale);
+      g = reference_backward(saved[0], saved[1], saved[2], saved[3], saved[4], grads[0], causal, window, doc_start,
+                             scale);
     }
-    return {g[0], g[1], g[2], at::Tensor(), at::Tensor(), at::Tensor()};
+    return {g[0], g[1], g[2], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
 
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                           double scale, std::int64_t window) {
+                           double scale, std::int64_t window, const at::Tensor& documents) {
   check_inputs(q, k, v, causal, window);
+  check_documents(kOp, q, k, causal, documents);
   if (scale <= 0) scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
-  return FlashAttentionFn::apply(q, k, v, causal, window, scale);
+  DocumentBounds docs;
+  if (documents.defined()) std::tie(docs.start, docs.end) = document_bounds(documents);
+  return FlashAttentionFn::apply(q, k, v, causal, window, docs, scale);
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                     double dropout_p, AttentionBackend backend, std::int64_t window) {
+                     double dropout_p, AttentionBackend backend, std::int64_t window, const at::Tensor& documents) {
   if (backend == AttentionBackend::kFlash) {
     DTRAIN_CHECK_ARG(dropout_p == 0.0, "attention: the flash backend has no dropout (dropout_p=", dropout_p,
                      "); use the sdpa backend");
-    return flash_attention(q, k, v, causal, 0.0, window);
+    return flash_attention(q, k, v, causal, 0.0, window, documents);
   }
   check_window("attention", causal, window);
   DTRAIN_CHECK_ARG(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
@@ -307,13 +364,15 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const auto h = q.size(1), hkv = k.size(1);
   DTRAIN_CHECK_ARG(hkv >= 1 && h % hkv == 0, "attention: ", h, " query heads are not a multiple of ",
                    hkv, " key/value heads");
+  check_documents("attention", q, k, causal, documents);
   at::Tensor kk = k, vv = v;
   if (hkv != h) {
     kk = k.repeat_interleave(h / hkv, 1);
     vv = v.repeat_interleave(h / hkv, 1);
   }
-  if (window > 0) {  // an explicit mask of the keys each query sees (sdpa has no window)
-    auto seen = hidden_keys(0, q.size(2), k.size(2), causal, window, q.options()).logical_not_();
+  if (window > 0 || documents.defined()) {  // an explicit mask of the keys each query sees (sdpa has neither)
+    const auto doc_start = documents.defined() ? document_bounds(documents).first : at::Tensor();
+    auto seen = hidden_keys(0, q.size(2), k.size(2), causal, window, doc_start, q.options()).logical_not_();
     return at::scaled_dot_product_attention(q, kk, vv, seen, dropout_p, /*is_causal=*/false);
   }
   return at::scaled_dot_product_attention(q, kk, vv, /*attn_mask=*/{}, dropout_p, causal);

@@ -442,6 +442,9 @@ void Trainer::check_options() const {
   model_config_.validate();
   model_config_.validate_tp(ctx_->tp_size());
   model_config_.moe.validate_ep(ctx_->ep_size());
+  DTRAIN_CHECK_ARG(model_config_.document_separator < 0 || ctx_->pp_size() == 1, "--document-separator ",
+                   model_config_.document_separator, " with --pp ", ctx_->pp_size(), ": the document mask needs the "
+                   "tokens in every block, and a pipeline stage after the first has none; allowed: --pp 1");
   DTRAIN_CHECK_ARG(!o.train_data.empty(), "--train-data is required (a glob of token shards)");
   DTRAIN_CHECK_ARG(o.seq_len >= 1 && o.seq_len <= model_config_.context, "--seq-len=", o.seq_len,
                    " is not allowed: the model context is ", model_config_.context,
@@ -644,8 +647,11 @@ void Trainer::log_summary() const {
            "{}M parameters, {} GFLOP per token (seq {})",
            model_config_.family, model_config_.n_layer, model_config_.d_model,
            model_config_.n_head, model_config_.n_kv_head, model_config_.context,
-           model_config_.attention_window > 0 ? format(" (attention window {})", model_config_.attention_window)
-                                              : std::string(),
+           (model_config_.attention_window > 0 ? format(" (attention window {})", model_config_.attention_window)
+                                               : std::string()) +
+               (model_config_.document_separator >= 0
+                    ? format(" (documents end at token {})", model_config_.document_separator)
+                    : std::string()),
            model_config_.vocab_size,
            std::round(static_cast<double>(model_config_.num_parameters()) / 1e4) / 100,
            flops_per_token_ / 1e9, o.seq_len);

@@ -64,9 +64,12 @@ expect(attention-unknown 2 "--attention=fast is not an attention backend; allowe
 expect(flash-without-dropout 2 "--attention flash has no dropout \\(--dropout=0.1\\)" ARGS ${DATA} --attention flash --dropout 0.1)
 expect(attention-window-negative 2 "attention_window=-3 \\(--attention-window\\) is out of range; allowed: 0"
        ARGS ${DATA} --attention-window -3)
-# Every kernel option on the CPU (their reference paths) trains, with a sliding window.
-expect(fused-ops-on-cpu 0 "device cpu.*kernels: attention flash, fused norm on, fused cross-entropy on, fused AdamW on.*context 64 \\(attention window 16\\).*done: 5 steps" CPU ARGS ${DATA} --global-batch 8 --steps 5 --warmup-steps 1 --attention flash --fused-norm
-       --fused-ce --fused-adamw --fsdp zero1 --attention-window 16)
+expect(document-separator-range 2 "document_separator=256 \\(--document-separator\\) is out of range; allowed: -1 \\(none\\) or a token id in 0..255"
+       ARGS ${DATA} --vocab-size 256 --document-separator 256)
+# Every kernel option on the CPU (their reference paths) trains, with a sliding window and
+# lines of the text as documents (the byte tokenizer's newline, 10).
+expect(fused-ops-on-cpu 0 "device cpu.*kernels: attention flash, fused norm on, fused cross-entropy on, fused AdamW on.*context 64 \\(attention window 16\\) \\(documents end at token 10\\).*done: 5 steps" CPU ARGS ${DATA} --global-batch 8 --steps 5 --warmup-steps 1 --attention flash --fused-norm
+       --fused-ce --fused-adamw --fsdp zero1 --attention-window 16 --document-separator 10)
 expect(fused-on-and-off nonzero "--fused-ce excludes --no-fused-ce" ARGS ${DATA} --fused-ce --no-fused-ce)
 expect(param-dtype-needs-fsdp 2 "--param-dtype / --reduce-dtype other than float32 need --fsdp"
        ARGS ${DATA} --param-dtype bfloat16)
@@ -117,6 +120,8 @@ if(MPIEXEC)
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --tp 3)
   expect(np2-sp-seq 2 "--seq-len=31 is not divisible by --tp=2"
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --tp 2 --sequence-parallel --seq-len 31)
+  expect(np2-pp-documents 2 "--document-separator 10 with --pp 2: the document mask needs the tokens in every block"
+         NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --pp 2 --document-separator 10)
   # Pipeline parallelism: 2 stages of the tiny model's 2 blocks, 2 micro-batches.
   expect(np2-pp 0 "pipeline: 2 stages x 1 chunk\\(s\\), schedule zb, 2 micro-batches of 2.*val loss.*trace: .*t.rank0.json"
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --pp 2 --pp-schedule zb --microbatches 2

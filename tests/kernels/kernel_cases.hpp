@@ -349,13 +349,14 @@ struct AttnCase {
   bool causal;
   at::ScalarType type;
   std::int64_t window = 0;  // a sliding window of this many keys (causal only); 0: none
+  std::int64_t docs = 0;    // packed documents of random lengths from 1 to this (causal only); 0: none
 };
 
 std::string name(const AttnCase& c) {
   return "b" + std::to_string(c.batch) + " h" + std::to_string(c.heads) + "/" + std::to_string(c.kv_heads) + " s" +
          std::to_string(c.seq_q) + "x" + std::to_string(c.seq_k) + " d" + std::to_string(c.dim) +
          (c.causal ? " causal " : " ") + (c.window > 0 ? "window " + std::to_string(c.window) + " " : "") +
-         c10::toString(c.type);
+         (c.docs > 0 ? "docs " + std::to_string(c.docs) + " " : "") + c10::toString(c.type);
 }
 
 dtrain_attention_strides strides(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
@@ -423,6 +424,7 @@ dtrain_attention_bwd_params bwd_params(const dtrain_attention_fwd_params& f, con
   g.scale = f.scale;
   g.causal = f.causal;
   g.window = f.window;
+  g.documents = f.documents;
   g.dtype = f.dtype;
   return g;
 }
@@ -447,25 +449,65 @@ cudaError_t run_bwd(dtrain_attention_bwd_params& g) {
 }
 
 // Which keys each query sees: [seq_q, seq_k], true where it sees the key (causal: keys j
-// <= i; a sliding window of w keys: i - w < j <= i).
-at::Tensor visible(std::int64_t seq_q, std::int64_t seq_k, bool causal, std::int64_t window, const at::Device& device) {
+// <= i; a sliding window of w keys: i - w < j <= i); with packed documents (doc_ids
+// [batch, seq], a document number per token), [batch, 1, seq_q, seq_k], and only keys of
+// the query's own document.
+at::Tensor visible(std::int64_t seq_q, std::int64_t seq_k, bool causal, std::int64_t window, const at::Device& device,
+                   const at::Tensor& doc_ids = {}) {
   auto ones = torch::ones({seq_q, seq_k}, torch::TensorOptions().dtype(torch::kBool).device(device));
   if (!causal) return ones;
   auto mask = ones.tril();
-  return window > 0 ? mask.logical_and(ones.triu(-(window - 1))) : mask;
+  if (window > 0) mask = mask.logical_and(ones.triu(-(window - 1)));
+  if (!doc_ids.defined()) return mask;
+  const auto ids = doc_ids.to(device);
+  return mask.logical_and(ids.unsqueeze(2).eq(ids.unsqueeze(1))).unsqueeze(1);
+}
+
+// Document numbers [batch, seq] (int64, CPU) of packed documents whose lengths are drawn
+// uniformly from 1 to max_len, each batch its own.
+at::Tensor random_documents(std::int64_t batch, std::int64_t seq, std::int64_t max_len) {
+  auto ids = torch::empty({batch, seq}, torch::kLong);
+  auto a = ids.accessor<std::int64_t, 2>();
+  for (std::int64_t b = 0; b < batch; ++b) {
+    std::int64_t doc = 0;
+    for (std::int64_t i = 0; i < seq; ++doc) {
+      const std::int64_t len = torch::randint(1, max_len + 1, {1}).item<std::int64_t>();
+      for (std::int64_t j = i; j < std::min(seq, i + len); ++j) a[b][j] = doc;
+      i += len;
+    }
+  }
+  return ids;
+}
+
+// The kernels' form of doc_ids: each token's document start and end, int32 [batch, seq],
+// written out by scanning runs (the op derives them another way).
+std::pair<at::Tensor, at::Tensor> document_bounds(const at::Tensor& doc_ids) {
+  auto start = torch::empty(doc_ids.sizes(), torch::kInt), end = torch::empty(doc_ids.sizes(), torch::kInt);
+  auto ids = doc_ids.accessor<std::int64_t, 2>();
+  auto s = start.accessor<std::int32_t, 2>(), e = end.accessor<std::int32_t, 2>();
+  const std::int64_t seq = doc_ids.size(1);
+  for (std::int64_t b = 0; b < doc_ids.size(0); ++b) {
+    for (std::int64_t i = 0; i < seq;) {
+      std::int64_t j = i;
+      while (j < seq && ids[b][j] == ids[b][i]) ++j;
+      for (std::int64_t t = i; t < j; ++t) s[b][t] = static_cast<std::int32_t>(i), e[b][t] = static_cast<std::int32_t>(j);
+      i = j;
+    }
+  }
+  return {start, end};
 }
 
 // softmax(q k^T scale) v in the inputs' arithmetic (a naive implementation for 16-bit
 // inputs, softmax in float32; the reference for float64); kv heads repeated for GQA. A
 // row that sees no key (a window past the keys' end) gives 0, as the kernels do.
 at::Tensor attention_math(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
-                          std::int64_t window = 0) {
+                          std::int64_t window = 0, const at::Tensor& doc_ids = {}) {
   const auto group = q.size(1) / k.size(1);
   auto kk = k.repeat_interleave(group, 1), vv = v.repeat_interleave(group, 1);
   auto s = at::matmul(q, kk.transpose(-2, -1)) * scale;
-  at::Tensor none;  // [seq_q, 1]: rows that see no key, whose scores stay finite (no NaN)
+  at::Tensor none;  // [..., seq_q, 1]: rows that see no key, whose scores stay finite (no NaN)
   if (causal) {
-    const auto vis = visible(q.size(2), k.size(2), causal, window, q.device());
+    const auto vis = visible(q.size(2), k.size(2), causal, window, q.device(), doc_ids);
     none = vis.any(-1, /*keepdim=*/true).logical_not();
     s = s.masked_fill(vis.logical_not().logical_and(none.logical_not()), -std::numeric_limits<double>::infinity());
   }
@@ -503,6 +545,12 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
       {1, 2, 1, 300, 300, 64, true, at::kBFloat16, 100}, {1, 2, 2, 260, 260, 128, true, at::kHalf, 1},
       {2, 4, 2, 200, 200, 64, true, at::kBFloat16, 64},  {1, 2, 1, 250, 250, 32, true, at::kHalf, 130},
       {1, 2, 1, 300, 60, 128, true, at::kBFloat16, 50},
+      // Packed documents: shorter than a tile (blocks mask their documents' edges and skip
+      // nothing), longer than one (the forward starts at the first row's document's tile,
+      // the backward stops at the last key's document's end), of one token each (a row sees
+      // itself alone), with a window, over 2 batches of their own splits.
+      {2, 4, 2, 300, 300, 64, true, at::kBFloat16, 0, 40},  {1, 2, 1, 260, 260, 128, true, at::kHalf, 0, 150},
+      {1, 2, 1, 130, 130, 96, true, at::kHalf, 0, 1},        {2, 2, 2, 200, 200, 32, true, at::kBFloat16, 30, 90},
   };
   if (kLargeCases) {
     cases.insert(cases.end(), {{2, 8, 2, 1000, 1000, 128, true, at::kBFloat16},
@@ -515,7 +563,9 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
                                // More query blocks (512) than an H200 has SMs (132).
                                {4, 16, 4, 1024, 1024, 128, true, at::kBFloat16},
                                {1, 4, 2, 2049, 2049, 128, true, at::kBFloat16, 512},
-                               {1, 4, 4, 1000, 1000, 64, true, at::kHalf, 300}});
+                               {1, 4, 4, 1000, 1000, 64, true, at::kHalf, 300},
+                               {2, 8, 2, 2049, 2049, 128, true, at::kBFloat16, 0, 700},
+                               {1, 4, 4, 1000, 1000, 64, true, at::kHalf, 200, 100}});
   }
   for (const auto& c : cases) {
     SCOPED_TRACE(name(c));
@@ -528,13 +578,19 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
 
     auto qr = q.to(at::kDouble).requires_grad_(), kr = k.to(at::kDouble).requires_grad_(),
          vr = v.to(at::kDouble).requires_grad_();
-    auto want = attention_math(qr, kr, vr, c.causal, scale, c.window);
+    at::Tensor doc_ids, doc_start, doc_end;
+    if (c.docs > 0) {
+      doc_ids = random_documents(c.batch, c.seq_q, c.docs);
+      std::tie(doc_start, doc_end) = document_bounds(doc_ids);
+      doc_start = dev(doc_start), doc_end = dev(doc_end);
+    }
+    auto want = attention_math(qr, kr, vr, c.causal, scale, c.window, doc_ids);
     want.backward(dout.to(at::kDouble));
     // The naive 16-bit implementation, on the kernels' device (CPU matmuls in float16 are
     // not what a GPU user would compare against).
     auto qn = dev(q).detach().requires_grad_(), kn = dev(k).detach().requires_grad_(),
          vn = dev(v).detach().requires_grad_();
-    auto naive = attention_math(qn, kn, vn, c.causal, scale, c.window);
+    auto naive = attention_math(qn, kn, vn, c.causal, scale, c.window, doc_ids);
     naive.backward(dev(dout));
 
     auto qd = dev(q.transpose(1, 2).contiguous()).transpose(1, 2);  // keep the strided layout
@@ -549,6 +605,19 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
     o = poisoned({c.batch, c.heads, c.seq_q, c.dim}, c.type);
     lse = poisoned({c.batch, c.heads, c.seq_q}, at::kFloat);
     f = fwd_params(qd, kd, vd, o, lse, c.causal, scale, kernel, c.window);
+    if (c.docs > 0) {
+      f.documents = {doc_start.data_ptr<std::int32_t>(), doc_end.data_ptr<std::int32_t>()};
+      auto g = f;  // documents are causal only, over one sequence, and need both bounds
+      g.causal = 0;
+      g.window = 0;
+      EXPECT_EQ(run_fwd(g), cudaErrorInvalidValue) << "documents without causal";
+      g = f;
+      g.documents.end = nullptr;
+      EXPECT_EQ(run_fwd(g), cudaErrorInvalidValue) << "document starts alone";
+      g = f;
+      g.seq_k = f.seq_q - 1;
+      EXPECT_EQ(run_fwd(g), cudaErrorInvalidValue) << "documents over seq_q != seq_k";
+    }
     EXPECT_EQ(dtrain_attention_fwd(&f, nullptr), cudaErrorInvalidValue) << "no workspace";
     if (c.window > 0) {  // a window is causal only, and never negative
       auto g = f;
@@ -567,7 +636,7 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
       auto s = at::matmul(q.to(at::kDouble), k.to(at::kDouble).repeat_interleave(c.heads / c.kv_heads, 1)
                                                  .transpose(-2, -1)) * scale;
       if (c.causal) {
-        s = s.masked_fill(visible(c.seq_q, c.seq_k, c.causal, c.window, s.device()).logical_not(),
+        s = s.masked_fill(visible(c.seq_q, c.seq_k, c.causal, c.window, s.device(), doc_ids).logical_not(),
                           -std::numeric_limits<double>::infinity());
       }
       auto want_lse = s.logsumexp(-1);

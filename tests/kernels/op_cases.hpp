@@ -26,6 +26,25 @@
 namespace dtrain {
 namespace {
 
+// Document numbers [batch, tokens] (int64, host) of packed documents with these lengths,
+// taken in turn (wrapping) and running on across rows; and the cumulative starts of the
+// documents over the rows laid end to end (FlashAttention's cu_seqlens, int32).
+std::pair<at::Tensor, at::Tensor> packed_documents(std::int64_t batch, std::int64_t tokens,
+                                                   const std::vector<std::int64_t>& lengths) {
+  auto ids = torch::empty({batch, tokens}, torch::kLong);
+  std::vector<std::int32_t> cu = {0};
+  std::size_t next = 0;
+  for (std::int64_t b = 0; b < batch; ++b) {
+    for (std::int64_t i = 0, doc = 0; i < tokens; ++doc) {
+      const std::int64_t len = std::min(lengths[next++ % lengths.size()], tokens - i);
+      ids[b].narrow(0, i, len).fill_(doc);
+      i += len;
+      cu.push_back(static_cast<std::int32_t>(b * tokens + i));
+    }
+  }
+  return {ids, torch::tensor(cu, torch::kInt)};
+}
+
 // The autograd op against the same op's reference path in float64 on the host: within
 // twice the error of LibTorch's attention run in the same 16-bit dtype on the same device.
 // The op with each kernel DTRAIN_ATTENTION_KERNEL can name here (see attention_kernels).
@@ -42,20 +61,29 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionAutogradMatchesTheReferencePath) {
   torch::manual_seed(11);
   // The emulator runs a block in milliseconds: fewer heads and tokens there.
   const std::int64_t nb = kLargeCases ? 2 : 1, nh = kLargeCases ? 8 : 4, nt = kLargeCases ? 300 : 70;
-  // (causal, sliding window): a window that starts inside the first key tile and ends
-  // inside the last query tile's.
+  // (causal, sliding window, packed documents): a window that starts inside the first key
+  // tile and ends inside the last query tile's; documents of one token to more than a tile.
   const std::int64_t w = kLargeCases ? 100 : 23;
-  for (const auto& mask : {std::pair<bool, std::int64_t>{true, 0}, {false, 0}, {true, w}}) {
-    const bool causal = mask.first;
-    const std::int64_t window = mask.second;
+  const auto docs = packed_documents(nb, nt, kLargeCases ? std::vector<std::int64_t>{150, 1, 77, 40, 200}
+                                                        : std::vector<std::int64_t>{20, 1, 30, 45});
+  struct Mask {
+    bool causal;
+    std::int64_t window;
+    at::Tensor documents;
+  };
+  for (const auto& mask : {Mask{true, 0, {}}, Mask{false, 0, {}}, Mask{true, w, {}}, Mask{true, 0, docs.first},
+                           Mask{true, w, docs.first}}) {
+    const bool causal = mask.causal;
+    const std::int64_t window = mask.window;
     for (std::int64_t d : {64, 128, 32, 80}) {
       auto q = torch::randn({nb, nh, nt, d}), k = torch::randn({nb, 2, nt, d}), v = torch::randn({nb, 2, nt, d});
       auto dout = torch::randn({nb, nh, nt, d});
       auto run = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, const at::Tensor& g,
                      bool sdpa) -> std::vector<at::Tensor> {
         auto qa = a.detach().requires_grad_(), kb = b.detach().requires_grad_(), vc = c.detach().requires_grad_();
-        auto o = sdpa ? ops::attention(qa, kb, vc, causal, 0.0, ops::AttentionBackend::kSdpa, window)
-                      : ops::flash_attention(qa, kb, vc, causal, 0.0, window);
+        const auto documents = mask.documents.defined() ? mask.documents.to(a.device()) : at::Tensor();
+        auto o = sdpa ? ops::attention(qa, kb, vc, causal, 0.0, ops::AttentionBackend::kSdpa, window, documents)
+                      : ops::flash_attention(qa, kb, vc, causal, 0.0, window, documents);
         o.backward(g);
         return {o.cpu().to(at::kDouble), qa.grad().cpu().to(at::kDouble), kb.grad().cpu().to(at::kDouble),
                 vc.grad().cpu().to(at::kDouble)};
@@ -68,7 +96,7 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionAutogradMatchesTheReferencePath) {
         const double e = (got[i] - want[i]).abs().max().item<double>();
         const double base = (sdpa[i] - want[i]).abs().max().item<double>();
         EXPECT_LE(e, 2 * base + 1e-3) << "output " << i << " d " << d << (causal ? " causal" : "") << " window "
-                                      << window << ": flash " << e
+                                      << window << (mask.documents.defined() ? " documents" : "") << ": flash " << e
                                       << ", sdpa " << base;
       }
     }
@@ -122,6 +150,55 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionWindowIsFlashAttention2sWindowSize) {
       EXPECT_LE((ours[i] - want[i]).abs().max().item<double>(), 2 * base + 1e-3) << "dtrain, output " << i
                                                                                 << " window " << w;
     }
+  }
+}
+
+// Packed documents are FlashAttention's varlen attention over the rows laid end to end
+// (cu_seqlens at the documents' starts): on CUDA, LibTorch's FlashAttention-2 run so
+// computes the function of the op's float64 reference path (within twice the error of sdpa
+// with the documents as a mask), output and gradients.
+TEST(KERNEL_SUITE(Ops), FlashAttentionDocumentsAreFlashAttention2sVarlen) {
+  KERNEL_DEVICE_OR_SKIP();
+  if (!kernel_device().is_cuda()) GTEST_SKIP() << "LibTorch's FlashAttention-2 runs on CUDA only";
+  torch::manual_seed(14);
+  const std::int64_t B = 2, H = 4, T = 300, D = 64;
+  const auto packed_docs = packed_documents(B, T, {1, 90, 7, 130, 64, 33});
+  const at::Tensor &documents = packed_docs.first, &cu_seqlens = packed_docs.second;
+  std::int64_t longest = 0;
+  for (std::int64_t i = 1; i < cu_seqlens.size(0); ++i) {
+    longest = std::max<std::int64_t>(longest, cu_seqlens[i].item<std::int64_t>() - cu_seqlens[i - 1].item<std::int64_t>());
+  }
+  auto q = torch::randn({B, H, T, D}), k = torch::randn({B, H, T, D}), v = torch::randn({B, H, T, D});
+  auto dout = torch::randn({B, H, T, D});
+  enum class Impl { kReference, kOp, kSdpaMask, kFa2 };
+  auto run = [&](Impl impl) -> std::vector<at::Tensor> {
+    auto in = [&](const at::Tensor& t) {
+      return (impl == Impl::kReference ? t.to(at::kDouble) : t.to(kernel_device(), at::kBFloat16)).requires_grad_();
+    };
+    auto qa = in(q), kb = in(k), vc = in(v);
+    at::Tensor o;
+    if (impl == Impl::kFa2) {  // [B * T, H, D], the rows end to end
+      auto packed = [&](const at::Tensor& x) { return x.transpose(1, 2).reshape({B * T, H, D}); };
+      const auto cu = cu_seqlens.to(kernel_device());
+      o = std::get<0>(at::_flash_attention_forward(packed(qa), packed(kb), packed(vc), cu, cu, longest, longest, 0.0,
+                                                   true, false))
+              .view({B, T, H, D})
+              .transpose(1, 2);
+    } else {
+      const auto docs = documents.to(qa.device());
+      o = impl == Impl::kSdpaMask ? ops::attention(qa, kb, vc, true, 0.0, ops::AttentionBackend::kSdpa, 0, docs)
+                                  : ops::flash_attention(qa, kb, vc, true, 0.0, 0, docs);
+    }
+    o.backward(impl == Impl::kReference ? dout.to(at::kDouble) : dout.to(kernel_device(), at::kBFloat16));
+    return {o.cpu().to(at::kDouble), qa.grad().cpu().to(at::kDouble), kb.grad().cpu().to(at::kDouble),
+            vc.grad().cpu().to(at::kDouble)};
+  };
+  const auto want = run(Impl::kReference), ours = run(Impl::kOp), mask = run(Impl::kSdpaMask), fa2 = run(Impl::kFa2);
+  for (int i = 0; i < 4; ++i) {
+    const double base = (mask[i] - want[i]).abs().max().item<double>();
+    EXPECT_LE((fa2[i] - want[i]).abs().max().item<double>(), 2 * base + 1e-3) << "FlashAttention-2 varlen, output "
+                                                                             << i;
+    EXPECT_LE((ours[i] - want[i]).abs().max().item<double>(), 2 * base + 1e-3) << "dtrain, output " << i;
   }
 }
 

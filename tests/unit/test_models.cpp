@@ -119,6 +119,67 @@ TEST(Gpt, AttentionWindowBoundsWhatEachTokenSees) {
   EXPECT_DOUBLE_EQ(none.flops_per_token(200), c.flops_per_token(200));
 }
 
+// Packed documents (--document-separator): a token's logits depend on no token before the
+// separator that ends the previous document, through every layer, on both attention
+// backends (sdpa takes the mask, flash its reference path here) and under activation
+// checkpointing (whose recomputation gives the plain run's gradients); the separator
+// itself still sees its own document.
+TEST(Gpt, DocumentSeparatorIsolatesDocuments) {
+  constexpr std::int64_t kSep = 7;
+  auto idx = torch::randint(8, 256, {2, 32}, torch::kLong);  // no separator yet
+  idx.index_put_({0, 10}, kSep), idx.index_put_({0, 20}, kSep), idx.index_put_({1, 5}, kSep);
+  auto perturbed = [&](std::int64_t b, std::int64_t from, std::int64_t to) {
+    auto idx2 = idx.clone();
+    for (std::int64_t t = from; t < to; ++t) idx2.index_put_({b, t}, 8 + (idx[b][t].item<std::int64_t>() - 7) % 248);
+    return idx2;
+  };
+  for (const auto& base : {GptConfig::preset("tiny"), tiny_llama()}) {
+    for (auto backend : {ops::AttentionBackend::kSdpa, ops::AttentionBackend::kFlash}) {
+      auto cfg = base;
+      SCOPED_TRACE(cfg.family + " " + ops::to_string(backend));
+      cfg.attention = backend;
+      Gpt plain(single(), cfg, 3);
+      cfg.document_separator = kSep;
+      Gpt packed(single(), cfg, 3);  // the same parameters
+      cfg.activation_checkpointing = true;
+      Gpt recomputed(single(), cfg, 3);
+      const auto l = packed->forward(idx).detach();
+      // Batch 0: documents [0, 10], [11, 20], [21, 31]; the middle one's tokens change.
+      const auto l2 = packed->forward(perturbed(0, 11, 20)).detach();
+      EXPECT_TRUE(torch::allclose(l.select(0, 0).slice(0, 21), l2.select(0, 0).slice(0, 21), 1e-5, 1e-6))
+          << "the last document saw the one before it";
+      EXPECT_FALSE(torch::allclose(l.select(0, 0).slice(0, 11, 21), l2.select(0, 0).slice(0, 11, 21)));
+      EXPECT_TRUE(torch::allclose(l.select(0, 1), l2.select(0, 1), 1e-5, 1e-6)) << "the other row";
+      // Batch 1: documents [0, 5], [6, 31]; the separator sees its own document.
+      const auto l3 = packed->forward(perturbed(1, 0, 5)).detach();
+      EXPECT_TRUE(torch::allclose(l.select(0, 1).slice(0, 6), l3.select(0, 1).slice(0, 6), 1e-5, 1e-6));
+      EXPECT_FALSE(torch::allclose(l.select(0, 1)[5], l3.select(0, 1)[5]));
+      // Without the option the same change reaches every later token; before the first
+      // separator the two models agree.
+      const auto p = plain->forward(idx).detach();
+      EXPECT_FALSE(torch::allclose(p.select(0, 1).slice(0, 6),
+                                   plain->forward(perturbed(1, 0, 5)).detach().select(0, 1).slice(0, 6), 1e-5, 1e-6));
+      EXPECT_TRUE(torch::allclose(p.slice(1, 0, 6), l.slice(1, 0, 6), 1e-5, 1e-6));
+      // Activation checkpointing: the same logits and gradients.
+      auto targets = torch::randint(0, 256, {2, 32}, torch::kLong);
+      packed->zero_grad(), recomputed->zero_grad();
+      packed->loss(idx, targets).backward();
+      const auto lr = recomputed->forward(idx);
+      EXPECT_TRUE(torch::allclose(lr.detach(), l, 1e-5, 1e-6));
+      recomputed->loss(idx, targets).backward();
+      auto want = packed->named_parameters();
+      for (const auto& item : recomputed->named_parameters()) {
+        EXPECT_TRUE(torch::allclose(item.value().grad(), want[item.key()].grad(), 1e-5, 1e-6)) << item.key();
+      }
+    }
+  }
+  auto c = GptConfig::preset("tiny");
+  c.document_separator = c.vocab_size;
+  EXPECT_THROW(c.validate(), InvalidArgument);
+  c.document_separator = -2;
+  EXPECT_THROW(c.validate(), InvalidArgument);
+}
+
 TEST(Gpt, ActivationCheckpointingLeavesGradientsUnchanged) {
   for (auto cfg : {GptConfig::preset("tiny"), tiny_llama()}) {
     Gpt plain(single(), cfg, 5);

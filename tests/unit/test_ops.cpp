@@ -102,6 +102,57 @@ TEST(FlashAttentionReference, MatchesSdpaForwardAndBackward) {
   EXPECT_LT(max_abs(o, at::scaled_dot_product_attention(q, k, v, {}, 0.0, true)), 1e-5);
 }
 
+// Packed documents are independent sequences: each document's rows of the output, and its
+// rows of the gradients, are those of causal attention over that document alone (sliced
+// out, no mask), for both backends, with and without a window. Document numbers are runs:
+// a number that recurs after another starts a new document (batch 1's 0 0 1 1 0 0 ...).
+TEST(FlashAttentionReference, DocumentsAreIndependentSequences) {
+  torch::manual_seed(3);
+  const std::int64_t B = 2, H = 4, Hkv = 2, T = 300, D = 8;
+  // Runs of 1, 2, 37, 200 (across the reference path's 256-row chunks) and 60 tokens; then
+  // runs of 3 alternating between two numbers.
+  auto documents = torch::empty({B, T}, torch::kInt);
+  std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> runs(B);  // [start, end) per batch
+  {
+    auto a = documents.accessor<std::int32_t, 2>();
+    std::int64_t i = 0, n = 0;
+    for (std::int64_t len : {1, 2, 37, 200, 60}) {
+      for (std::int64_t j = i; j < i + len; ++j) a[0][j] = static_cast<std::int32_t>(n);
+      runs[0].push_back({i, i + len}), i += len, ++n;
+    }
+    for (i = 0; i < T; i += 3) {
+      for (std::int64_t j = i; j < std::min(T, i + 3); ++j) a[1][j] = static_cast<std::int32_t>(i / 3 % 2);
+      runs[1].push_back({i, std::min(T, i + 3)});
+    }
+  }
+  for (std::int64_t window : {0, 25}) {
+    for (auto backend : {ops::AttentionBackend::kFlash, ops::AttentionBackend::kSdpa}) {
+      SCOPED_TRACE(std::string(ops::to_string(backend)) + " window " + std::to_string(window));
+      auto q = torch::randn({B, H, T, D}, torch::kDouble).requires_grad_();
+      auto k = torch::randn({B, Hkv, T, D}, torch::kDouble).requires_grad_();
+      auto v = torch::randn({B, Hkv, T, D}, torch::kDouble).requires_grad_();
+      auto dout = torch::randn({B, H, T, D}, torch::kDouble);
+      auto got = ops::attention(q, k, v, true, 0.0, backend, window, documents);
+      got.backward(dout);
+      for (std::int64_t b = 0; b < B; ++b) {
+        for (const auto& run : runs[b]) {
+          const std::int64_t r0 = run.first, r1 = run.second;
+          SCOPED_TRACE("batch " + std::to_string(b) + " document [" + std::to_string(r0) + ", " +
+                       std::to_string(r1) + ")");
+          auto slice = [&](const at::Tensor& t) { return t.detach().narrow(0, b, 1).narrow(2, r0, r1 - r0); };
+          auto qs = slice(q).requires_grad_(), ks = slice(k).requires_grad_(), vs = slice(v).requires_grad_();
+          auto want = ops::flash_attention(qs, ks, vs, true, 0.0, window);
+          want.backward(slice(dout));
+          EXPECT_LT(max_abs(slice(got), want), 1e-10);
+          EXPECT_LT(max_abs(slice(q.grad()), qs.grad()), 1e-10);
+          EXPECT_LT(max_abs(slice(k.grad()), ks.grad()), 1e-10);
+          EXPECT_LT(max_abs(slice(v.grad()), vs.grad()), 1e-10);
+        }
+      }
+    }
+  }
+}
+
 TEST(FlashAttentionReference, NamedInputChecks) {
   auto q = torch::randn({1, 4, 8, 16}), k = torch::randn({1, 3, 8, 16});
   expect_has(error_message([&] { ops::flash_attention(q, k, k, true); }),
@@ -118,6 +169,20 @@ TEST(FlashAttentionReference, NamedInputChecks) {
   expect_has(error_message([&] { ops::flash_attention(q, q, q, true, 0.0, -1); }), {"window=-1", "allowed"});
   expect_has(error_message([&] { ops::attention(q, q, q, false, 0.0, ops::AttentionBackend::kSdpa, 4); }),
              {"attention", "window=4 without causal"});
+  // Packed documents: integer [batch, time] over one sequence, causal only.
+  const auto docs = torch::zeros({1, 8}, torch::kLong);
+  expect_has(error_message([&] { ops::flash_attention(q, q, q, false, 0.0, 0, docs); }),
+             {"flash_attention", "documents without causal", "allowed"});
+  expect_has(error_message([&] { ops::flash_attention(q, q, q, true, 0.0, 0, docs.view({8})); }),
+             {"flash_attention", "documents must be [batch, time] = [1, 8]", "[8]"});
+  expect_has(error_message([&] { ops::flash_attention(q, q, q, true, 0.0, 0, docs.to(at::kFloat)); }),
+             {"flash_attention", "documents are Float", "integer"});
+  expect_has(error_message([&] { ops::flash_attention(q, q.narrow(2, 0, 5), q.narrow(2, 0, 5), true, 0.0, 0, docs); }),
+             {"flash_attention", "8 queries and 5 keys"});
+  for (auto backend : {ops::AttentionBackend::kSdpa, ops::AttentionBackend::kFlash}) {
+    expect_has(error_message([&] { ops::attention(q, q, q, true, 0.0, backend, 0, docs.narrow(1, 0, 7)); }),
+               {"documents must be [batch, time]", "[1, 7]"});
+  }
 }
 
 // The CUDA kernel's head dims (the reference path above takes any): multiples of 8 up to

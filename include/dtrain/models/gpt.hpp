@@ -42,6 +42,11 @@ struct GptConfig {
   // Sliding-window attention (Mistral's): 0 attends to every earlier token; W > 0 lets each
   // token attend to itself and the W - 1 before it (both attention backends).
   std::int64_t attention_window = 0;
+  // Packed documents (Megatron's --reset-attention-mask): -1 lets every token attend to
+  // every earlier one; a token id >= 0 ends a document wherever it occurs, and tokens after
+  // it attend only to tokens from there on (the separator belongs to the document it ends).
+  // Both attention backends; not with pipeline parallelism (a later stage has no tokens).
+  std::int64_t document_separator = -1;
   // Dropout on the embeddings, the attention probabilities and both residual branches
   // (training only); masks come from the model's tp::RngTracker.
   double dropout = 0.0;
@@ -109,8 +114,9 @@ struct TpEnv {
 class BlockImpl : public torch::nn::Module {
  public:
   BlockImpl(const GptConfig& config, TpEnv tp, std::int64_t index = 0);
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& rope_cos,
-                        const torch::Tensor& rope_sin);
+  // documents: each token's document number [B, T] (undefined: one document per row).
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& rope_cos, const torch::Tensor& rope_sin,
+                        const torch::Tensor& documents = {});
   // Whether this rank holds its own n_kv_head / tp key/value heads (else all of them).
   bool kv_split() const { return config_.n_kv_head % tp_.size == 0; }
   tp::RngTracker& rng() { return *tp_.rng; }
@@ -118,8 +124,8 @@ class BlockImpl : public torch::nn::Module {
 
  private:
   torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) const;
-  torch::Tensor attention(const torch::Tensor& in, const torch::Tensor& rope_cos,
-                          const torch::Tensor& rope_sin);
+  torch::Tensor attention(const torch::Tensor& in, const torch::Tensor& rope_cos, const torch::Tensor& rope_sin,
+                          const torch::Tensor& documents);
   GptConfig config_;
   TpEnv tp_;
   tp::ParallelLinearOptions column_, row_;

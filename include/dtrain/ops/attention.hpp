@@ -19,22 +19,28 @@ AttentionBackend parse_attention_backend(const std::string& name, const char* op
 const char* to_string(AttentionBackend backend);
 
 // dropout_p: dropout on the attention probabilities, drawn from the default generator
-// (sdpa only: flash raises InvalidArgument for dropout_p > 0). window: as flash_attention's
-// (sdpa takes it as an explicit boolean mask).
+// (sdpa only: flash raises InvalidArgument for dropout_p > 0). window, documents: as
+// flash_attention's (sdpa takes them as an explicit boolean mask, [B, 1, T, T] with
+// documents).
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                      double dropout_p = 0.0, AttentionBackend backend = AttentionBackend::kSdpa,
-                     std::int64_t window = 0);
+                     std::int64_t window = 0, const at::Tensor& documents = {});
 
 // Flash attention with autograd: softmax(q k^T scale) v, causal masks top-left aligned as
 // in sdpa (query i sees keys j <= i); scale <= 0 means 1 / sqrt(D). window W > 0 (causal
 // only) is a sliding window: query i sees keys i - W < j <= i (a row that sees no key, past
-// the keys' end, gives 0). The forward keeps the row log-sum-exp, the backward recomputes
-// the probabilities from it (the kernel tile by tile; the reference path in chunks of query
-// rows). InvalidArgument naming the input for mismatched shapes and devices, a negative
-// window or one without causal, and on CUDA for a dtype other than bfloat16/float16 or an
-// unsupported head dim.
+// the keys' end, gives 0). documents (packed sequences, causal only, as many queries as
+// keys): integer [B, T], a document number per token; a document is a run of equal numbers
+// (one that recurs after another starts a new one), and a query sees only keys of its own
+// (FlashAttention's varlen attention over sequences packed back to back, without
+// unpacking; Megatron's reset attention mask). The forward keeps the row log-sum-exp, the
+// backward recomputes the probabilities from it (the kernel tile by tile; the reference
+// path in chunks of query rows). InvalidArgument naming the input for mismatched shapes
+// and devices, a negative window or one without causal, documents of another shape,
+// dtype or device or without causal, and on CUDA for a dtype other than bfloat16/float16
+// or an unsupported head dim.
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                           double scale = 0.0, std::int64_t window = 0);
+                           double scale = 0.0, std::int64_t window = 0, const at::Tensor& documents = {});
 
 // Whether the CUDA kernel takes this head dim (multiples of 8 from 8 to 128); false in a
 // build without CUDA. The reference path takes any.

@@ -8,7 +8,10 @@
  * at::scaled_dot_product_attention: query i sees keys j <= i; with a sliding window of W
  * keys (window = W > 0, causal only), keys i - W < j <= i (Mistral's sliding window;
  * FlashAttention's window_size (W - 1, 0)), and only the key tiles a block can see are
- * visited.
+ * visited. Packed documents (documents.start non-null; causal, seq_q == seq_k): each
+ * (batch, token) names its document [start, end) of that batch's sequence, and a query sees
+ * only keys of its own document (what FlashAttention's varlen interface gives sequences
+ * packed back to back, without unpacking them); combined with a window, both apply.
  * The forward writes o and the log-sum-exp per query row (float32, [batch, heads, seq_q],
  * contiguous; +inf for a row that sees no key), by mma.sync or, on Hopper, by wgmma
  * (dtrain_attention_kernel). The backward recomputes the attention
@@ -36,6 +39,15 @@ typedef enum {
   DTRAIN_ATTENTION_KERNEL_WGMMA = 2,
 } dtrain_attention_kernel;
 
+/* Packed documents: int32 [batch, seq] each, contiguous. For token i of batch b, start[b, i]
+ * is the first token of its document and end[b, i] one past its last: start[i] <= i <
+ * end[i]; a document is a run of tokens (start and end equal along it). Zeroed: one
+ * document per sequence. The forward reads start, the backward end. */
+typedef struct {
+  const int32_t* start;
+  const int32_t* end;
+} dtrain_attention_documents;
+
 typedef struct {
   const void* q;
   const void* k;
@@ -52,6 +64,7 @@ typedef struct {
   dtrain_kernel_dtype dtype; /* BF16 or F16 */
   dtrain_attention_kernel kernel;
   int64_t window; /* 0: none; W > 0 (causal only): query i sees keys i - W < j <= i */
+  dtrain_attention_documents documents;
 } dtrain_attention_fwd_params;
 
 typedef struct {
@@ -72,6 +85,7 @@ typedef struct {
   dtrain_kernel_dtype dtype;
   dtrain_attention_kernel kernel;
   int64_t window; /* as the forward's */
+  dtrain_attention_documents documents; /* as the forward's */
 } dtrain_attention_bwd_params;
 
 cudaError_t dtrain_attention_fwd(const dtrain_attention_fwd_params* params, cudaStream_t stream);
