@@ -440,9 +440,6 @@ GptImpl::GptImpl(ContextPtr ctx, const GptConfig& config, std::uint64_t seed, Gp
                        stage_.end_block <= config_.n_layer,
                    "pipeline stage: blocks [", stage_.first_block, ", ", stage_.end_block,
                    ") are not a non-empty range of the model's ", config_.n_layer, " blocks");
-  DTRAIN_CHECK_ARG(config_.document_separator < 0 || stage_.embedding, "document_separator=",
-                   config_.document_separator, " (--document-separator) needs the tokens in every block, and a "
-                   "pipeline stage after the first has none; allowed: --pp 1, or -1 (no document mask)");
   const auto& c = config_;
   const bool gpt2 = c.family == "gpt2";
   tp_.comm = ctx_->tp_comm();
@@ -605,7 +602,7 @@ bool GptImpl::is_whole() const {
   return stage_.embedding && stage_.head && stage_.first_block == 0 && stage_.end_block == config_.n_layer;
 }
 
-torch::Tensor GptImpl::forward_stage(const torch::Tensor& input) {
+torch::Tensor GptImpl::forward_stage(const torch::Tensor& input, const torch::Tensor& tokens) {
   const auto& c = config_;
   torch::Tensor x, documents;
   if (stage_.embedding) {
@@ -616,10 +613,6 @@ torch::Tensor GptImpl::forward_stage(const torch::Tensor& input) {
     DTRAIN_CHECK_ARG(!tp_.sequence_parallel || T % tp_.size == 0, "sequence parallelism splits the ",
                      T, " positions of the input across tp=", tp_.size,
                      "; allowed: a sequence length divisible by tp");
-    if (c.document_separator >= 0) {  // a document number per token: separators before it
-      const auto ends = idx.eq(c.document_separator).to(torch::kInt);
-      documents = ends.cumsum(1, torch::kInt) - ends;
-    }
     if (hooks_ != nullptr) hooks_->enter_embedding();
     x = tok_emb_->forward(idx);  // [B, T / tp, d] with sequence parallelism
     if (pos_emb_) {
@@ -639,6 +632,14 @@ torch::Tensor GptImpl::forward_stage(const torch::Tensor& input) {
     x = input;
     // A last stage's copy of tied embeddings: gathered for the head (kept into backward).
     if (hooks_ != nullptr && tok_emb_) hooks_->enter_embedding();
+  }
+  if (c.document_separator >= 0) {  // a document number per token: the separators before it
+    const auto& ids = stage_.embedding ? input : tokens;
+    DTRAIN_CHECK_ARG(ids.defined() && ids.dim() == 2 && ids.size(0) == input.size(0), "document_separator=",
+                     c.document_separator, " (--document-separator): a pipeline stage after the first needs the "
+                     "micro-batch's tokens [batch, time] with its input ", input.sizes());
+    const auto ends = ids.eq(c.document_separator).to(torch::kInt);
+    documents = ends.cumsum(1, torch::kInt) - ends;
   }
   for (std::size_t i = 0; i < blocks_.size(); ++i) {
     auto& block = blocks_[i];

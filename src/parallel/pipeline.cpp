@@ -114,6 +114,7 @@ double PipelineRuntime::forward_only(const at::Tensor& inputs, const at::Tensor&
       const int g = virtual_stage(rank, c, p);
       auto& chunk = chunks_[static_cast<std::size_t>(c)];
       const auto x = g == 0 ? inputs.narrow(0, micro * i, micro) : io.recv(g - 1, io.tag(g - 1, false));
+      if (chunk.before_forward) chunk.before_forward(inputs.defined() ? inputs.narrow(0, micro * i, micro) : at::Tensor());
       const auto y = chunk.forward(x);
       if (g == last) {
         loss_sum += chunk.loss(y, targets.narrow(0, micro * i, micro)).item<double>() / m;
@@ -169,6 +170,9 @@ double PipelineRuntime::run(const at::Tensor& inputs, const at::Tensor& targets)
       st.input = g == 0 ? inputs.narrow(0, micro * a.microbatch, micro)
                         : recv(g - 1, tag(g - 1, false)).requires_grad_(true);
       compute();
+      if (chunk.before_forward) {
+        chunk.before_forward(inputs.defined() ? inputs.narrow(0, micro * a.microbatch, micro) : at::Tensor());
+      }
       st.output = chunk.forward(st.input);
       if (g == last) {
         // The batch mean: each of the m equal micro-batches weighs 1/m.

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <memory>
 #include <set>
 #include <nlohmann/json.hpp>
 
@@ -333,7 +334,9 @@ void Trainer::build_pipeline() {
     pl.chunks.emplace_back(ctx_, model_config_, o.seed, stage);
     auto model = pl.chunks.back();
     Pipeline* owner = &pl;
-    chunks.push_back({[model](const at::Tensor& x) mutable { return model->forward_stage(x); },
+    // The micro-batch's tokens, which a later stage's document mask needs (before_forward).
+    auto tokens = std::make_shared<at::Tensor>();
+    chunks.push_back({[model, tokens](const at::Tensor& x) mutable { return model->forward_stage(x, *tokens); },
                       [model, owner](const at::Tensor& h, const at::Tensor& t) mutable {
                         return model->loss_from_hidden(h, t) * owner->scale;
                       },
@@ -343,7 +346,8 @@ void Trainer::build_pipeline() {
                         if (!owner->expert_ddp.empty()) {
                           owner->expert_ddp[static_cast<std::size_t>(c)]->set_sync(last);
                         }
-                      }});
+                      },
+                      [tokens](const at::Tensor& t) { *tokens = t; }});
   }
   pp::PipelineOptions po;
   po.schedule = pp::parse_schedule(o.pp_schedule);
@@ -442,9 +446,6 @@ void Trainer::check_options() const {
   model_config_.validate();
   model_config_.validate_tp(ctx_->tp_size());
   model_config_.moe.validate_ep(ctx_->ep_size());
-  DTRAIN_CHECK_ARG(model_config_.document_separator < 0 || ctx_->pp_size() == 1, "--document-separator ",
-                   model_config_.document_separator, " with --pp ", ctx_->pp_size(), ": the document mask needs the "
-                   "tokens in every block, and a pipeline stage after the first has none; allowed: --pp 1");
   DTRAIN_CHECK_ARG(!o.train_data.empty(), "--train-data is required (a glob of token shards)");
   DTRAIN_CHECK_ARG(o.seq_len >= 1 && o.seq_len <= model_config_.context, "--seq-len=", o.seq_len,
                    " is not allowed: the model context is ", model_config_.context,

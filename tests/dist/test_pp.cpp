@@ -2,7 +2,8 @@
 // 1f1b, interleaved with 2 chunks per rank, zb) runs one step of m micro-batches through
 // model stages cut by balanced_partition, and the loss and every parameter gradient
 // (assembled over the stages; tied embedding copies summed) equal the single-process
-// model's on the whole batch. Tolerance: float32, loss rtol 1e-6, gradients rtol 1e-5 /
+// model's on the whole batch (also with a document separator, whose mask every stage
+// takes from the micro-batch's tokens). Tolerance: float32, loss rtol 1e-6, gradients rtol 1e-5 /
 // atol 1e-7 (micro-batch means summed in another order).
 // The Trainer with --pp: every schedule at pp = world (2-4) and pp 2 x dp 2, 10 steps
 // against the single-process run with the train harness's tolerances (tied embeddings
@@ -13,6 +14,7 @@
 #include <cmath>
 #include <fstream>
 #include <map>
+#include <memory>
 
 #include "train_harness.hpp"
 #include "dtrain/models/gpt.hpp"
@@ -29,7 +31,9 @@ TEST_F(PpTest, EveryScheduleMatchesTheWholeModel) {
   auto gpt2 = models::GptConfig::preset("tiny");
   auto llama = gpt2;
   llama.family = "llama", llama.n_kv_head = 2, llama.tie_embeddings = false;
-  for (auto cfg : {gpt2, llama}) {
+  auto documents = llama;  // every stage's document mask from the micro-batch's tokens
+  documents.document_separator = 5;
+  for (auto cfg : {gpt2, llama, documents}) {
     cfg.n_layer = 8;
     for (auto kind : {pp::ScheduleKind::kGPipe, pp::ScheduleKind::k1F1B, pp::ScheduleKind::kInterleaved,
                       pp::ScheduleKind::kZeroBubble}) {
@@ -38,7 +42,8 @@ TEST_F(PpTest, EveryScheduleMatchesTheWholeModel) {
       const std::int64_t micro = 2, seq = 16;
       SCOPED_TRACE(cfg.family + " " + pp::to_string(kind));
       auto gen = at::make_generator<at::CPUGeneratorImpl>(17);
-      const auto inputs = torch::randint(0, cfg.vocab_size, {m * micro, seq}, gen);
+      auto inputs = torch::randint(0, cfg.vocab_size, {m * micro, seq}, gen);
+      inputs.select(1, 6).fill_(5), inputs.slice(0, 0, m * micro, 3).select(1, 11).fill_(5);  // separators
       const auto targets = torch::randint(0, cfg.vocab_size, {m * micro, seq}, gen);
 
       models::Gpt whole(ParallelContext::single_process(), cfg, 3);
@@ -55,9 +60,10 @@ TEST_F(PpTest, EveryScheduleMatchesTheWholeModel) {
         models::GptStage stage{first, first + counts[static_cast<std::size_t>(g)], g == 0, g == p * v - 1};
         models.emplace_back(ParallelContext::single_process(), cfg, 3, stage);
         auto model = models.back();
-        chunks.push_back({[model](const at::Tensor& x) mutable { return model->forward_stage(x); },
+        auto tokens = std::make_shared<at::Tensor>();
+        chunks.push_back({[model, tokens](const at::Tensor& x) mutable { return model->forward_stage(x, *tokens); },
                           [model](const at::Tensor& h, const at::Tensor& t) mutable { return model->loss_from_hidden(h, t); },
-                          model->parameters(), {}});
+                          model->parameters(), {}, [tokens](const at::Tensor& t) { *tokens = t; }});
       }
       pp::PipelineOptions o;
       o.schedule = kind;

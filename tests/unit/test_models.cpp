@@ -252,7 +252,9 @@ TEST(GptConfig, ParameterShapesListTheModelsParametersInOrder) {
 TEST(Gpt, PipelineStagesChainedEqualTheWholeModel) {
   auto gpt2 = GptConfig::preset("tiny");
   auto llama = tiny_llama();
-  for (auto cfg : {gpt2, llama}) {
+  auto documents = llama;  // later stages take the tokens for their document mask
+  documents.document_separator = 7;
+  for (auto cfg : {gpt2, llama, documents}) {
     cfg.n_layer = 5;
     Gpt whole(single(), cfg, 9);
     std::vector<Gpt> stages;
@@ -270,6 +272,7 @@ TEST(Gpt, PipelineStagesChainedEqualTheWholeModel) {
     EXPECT_EQ(held, static_cast<std::int64_t>(reference.size()) + (cfg.tie_embeddings ? 1 : 0));
 
     auto idx = torch::randint(0, 256, {2, 16}, torch::kLong);
+    idx.index_put_({0, 5}, 7), idx.index_put_({1, 9}, 7);
     auto tgt = torch::randint(0, 256, {2, 16}, torch::kLong);
     auto ref_loss = whole->loss(idx, tgt);
     ref_loss.backward();
@@ -279,7 +282,7 @@ TEST(Gpt, PipelineStagesChainedEqualTheWholeModel) {
     for (std::size_t s = 0; s < stages.size(); ++s) {
       if (s > 0) x = x.detach().requires_grad_(true);
       inputs.push_back(x);
-      outputs.push_back(stages[s]->forward_stage(x));
+      outputs.push_back(stages[s]->forward_stage(x, idx));
       x = outputs.back();
     }
     auto loss = stages.back()->loss_from_hidden(outputs.back(), tgt);
@@ -301,6 +304,10 @@ TEST(Gpt, PipelineStagesChainedEqualTheWholeModel) {
   EXPECT_THROW(middle->loss(torch::zeros({1, 4}, torch::kLong), torch::zeros({1, 4}, torch::kLong)), InvalidArgument);
   EXPECT_THROW(Gpt(single(), cfg, 1, GptStage{1, 3, false, false}), InvalidArgument);
   EXPECT_THROW(Gpt(single(), cfg, 1, GptStage{1, 1, false, false}), InvalidArgument);
+  // With documents a later stage needs the tokens.
+  cfg.document_separator = 7;
+  Gpt later(single(), cfg, 1, GptStage{1, 2, false, true});
+  EXPECT_THROW(later->forward_stage(torch::zeros({1, 4, cfg.d_model})), InvalidArgument);
 }
 
 TEST(Gpt, TinyModelLearnsARepeatingSequence) {

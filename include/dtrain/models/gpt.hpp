@@ -45,7 +45,8 @@ struct GptConfig {
   // Packed documents (Megatron's --reset-attention-mask): -1 lets every token attend to
   // every earlier one; a token id >= 0 ends a document wherever it occurs, and tokens after
   // it attend only to tokens from there on (the separator belongs to the document it ends).
-  // Both attention backends; not with pipeline parallelism (a later stage has no tokens).
+  // Both attention backends; a pipeline stage after the first takes the tokens alongside
+  // its input (forward_stage).
   std::int64_t document_separator = -1;
   // Dropout on the embeddings, the attention probabilities and both residual branches
   // (training only); masks come from the model's tp::RngTracker.
@@ -172,7 +173,9 @@ class GptImpl : public torch::nn::Module {
   // This stage on `input` (token ids [B, T] when it holds the embeddings, else the previous
   // stage's output): the output the next stage receives, or, on the last stage, the final
   // norm's output, which loss_from_hidden() finishes.
-  torch::Tensor forward_stage(const torch::Tensor& input);
+  // tokens: the micro-batch's token ids [B, T], which a stage after the first needs with a
+  // document separator (the first stage's input is them).
+  torch::Tensor forward_stage(const torch::Tensor& input, const torch::Tensor& tokens = {});
   torch::Tensor loss_from_hidden(const torch::Tensor& hidden, const torch::Tensor& targets);
   const GptStage& stage() const { return stage_; }
   bool is_whole() const;

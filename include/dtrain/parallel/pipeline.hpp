@@ -26,6 +26,10 @@ struct StageChunk {
   // under zb) with whether it is the chunk's last of the step: e.g. DataParallel::set_sync,
   // so the gradient reduction overlaps the last backward. Optional.
   std::function<void(bool last)> before_weight_grads;
+  // Called before each forward with the micro-batch's token ids [micro, seq] (undefined
+  // where run() got no inputs): what a later stage needs of them besides the activations,
+  // e.g. the model's document mask (Gpt::forward_stage's tokens). Optional.
+  std::function<void(const at::Tensor& tokens)> before_forward;
 };
 
 struct PipelineOptions {
