@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -110,6 +111,34 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionAutogradMatchesTheReferencePath) {
   EXPECT_THROW(ops::flash_attention(f, f, f, true), InvalidArgument);  // float32 on the kernels' device
 }
 
+// Attention on q, k, v [B, H, S, D] as a function of the three (inputs requiring grad).
+using AttentionFn = std::function<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>;
+
+// dtrain's op (`ours`) and LibTorch's FlashAttention-2 (`fa2`) against ours on float64 host
+// tensors (the op's reference path), output and the three gradients for the upstream
+// gradient dout: each within twice the error of sdpa with the same mask (`sdpa_mask`), all
+// three in bf16 on the kernels' device.
+void expect_op_and_fa2_match_the_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                           const at::Tensor& dout, const AttentionFn& ours,
+                                           const AttentionFn& sdpa_mask, const AttentionFn& fa2) {
+  auto run = [&](const AttentionFn& f, bool reference) -> std::vector<at::Tensor> {
+    auto in = [&](const at::Tensor& t) {
+      return (reference ? t.to(at::kDouble) : t.to(kernel_device(), at::kBFloat16)).requires_grad_();
+    };
+    auto qa = in(q), kb = in(k), vc = in(v);
+    auto o = f(qa, kb, vc);
+    o.backward(reference ? dout.to(at::kDouble) : dout.to(kernel_device(), at::kBFloat16));
+    return {o.cpu().to(at::kDouble), qa.grad().cpu().to(at::kDouble), kb.grad().cpu().to(at::kDouble),
+            vc.grad().cpu().to(at::kDouble)};
+  };
+  const auto want = run(ours, true), got = run(ours, false), mask = run(sdpa_mask, false), lib = run(fa2, false);
+  for (int i = 0; i < 4; ++i) {
+    const double base = (mask[i] - want[i]).abs().max().item<double>();
+    EXPECT_LE((lib[i] - want[i]).abs().max().item<double>(), 2 * base + 1e-3) << "FlashAttention-2, output " << i;
+    EXPECT_LE((got[i] - want[i]).abs().max().item<double>(), 2 * base + 1e-3) << "dtrain, output " << i;
+  }
+}
+
 // The window's convention is FlashAttention's window_size (W - 1, 0): on CUDA, LibTorch's
 // FlashAttention-2 run with it computes the function of the op's float64 reference path
 // (within twice the error of sdpa with the window as a mask), output and gradients. A
@@ -119,37 +148,22 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionWindowIsFlashAttention2sWindowSize) {
   if (!kernel_device().is_cuda()) GTEST_SKIP() << "LibTorch's FlashAttention-2 runs on CUDA only";
   torch::manual_seed(13);
   for (std::int64_t w : {8, 100}) {
+    SCOPED_TRACE("window " + std::to_string(w));
     auto q = torch::randn({2, 4, 300, 64}), k = torch::randn({2, 4, 300, 64}), v = torch::randn({2, 4, 300, 64});
-    auto dout = torch::randn({2, 4, 300, 64});
-    enum class Impl { kReference, kOp, kSdpaMask, kFa2 };
-    auto run = [&](Impl impl) -> std::vector<at::Tensor> {
-      auto in = [&](const at::Tensor& t) {
-        return (impl == Impl::kReference ? t.to(at::kDouble) : t.to(kernel_device(), at::kBFloat16)).requires_grad_();
-      };
-      auto qa = in(q), kb = in(k), vc = in(v);
-      at::Tensor o;
-      if (impl == Impl::kFa2) {
-        auto t = [](const at::Tensor& x) { return x.transpose(1, 2); };
-        o = std::get<0>(at::_flash_attention_forward(t(qa), t(kb), t(vc), std::nullopt, std::nullopt, 300, 300, 0.0,
-                                                     true, false, std::nullopt, w - 1, 0))
-                .transpose(1, 2);
-      } else if (impl == Impl::kSdpaMask) {
-        o = ops::attention(qa, kb, vc, true, 0.0, ops::AttentionBackend::kSdpa, w);
-      } else {
-        o = ops::flash_attention(qa, kb, vc, true, 0.0, w);
-      }
-      o.backward(impl == Impl::kReference ? dout.to(at::kDouble) : dout.to(kernel_device(), at::kBFloat16));
-      return {o.cpu().to(at::kDouble), qa.grad().cpu().to(at::kDouble), kb.grad().cpu().to(at::kDouble),
-              vc.grad().cpu().to(at::kDouble)};
-    };
-    const auto want = run(Impl::kReference), ours = run(Impl::kOp), mask = run(Impl::kSdpaMask), fa2 = run(Impl::kFa2);
-    for (int i = 0; i < 4; ++i) {
-      const double base = (mask[i] - want[i]).abs().max().item<double>();
-      EXPECT_LE((fa2[i] - want[i]).abs().max().item<double>(), 2 * base + 1e-3) << "FlashAttention-2, output " << i
-                                                                               << " window " << w;
-      EXPECT_LE((ours[i] - want[i]).abs().max().item<double>(), 2 * base + 1e-3) << "dtrain, output " << i
-                                                                                << " window " << w;
-    }
+    expect_op_and_fa2_match_the_reference(
+        q, k, v, torch::randn({2, 4, 300, 64}),
+        [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+          return ops::flash_attention(a, b, c, true, 0.0, w);
+        },
+        [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+          return ops::attention(a, b, c, true, 0.0, ops::AttentionBackend::kSdpa, w);
+        },
+        [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+          auto t = [](const at::Tensor& x) { return x.transpose(1, 2); };
+          return std::get<0>(at::_flash_attention_forward(t(a), t(b), t(c), std::nullopt, std::nullopt, 300, 300, 0.0,
+                                                          true, false, std::nullopt, w - 1, 0))
+              .transpose(1, 2);
+        });
   }
 }
 
@@ -168,38 +182,22 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionDocumentsAreFlashAttention2sVarlen) {
   for (std::int64_t i = 1; i < cu_seqlens.size(0); ++i) {
     longest = std::max<std::int64_t>(longest, cu_seqlens[i].item<std::int64_t>() - cu_seqlens[i - 1].item<std::int64_t>());
   }
-  auto q = torch::randn({B, H, T, D}), k = torch::randn({B, H, T, D}), v = torch::randn({B, H, T, D});
-  auto dout = torch::randn({B, H, T, D});
-  enum class Impl { kReference, kOp, kSdpaMask, kFa2 };
-  auto run = [&](Impl impl) -> std::vector<at::Tensor> {
-    auto in = [&](const at::Tensor& t) {
-      return (impl == Impl::kReference ? t.to(at::kDouble) : t.to(kernel_device(), at::kBFloat16)).requires_grad_();
-    };
-    auto qa = in(q), kb = in(k), vc = in(v);
-    at::Tensor o;
-    if (impl == Impl::kFa2) {  // [B * T, H, D], the rows end to end
-      auto packed = [&](const at::Tensor& x) { return x.transpose(1, 2).reshape({B * T, H, D}); };
-      const auto cu = cu_seqlens.to(kernel_device());
-      o = std::get<0>(at::_flash_attention_forward(packed(qa), packed(kb), packed(vc), cu, cu, longest, longest, 0.0,
-                                                   true, false))
-              .view({B, T, H, D})
-              .transpose(1, 2);
-    } else {
-      const auto docs = documents.to(qa.device());
-      o = impl == Impl::kSdpaMask ? ops::attention(qa, kb, vc, true, 0.0, ops::AttentionBackend::kSdpa, 0, docs)
-                                  : ops::flash_attention(qa, kb, vc, true, 0.0, 0, docs);
-    }
-    o.backward(impl == Impl::kReference ? dout.to(at::kDouble) : dout.to(kernel_device(), at::kBFloat16));
-    return {o.cpu().to(at::kDouble), qa.grad().cpu().to(at::kDouble), kb.grad().cpu().to(at::kDouble),
-            vc.grad().cpu().to(at::kDouble)};
-  };
-  const auto want = run(Impl::kReference), ours = run(Impl::kOp), mask = run(Impl::kSdpaMask), fa2 = run(Impl::kFa2);
-  for (int i = 0; i < 4; ++i) {
-    const double base = (mask[i] - want[i]).abs().max().item<double>();
-    EXPECT_LE((fa2[i] - want[i]).abs().max().item<double>(), 2 * base + 1e-3) << "FlashAttention-2 varlen, output "
-                                                                             << i;
-    EXPECT_LE((ours[i] - want[i]).abs().max().item<double>(), 2 * base + 1e-3) << "dtrain, output " << i;
-  }
+  expect_op_and_fa2_match_the_reference(
+      torch::randn({B, H, T, D}), torch::randn({B, H, T, D}), torch::randn({B, H, T, D}), torch::randn({B, H, T, D}),
+      [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+        return ops::flash_attention(a, b, c, true, 0.0, 0, documents.to(a.device()));
+      },
+      [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+        return ops::attention(a, b, c, true, 0.0, ops::AttentionBackend::kSdpa, 0, documents.to(a.device()));
+      },
+      [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {  // [B T, H, D], the rows end to end
+        auto packed = [&](const at::Tensor& x) { return x.transpose(1, 2).reshape({B * T, H, D}); };
+        const auto cu = cu_seqlens.to(kernel_device());
+        return std::get<0>(at::_flash_attention_forward(packed(a), packed(b), packed(c), cu, cu, longest, longest,
+                                                        0.0, true, false))
+            .view({B, T, H, D})
+            .transpose(1, 2);
+      });
 }
 
 TEST(KERNEL_SUITE(Ops), NormsMatchTheReferencePath) {
