@@ -87,41 +87,19 @@ __device__ __forceinline__ void mask_scores(float (&s)[kM][kN][4], int64_t row0,
   }
 }
 
-// The sliding window's side of the mask: keys before row's first, row - window + 1,
-// are masked; per row one 32-bit bound relative to col0 + 2 t, clamped as above.
+// The sliding window's and the packed documents' side of the mask: keys before a row's
+// first_key are masked; per row (this thread's 2 kM) one 32-bit bound relative to col0 +
+// 2 t, as above (with documents, one load of the row's start each).
 template <int kM, int kN>
-__device__ __forceinline__ void mask_window(float (&s)[kM][kN][4], int64_t row0, int64_t col0, int64_t window) {
-  const int t2 = 2 * (threadIdx.x % 4);
-  const int first = static_cast<int>(imax(-16 * kM, imin(row0 + 1 - window - col0, kN * 8)));  // of row0
-#pragma unroll
-  for (int m = 0; m < kM; ++m) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int bound = first + m * 16 + r * 8 - t2;
-#pragma unroll
-      for (int nt = 0; nt < kN; ++nt) {
-#pragma unroll
-        for (int e = 2 * r; e < 2 * r + 2; ++e) {
-          if (nt * 8 + (e & 1) < bound) s[m][nt][e] = -INFINITY;
-        }
-      }
-    }
-  }
-}
-
-// Packed documents' side of the mask: keys before a row's document start are masked; per
-// row (this thread's 2 kM) one load of its start and a 32-bit bound relative to col0 + 2 t,
-// as above.
-template <int kM, int kN>
-__device__ __forceinline__ void mask_documents(float (&s)[kM][kN][4], const dtrain_attention_fwd_params& p,
+__device__ __forceinline__ void mask_first_key(float (&s)[kM][kN][4], const dtrain_attention_fwd_params& p,
                                                int64_t b, int64_t row0, int64_t col0) {
   const int t2 = 2 * (threadIdx.x % 4);
 #pragma unroll
   for (int m = 0; m < kM; ++m) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int64_t start = document_start(p, b, row0 + m * 16 + r * 8);
-      const int bound = static_cast<int>(imax(0, imin(start - col0, kN * 8))) - t2;
+      const int64_t first = first_key(p, b, row0 + m * 16 + r * 8);
+      const int bound = static_cast<int>(imax(0, imin(first - col0, kN * 8))) - t2;
 #pragma unroll
       for (int nt = 0; nt < kN; ++nt) {
 #pragma unroll
@@ -136,15 +114,14 @@ __device__ __forceinline__ void mask_documents(float (&s)[kM][kN][4], const dtra
 // The mask of a warp's score tiles (rows from row0, as above) for key tile [n0, n0 +
 // kBlockN) of the query block [m0, m0 + kBlockM) of batch b: only a tile past the end of
 // the keys, across the causal diagonal or, with a sliding window or packed documents,
-// before the block's last row's first key has masked entries, so that interior tiles carry
-// no per-element compare.
+// before the block's last row's first key (first_key is non-decreasing) has masked
+// entries, so that interior tiles carry no per-element compare.
 template <int kBlockM, int kBlockN, int kM, int kN>
 __device__ __forceinline__ void mask_tile(float (&s)[kM][kN][4], const dtrain_attention_fwd_params& p, int64_t b,
                                           int64_t m0, int64_t row0, int64_t n0) {
   if (n0 + kBlockN > p.seq_k || (p.causal && n0 + kBlockN - 1 > m0)) mask_scores(s, row0, n0, p.seq_k, p.causal);
-  if (p.window > 0 && n0 < m0 + kBlockM - p.window) mask_window(s, row0, n0, p.window);
-  if (p.documents.start != nullptr && n0 < document_start(p, b, m0 + kBlockM - 1)) {
-    mask_documents(s, p, b, row0, n0);
+  if ((p.window > 0 || p.documents.start != nullptr) && n0 < first_key(p, b, m0 + kBlockM - 1)) {
+    mask_first_key(s, p, b, row0, n0);
   }
 }
 
