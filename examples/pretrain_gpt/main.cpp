@@ -44,6 +44,7 @@ struct Options {
                d_model = -1, ffn_hidden = -1;
   std::int64_t attention_window = 0;
   std::int64_t document_separator = -1;
+  bool reset_position_ids = false;
   double bucket_mb = 25;
   std::string export_hf;
   // Kernels (docs/kernels.md): which implementation of attention, norms and the loss.
@@ -92,6 +93,7 @@ void define(CLI::App& app, Options& o) {
   app.add_option("--tie-embeddings", o.tie_embeddings, "true or false (default: the preset's)")->default_str("preset")->group(model);
   app.add_option("--attention-window", o.attention_window, "sliding-window attention: each token attends to itself and the W - 1 before it (0: all earlier tokens)")->group(model);
   app.add_option("--document-separator", o.document_separator, "packed documents: this token id ends a document, and tokens after it attend only to tokens from there on (Megatron's --reset-attention-mask; GPT-2's <|endoftext|> is 50256, the byte tokenizer's newline 10; -1: none)")->group(model);
+  app.add_flag("--reset-position-ids", o.reset_position_ids, "with --document-separator: each document's positions count from 0 (Megatron's --reset-position-ids)")->group(model);
   app.add_option("--dropout", o.dropout, "dropout on embeddings, attention probabilities and residual branches (training only)")->group(model);
   app.add_option("--activation-checkpointing", o.activation_checkpointing, "none, or full (recompute every block in backward)")
       ->check(CLI::IsMember({"none", "full"}))->group(model);
@@ -248,6 +250,7 @@ dtrain::models::GptConfig model_config(const Options& o) {
   c.activation_checkpointing = o.activation_checkpointing == "full";
   c.attention_window = o.attention_window;
   c.document_separator = o.document_separator;
+  c.reset_position_ids = o.reset_position_ids;
   c.dropout = o.dropout;
   c.attention = dtrain::ops::parse_attention_backend(o.attention);
   c.fused_norm = o.fused_norm;

@@ -61,6 +61,9 @@ void GptConfig::validate() const {
   DTRAIN_CHECK_ARG(document_separator >= -1 && document_separator < vocab_size, "document_separator=",
                    document_separator, " (--document-separator) is out of range; allowed: -1 (none) or a token id in "
                    "0..", vocab_size - 1);
+  DTRAIN_CHECK_ARG(!reset_position_ids || document_separator >= 0, "reset_position_ids (--reset-position-ids) "
+                   "restarts positions at each document; allowed only with document_separator >= 0 "
+                   "(--document-separator ID)");
   DTRAIN_CHECK_ARG(dropout >= 0 && dropout < 1, "dropout=", dropout,
                    " is out of range; allowed: [0, 1)");
   moe.validate();
@@ -239,11 +242,14 @@ torch::Tensor BlockImpl::norm(const torch::Tensor& x, const torch::Tensor& w,
 }
 
 namespace {
-// Rotary embedding on [B, H, T, D] with the half-split convention.
+// Rotary embedding on [B, H, T, D] with the half-split convention; cos and sin are
+// [>= T, D / 2] (position t's angles in row t) or [B, 1, T, D / 2] (each token's own).
 torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
   const auto T = x.size(2), half = x.size(3) / 2;
   // In the activations' dtype (bfloat16 parameters give bfloat16 q and k).
-  auto c = cos.slice(0, 0, T).to(x.scalar_type()), s = sin.slice(0, 0, T).to(x.scalar_type());
+  const bool rows = cos.dim() == 2;
+  auto c = (rows ? cos.slice(0, 0, T) : cos).to(x.scalar_type());
+  auto s = (rows ? sin.slice(0, 0, T) : sin).to(x.scalar_type());
   auto x1 = x.slice(3, 0, half), x2 = x.slice(3, half);
   return torch::cat({x1 * c - x2 * s, x1 * s + x2 * c}, 3);
 }
@@ -602,9 +608,35 @@ bool GptImpl::is_whole() const {
   return stage_.embedding && stage_.head && stage_.first_block == 0 && stage_.end_block == config_.n_layer;
 }
 
+std::pair<torch::Tensor, torch::Tensor> GptImpl::rope_angles(const torch::Tensor& positions) const {
+  if (!positions.defined() || rope_cos_.numel() == 0) return {rope_cos_, rope_sin_};
+  auto per_token = [&](const torch::Tensor& table) {
+    return table.index_select(0, positions.reshape({-1})).view({positions.size(0), 1, positions.size(1), -1});
+  };
+  return {per_token(rope_cos_), per_token(rope_sin_)};
+}
+
 torch::Tensor GptImpl::forward_stage(const torch::Tensor& input, const torch::Tensor& tokens) {
   const auto& c = config_;
-  torch::Tensor x, documents;
+  // Packed documents: each token's document number (the separators before it) and, with
+  // reset_position_ids, its position in its document, from the micro-batch's tokens.
+  torch::Tensor documents, positions;
+  if (c.document_separator >= 0) {
+    const auto& ids = stage_.embedding ? input : tokens;
+    DTRAIN_CHECK_ARG(ids.defined() && ids.dim() == 2 && ids.size(0) == input.size(0), "document_separator=",
+                     c.document_separator, " (--document-separator): a pipeline stage after the first needs the "
+                     "micro-batch's tokens [batch, time] with its input ", input.sizes());
+    const auto ends = ids.eq(c.document_separator).to(torch::kInt);
+    documents = ends.cumsum(1, torch::kInt) - ends;
+    if (c.reset_position_ids) {
+      // A document starts at 0 and after each separator; a token's position counts from
+      // the last start at or before it.
+      const auto t = torch::arange(ids.size(1), ids.options().dtype(torch::kLong)).expand(ids.sizes());
+      auto starts = t * torch::cat({torch::ones_like(ends.narrow(1, 0, 1)), ends.narrow(1, 0, ids.size(1) - 1)}, 1);
+      positions = t - std::get<0>(starts.cummax(1));
+    }
+  }
+  torch::Tensor x;
   if (stage_.embedding) {
     const auto& idx = input;
     DTRAIN_CHECK_ARG(idx.dim() == 2 && idx.size(1) <= c.context, "model input must be [batch, time] with time <= context ",
@@ -616,12 +648,13 @@ torch::Tensor GptImpl::forward_stage(const torch::Tensor& input, const torch::Te
     if (hooks_ != nullptr) hooks_->enter_embedding();
     x = tok_emb_->forward(idx);  // [B, T / tp, d] with sequence parallelism
     if (pos_emb_) {
-      if (tp_.sequence_parallel) {
+      auto pos = positions.defined() ? positions : torch::arange(T, idx.options());
+      if (tp_.sequence_parallel) {  // this rank's T / tp positions of the sequence
         const std::int64_t n = T / tp_.size;
-        auto pos = torch::arange(n * tp_.rank, n * (tp_.rank + 1), idx.options());
+        pos = pos.narrow(-1, n * tp_.rank, n);
         x = x + torch::embedding(shared(pos_emb_->weight, tp_), pos);
       } else {
-        x = x + pos_emb_->forward(torch::arange(T, idx.options()));
+        x = x + pos_emb_->forward(pos);
       }
     }
     x = tp::dropout(x, c.dropout, is_training(), *tp_.rng, stream_of(tp_));
@@ -633,21 +666,14 @@ torch::Tensor GptImpl::forward_stage(const torch::Tensor& input, const torch::Te
     // A last stage's copy of tied embeddings: gathered for the head (kept into backward).
     if (hooks_ != nullptr && tok_emb_) hooks_->enter_embedding();
   }
-  if (c.document_separator >= 0) {  // a document number per token: the separators before it
-    const auto& ids = stage_.embedding ? input : tokens;
-    DTRAIN_CHECK_ARG(ids.defined() && ids.dim() == 2 && ids.size(0) == input.size(0), "document_separator=",
-                     c.document_separator, " (--document-separator): a pipeline stage after the first needs the "
-                     "micro-batch's tokens [batch, time] with its input ", input.sizes());
-    const auto ends = ids.eq(c.document_separator).to(torch::kInt);
-    documents = ends.cumsum(1, torch::kInt) - ends;
-  }
+  const auto [rope_cos, rope_sin] = rope_angles(positions);
   for (std::size_t i = 0; i < blocks_.size(); ++i) {
     auto& block = blocks_[i];
     if (hooks_ != nullptr) x = hooks_->enter(i, x);
     if (c.activation_checkpointing && is_training() && torch::GradMode::is_enabled()) {
-      x = CheckpointBlock::apply(x, rope_cos_, rope_sin_, BlockDocuments{documents}, block.get());
+      x = CheckpointBlock::apply(x, rope_cos, rope_sin, BlockDocuments{documents}, block.get());
     } else {
-      x = block->forward(x, rope_cos_, rope_sin_, documents);
+      x = block->forward(x, rope_cos, rope_sin, documents);
     }
     if (hooks_ != nullptr) x = hooks_->exit(i, x);
   }

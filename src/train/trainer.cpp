@@ -651,7 +651,8 @@ void Trainer::log_summary() const {
            (model_config_.attention_window > 0 ? format(" (attention window {})", model_config_.attention_window)
                                                : std::string()) +
                (model_config_.document_separator >= 0
-                    ? format(" (documents end at token {})", model_config_.document_separator)
+                    ? format(" (documents end at token {}{})", model_config_.document_separator,
+                             model_config_.reset_position_ids ? ", positions restart" : "")
                     : std::string()),
            model_config_.vocab_size,
            std::round(static_cast<double>(model_config_.num_parameters()) / 1e4) / 100,

@@ -66,10 +66,12 @@ expect(attention-window-negative 2 "attention_window=-3 \\(--attention-window\\)
        ARGS ${DATA} --attention-window -3)
 expect(document-separator-range 2 "document_separator=256 \\(--document-separator\\) is out of range; allowed: -1 \\(none\\) or a token id in 0..255"
        ARGS ${DATA} --vocab-size 256 --document-separator 256)
+expect(reset-positions-without-documents 2 "reset_position_ids \\(--reset-position-ids\\) restarts positions at each document; allowed only with document_separator >= 0"
+       ARGS ${DATA} --reset-position-ids)
 # Every kernel option on the CPU (their reference paths) trains, with a sliding window and
-# lines of the text as documents (the byte tokenizer's newline, 10).
-expect(fused-ops-on-cpu 0 "device cpu.*kernels: attention flash, fused norm on, fused cross-entropy on, fused AdamW on.*context 64 \\(attention window 16\\) \\(documents end at token 10\\).*done: 5 steps" CPU ARGS ${DATA} --global-batch 8 --steps 5 --warmup-steps 1 --attention flash --fused-norm
-       --fused-ce --fused-adamw --fsdp zero1 --attention-window 16 --document-separator 10)
+# lines of the text as documents (the byte tokenizer's newline, 10) whose positions restart.
+expect(fused-ops-on-cpu 0 "device cpu.*kernels: attention flash, fused norm on, fused cross-entropy on, fused AdamW on.*context 64 \\(attention window 16\\) \\(documents end at token 10, positions restart\\).*done: 5 steps" CPU ARGS ${DATA} --global-batch 8 --steps 5 --warmup-steps 1 --attention flash --fused-norm
+       --fused-ce --fused-adamw --fsdp zero1 --attention-window 16 --document-separator 10 --reset-position-ids)
 expect(fused-on-and-off nonzero "--fused-ce excludes --no-fused-ce" ARGS ${DATA} --fused-ce --no-fused-ce)
 expect(param-dtype-needs-fsdp 2 "--param-dtype / --reduce-dtype other than float32 need --fsdp"
        ARGS ${DATA} --param-dtype bfloat16)

@@ -32,7 +32,7 @@ TEST_F(PpTest, EveryScheduleMatchesTheWholeModel) {
   auto llama = gpt2;
   llama.family = "llama", llama.n_kv_head = 2, llama.tie_embeddings = false;
   auto documents = llama;  // every stage's document mask from the micro-batch's tokens
-  documents.document_separator = 5;
+  documents.document_separator = 5, documents.reset_position_ids = true;
   for (auto cfg : {gpt2, llama, documents}) {
     cfg.n_layer = 8;
     for (auto kind : {pp::ScheduleKind::kGPipe, pp::ScheduleKind::k1F1B, pp::ScheduleKind::kInterleaved,

@@ -3,8 +3,8 @@
 // parallelism, GPT-2 and Llama (key/value heads split, or replicated when tp does not
 // divide them), replicated data parallelism and FSDP; 10 steps of the train harness with
 // its tolerances (losses rtol 1e-5, gradient norms 1e-4, parameters rtol 1e-5 / atol 5e-5).
-// Also: the slices of the initial model, the dropout streams of the RNG tracker, and the
-// errors for sizes that do not divide.
+// Also: packed documents with reset positions, the slices of the initial model, the
+// dropout streams of the RNG tracker, and the errors for sizes that do not divide.
 #include <torch/torch.h>
 
 #include "train_harness.hpp"
@@ -109,6 +109,18 @@ TEST_F(TpModelTest, TpWithActivationCheckpointingMatchesSingleProcess) {
   auto cfg = gpt2(n);
   cfg.activation_checkpointing = true;
   expect_matches(context(n, true), cfg);
+}
+
+// Packed documents with reset positions (the byte corpus's newlines end them) under
+// sequence parallelism: each rank's slice of the per-document learned positions (GPT-2),
+// and the rotary angles per token (Llama).
+TEST_F(TpModelTest, PackedDocumentsWithResetPositionsMatchSingleProcess) {
+  const int n = nranks();
+  for (auto cfg : {gpt2(n), llama(n)}) {
+    cfg.document_separator = 10, cfg.reset_position_ids = true;
+    SCOPED_TRACE(cfg.family);
+    expect_matches(context(n, true), cfg);
+  }
 }
 
 // Replicated activations get the same dropout mask on every tp rank, split ones different

@@ -1,5 +1,6 @@
 // The GPT model: presets and parameter counts, validation, seeded initialisation, loss at
-// initialisation, causality, sliding-window attention's reach, activation checkpointing leaves gradients unchanged, a tiny
+// initialisation, causality, sliding-window attention's reach, packed documents (isolated, and
+// with reset positions each computed as if alone), activation checkpointing leaves gradients unchanged, a tiny
 // model learns a repeating sequence, and pipeline stages chained equal the whole model.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -178,6 +179,62 @@ TEST(Gpt, DocumentSeparatorIsolatesDocuments) {
   EXPECT_THROW(c.validate(), InvalidArgument);
   c.document_separator = -2;
   EXPECT_THROW(c.validate(), InvalidArgument);
+}
+
+// --reset-position-ids with packed documents: each document of a packed row gets the
+// logits, and summed over its tokens the loss gradients, that it gets alone at the start of
+// a row (llm.c's and FlashAttention varlen's meaning of packing), for both families and
+// backends, with and without activation checkpointing. Without the option GPT-2's learned
+// positions see where a document starts.
+TEST(Gpt, ResetPositionIdsComputesEachDocumentAlone) {
+  constexpr std::int64_t kSep = 7, kT = 32;
+  // Row 0: documents of 10, 9 and 13 tokens; row 1: 6 and 26 (all but the last end with
+  // the separator).
+  const std::vector<std::vector<std::int64_t>> lengths = {{10, 9, 13}, {6, 26}};
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
+  auto idx = torch::randint(8, 256, {2, kT}, gen);
+  const auto targets = torch::randint(0, 256, {2, kT}, gen);
+  for (std::int64_t b = 0; b < 2; ++b) {
+    std::int64_t end = 0;
+    for (std::size_t d = 0; d + 1 < lengths[b].size(); ++d) idx.index_put_({b, (end += lengths[b][d]) - 1}, kSep);
+  }
+  for (const auto& base : {GptConfig::preset("tiny"), tiny_llama()}) {
+    for (auto backend : {ops::AttentionBackend::kSdpa, ops::AttentionBackend::kFlash}) {
+      for (bool checkpointing : {false, true}) {
+        auto cfg = base;
+        cfg.attention = backend, cfg.activation_checkpointing = checkpointing;
+        cfg.document_separator = kSep, cfg.reset_position_ids = true;
+        SCOPED_TRACE(cfg.family + " " + ops::to_string(backend) + (checkpointing ? " checkpointing" : ""));
+        Gpt packed(single(), cfg, 3), alone(single(), cfg, 3);
+        const auto logits = packed->forward(idx).detach();
+        (packed->loss(idx, targets) * static_cast<double>(2 * kT)).backward();  // summed over tokens
+        for (std::int64_t b = 0; b < 2; ++b) {
+          std::int64_t start = 0;
+          for (const auto len : lengths[b]) {
+            const auto doc = idx.slice(1, start, start + len).narrow(0, b, 1);
+            EXPECT_TRUE(torch::allclose(alone->forward(doc).detach()[0], logits[b].slice(0, start, start + len), 1e-5,
+                                        1e-5))
+                << "row " << b << ", the document at " << start;
+            (alone->loss(doc, targets.slice(1, start, start + len).narrow(0, b, 1)) * static_cast<double>(len))
+                .backward();
+            start += len;
+          }
+        }
+        auto want = alone->named_parameters();
+        for (const auto& item : packed->named_parameters()) {
+          EXPECT_TRUE(torch::allclose(item.value().grad(), want[item.key()].grad(), 1e-4, 1e-5)) << item.key();
+        }
+      }
+    }
+  }
+  // Without it, the second document's learned positions start at 10.
+  auto cfg = GptConfig::preset("tiny");
+  cfg.document_separator = kSep;
+  Gpt offset(single(), cfg, 3);
+  EXPECT_FALSE(torch::allclose(offset->forward(idx.slice(1, 10, 19).narrow(0, 0, 1)).detach()[0],
+                               offset->forward(idx).detach()[0].slice(0, 10, 19), 1e-3, 1e-3));
+  cfg.document_separator = -1, cfg.reset_position_ids = true;
+  EXPECT_THROW(cfg.validate(), InvalidArgument);
 }
 
 TEST(Gpt, ActivationCheckpointingLeavesGradientsUnchanged) {

@@ -48,6 +48,10 @@ struct GptConfig {
   // Both attention backends; a pipeline stage after the first takes the tokens alongside
   // its input (forward_stage).
   std::int64_t document_separator = -1;
+  // Megatron's --reset-position-ids (needs document_separator): each document's positions
+  // count from 0 (GPT-2's learned positions and Llama's rotary angles alike), so a packed
+  // document is computed exactly as it would be alone at the start of a row.
+  bool reset_position_ids = false;
   // Dropout on the embeddings, the attention probabilities and both residual branches
   // (training only); masks come from the model's tp::RngTracker.
   double dropout = 0.0;
@@ -220,6 +224,9 @@ class GptImpl : public torch::nn::Module {
   torch::Tensor norm_weight_, norm_bias_;   // final norm (bias: gpt2 only)
   tp::ColumnParallelLinear lm_head_{nullptr};  // only without tied embeddings (padded vocab)
   torch::Tensor rope_cos_, rope_sin_;       // llama only: [context, head_dim / 2]
+  // cos and sin for the blocks' rope: rope_cos_/rope_sin_ as they are, or, with positions
+  // [B, T], theirs per token [B, 1, T, head_dim / 2].
+  std::pair<torch::Tensor, torch::Tensor> rope_angles(const torch::Tensor& positions) const;
   std::vector<std::pair<std::string, TpShard>> shards_;
 };
 TORCH_MODULE(Gpt);
