@@ -127,6 +127,7 @@ void define(CLI::App& app, Options& o) {
   app.add_option("--seq-len", t.seq_len, "tokens per sample")->group(data);
   app.add_option("--global-batch", t.global_batch, "samples per optimizer step over all ranks")->group(data);
   app.add_option("--micro-batch", t.micro_batch, "samples per rank per forward (0: global / dp, no accumulation)")->group(data);
+  app.add_flag("--eod-mask-loss", t.eod_mask_loss, "with --document-separator: no loss on the prediction made at a separator; the loss is the mean over the global batch's other targets (Megatron's --eod-mask-loss)")->group(data);
 
   const char* optim = "Optimizer";
   app.add_option("--lr", t.adamw.lr, "peak learning rate")->group(optim);

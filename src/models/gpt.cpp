@@ -599,9 +599,9 @@ std::vector<std::pair<std::int64_t, Moe>> GptImpl::moe_layers() const {
   return out;
 }
 
-void GptImpl::set_loss_grad_scale(double scale) {
+void GptImpl::set_loss_grad_scale(double scale, double aux_scale) {
   loss_grad_scale_ = scale;
-  for (auto& [index, m] : moe_layers()) m->set_aux_loss_scale(scale);
+  for (auto& [index, m] : moe_layers()) m->set_aux_loss_scale(aux_scale);
 }
 
 bool GptImpl::is_whole() const {
@@ -710,15 +710,17 @@ torch::Tensor GptImpl::loss_from_hidden(const torch::Tensor& hidden, const torch
     ops::CrossEntropyOptions o;
     o.grad_scale = loss_grad_scale_;
     o.in_place = true;
+    o.ignore_index = kIgnoreTarget;
     return ops::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}), o);
   }
   if (tp_.size == 1) {
     return torch::nn::functional::cross_entropy(
-        logits.reshape({-1, logits.size(-1)}).to(torch::kFloat), targets.reshape({-1}));
+        logits.reshape({-1, logits.size(-1)}).to(torch::kFloat), targets.reshape({-1}),
+        torch::nn::functional::CrossEntropyFuncOptions().ignore_index(kIgnoreTarget));
   }
   // Never the full logits: max, sum of exponentials and target logit reduced across tp.
   return tp::vocab_parallel_cross_entropy(logits.reshape({-1, logits.size(-1)}),
-                                          targets.reshape({-1}), config_.vocab_size, tp_.comm);
+                                          targets.reshape({-1}), config_.vocab_size, tp_.comm, kIgnoreTarget);
 }
 
 }  // namespace dtrain::models

@@ -96,15 +96,25 @@ struct PipelineRuntime::Transport {
 };
 
 namespace {
+// Micro-batch i's factor in the step's loss (run's weights).
+double loss_weight(const std::vector<double>& weights, int i, int m) {
+  return weights.empty() ? 1.0 / m : weights[static_cast<std::size_t>(i)];
+}
+void check_weights(const std::vector<double>& weights, int m) {
+  DTRAIN_CHECK_ARG(weights.empty() || weights.size() == static_cast<std::size_t>(m), "pipeline: ", weights.size(),
+                   " loss weights for ", m, " micro-batches; allowed: none (1/m each) or one per micro-batch");
+}
 at::TensorOptions activation_options(const PipelineOptions& o, const at::Tensor& inputs) {
   return at::TensorOptions().dtype(o.activation_dtype).device(
       inputs.defined() ? inputs.device() : at::Device(at::kCPU));
 }
 }  // namespace
 
-double PipelineRuntime::forward_only(const at::Tensor& inputs, const at::Tensor& targets) {
+double PipelineRuntime::forward_only(const at::Tensor& inputs, const at::Tensor& targets,
+                                     const std::vector<double>& weights) {
   torch::NoGradGuard no_grad;
   const int p = options_.shape.stages, v = options_.shape.virtual_stages, m = options_.shape.microbatches;
+  check_weights(weights, m);
   const int rank = pp_->rank(), last = p * v - 1;
   const std::int64_t micro = options_.activation_shape[0];
   Transport io(*this, activation_options(options_, inputs));
@@ -117,7 +127,7 @@ double PipelineRuntime::forward_only(const at::Tensor& inputs, const at::Tensor&
       if (chunk.before_forward) chunk.before_forward(inputs.defined() ? inputs.narrow(0, micro * i, micro) : at::Tensor());
       const auto y = chunk.forward(x);
       if (g == last) {
-        loss_sum += chunk.loss(y, targets.narrow(0, micro * i, micro)).item<double>() / m;
+        loss_sum += chunk.loss(y, targets.narrow(0, micro * i, micro)).item<double>() * loss_weight(weights, i, m);
       } else {
         io.send(y, g + 1, io.tag(g, false));
         io.flush();
@@ -128,8 +138,9 @@ double PipelineRuntime::forward_only(const at::Tensor& inputs, const at::Tensor&
   return rank == loss_rank() ? loss_sum : std::numeric_limits<double>::quiet_NaN();
 }
 
-double PipelineRuntime::run(const at::Tensor& inputs, const at::Tensor& targets) {
+double PipelineRuntime::run(const at::Tensor& inputs, const at::Tensor& targets, const std::vector<double>& weights) {
   const int p = options_.shape.stages, v = options_.shape.virtual_stages, m = options_.shape.microbatches;
+  check_weights(weights, m);
   const int rank = pp_->rank(), last = p * v - 1;
   const std::int64_t micro = options_.activation_shape[0];
   struct Live {
@@ -175,8 +186,8 @@ double PipelineRuntime::run(const at::Tensor& inputs, const at::Tensor& targets)
       }
       st.output = chunk.forward(st.input);
       if (g == last) {
-        // The batch mean: each of the m equal micro-batches weighs 1/m.
-        st.loss = chunk.loss(st.output, targets.narrow(0, micro * a.microbatch, micro)) / m;
+        const auto loss = chunk.loss(st.output, targets.narrow(0, micro * a.microbatch, micro));
+        st.loss = weights.empty() ? loss / m : loss * loss_weight(weights, a.microbatch, m);
         loss_sum += st.loss.item<double>();
         span.reset();
       } else {

@@ -300,7 +300,7 @@ struct VocabParallelCrossEntropy : public torch::autograd::Function<VocabParalle
 }  // namespace
 
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
-                                        std::int64_t vocab_size, const CommPtr& tp) {
+                                        std::int64_t vocab_size, const CommPtr& tp, std::int64_t ignore_index) {
   DTRAIN_CHECK_ARG(tp != nullptr, "tensor parallel: no tp communicator");
   DTRAIN_CHECK_ARG(local_logits.dim() == 2 && targets.dim() == 1 &&
                        targets.size(0) == local_logits.size(0),
@@ -310,7 +310,11 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at
                    "vocab_parallel_cross_entropy: ", local_logits.size(1), " columns per rank x tp=",
                    tp->size(), " is not the padded vocabulary ",
                    padded_vocab_size(vocab_size, tp->size()), " of vocab_size=", vocab_size);
-  return VocabParallelCrossEntropy::apply(local_logits, targets, vocab_size, handle(tp)).mean();
+  // An ignored row's loss is finite (its target is outside every rank's columns) and is
+  // multiplied by 0, which also zeroes its gradient.
+  const auto keep = targets.ne(ignore_index);
+  const auto rows = VocabParallelCrossEntropy::apply(local_logits, targets, vocab_size, handle(tp));
+  return (rows * keep).sum() / keep.sum().clamp_min(1);
 }
 
 namespace {

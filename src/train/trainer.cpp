@@ -362,6 +362,23 @@ void Trainer::build_pipeline() {
   }
 }
 
+Trainer::StepBatch Trainer::step_batch(data::TokenDataset& data, const std::vector<std::int64_t>& samples) {
+  StepBatch out{data.batch(rows(samples, 0, accum_ * micro_batch_)), {}};
+  out.weights.assign(static_cast<std::size_t>(accum_), 1.0 / static_cast<double>(accum_));
+  if (!options_.eod_mask_loss) return out;
+  auto& [inputs, targets] = out.batch;
+  targets.masked_fill_(inputs.eq(model_config_.document_separator), models::kIgnoreTarget);
+  const auto counts = targets.ne(models::kIgnoreTarget).view({accum_, -1}).sum(1);
+  auto total = counts.sum().to(torch::kDouble).reshape({1}).to(ctx_->device());
+  const auto& dp = ctx_->dp_comm();
+  dp->all_reduce(total)->wait();
+  const double n = total.cpu().item<double>(), share = n > 0 ? dp->size() / n : 0.0;
+  for (std::int64_t k = 0; k < accum_; ++k) {
+    out.weights[static_cast<std::size_t>(k)] = static_cast<double>(counts[k].item<std::int64_t>()) * share;
+  }
+  return out;
+}
+
 double Trainer::pipeline_loss(double local) {
   auto t = torch::full({1}, std::isnan(local) ? 0.0 : local,
                        torch::TensorOptions().dtype(torch::kDouble).device(ctx_->device()));
@@ -376,7 +393,7 @@ double Trainer::pipeline_step(StepMetrics& m, double scale) {
   auto& pl = *pipeline_;
   const auto device = ctx_->device();
   for (auto& chunk : pl.chunks) chunk->train();
-  const auto batch = train_->batch(rows(sampler_->indices(step_), 0, accum_ * micro_batch_));
+  const auto [batch, weights] = step_batch(*train_, sampler_->indices(step_));
   pl.scale = scale;
   // Gradients accumulate over the micro-batches; the data-parallel reduction follows run().
   if (sdp_) sdp_->set_sync(false);
@@ -384,7 +401,7 @@ double Trainer::pipeline_step(StepMetrics& m, double scale) {
   double local = 0;
   {
     AutocastScope autocast(precision_dtype(options_.precision), device.type());
-    local = pl.runtime->run(batch.inputs.to(device), batch.targets.to(device)) / scale;
+    local = pl.runtime->run(batch.inputs.to(device), batch.targets.to(device), weights) / scale;
   }
   if (options_.sync_timing) synchronize(device);
   m.forward_ms = ms_since(t);  // forward and backward interleave: the whole pipeline
@@ -447,6 +464,9 @@ void Trainer::check_options() const {
   model_config_.validate_tp(ctx_->tp_size());
   model_config_.moe.validate_ep(ctx_->ep_size());
   DTRAIN_CHECK_ARG(!o.train_data.empty(), "--train-data is required (a glob of token shards)");
+  DTRAIN_CHECK_ARG(!o.eod_mask_loss || model_config_.document_separator >= 0, "--eod-mask-loss drops the loss "
+                   "at each document separator; allowed only with --document-separator ID (got ",
+                   model_config_.document_separator, ")");
   DTRAIN_CHECK_ARG(o.seq_len >= 1 && o.seq_len <= model_config_.context, "--seq-len=", o.seq_len,
                    " is not allowed: the model context is ", model_config_.context,
                    " (--context); allowed: 1..", model_config_.context);
@@ -652,7 +672,8 @@ void Trainer::log_summary() const {
                                                : std::string()) +
                (model_config_.document_separator >= 0
                     ? format(" (documents end at token {}{})", model_config_.document_separator,
-                             model_config_.reset_position_ids ? ", positions restart" : "")
+                             std::string(model_config_.reset_position_ids ? ", positions restart" : "") +
+                                 (o.eod_mask_loss ? ", no loss at separators" : ""))
                     : std::string()),
            model_config_.vocab_size,
            std::round(static_cast<double>(model_config_.num_parameters()) / 1e4) / 100,
@@ -731,7 +752,8 @@ StepMetrics Trainer::train_step() {
   }
   if (expert_optimizer_) expert_optimizer_->zero_grad();
   // The factor each micro-batch's loss gets in backward: MoE auxiliary losses get it too,
-  // and the fused cross-entropy writes its gradient for it.
+  // and the fused cross-entropy writes its gradient for it. (A pipeline's micro-batches
+  // weighed by their loss tokens differ from it: the fused loss rescales its gradient.)
   for (auto& model : models()) model->set_loss_grad_scale(scale / static_cast<double>(accum_));
   ep::reset_comm_stats();
   double pipeline_mean = 0;
@@ -740,10 +762,15 @@ StepMetrics Trainer::train_step() {
     pipeline_mean = pipeline_step(m, scale);
   } else {
   model_->train();
-  const auto samples = sampler_->indices(step_);
+  const auto [batch, weights] = step_batch(*train_, sampler_->indices(step_));
   for (std::int64_t k = 0; k < accum_; ++k) {
-    auto batch = train_->batch(rows(samples, k * micro_batch_, (k + 1) * micro_batch_));
-    auto inputs = batch.inputs.to(device), targets = batch.targets.to(device);
+    const double weight = weights[static_cast<std::size_t>(k)];
+    // (A micro-batch without loss targets weighs 0, which the fused loss cannot announce;
+    // its loss and gradient are 0 under any factor.)
+    const double per_micro_batch = scale / static_cast<double>(accum_);
+    model_->set_loss_grad_scale(weight > 0 ? scale * weight : per_micro_batch, per_micro_batch);
+    auto inputs = batch.inputs.narrow(0, k * micro_batch_, micro_batch_).to(device);
+    auto targets = batch.targets.narrow(0, k * micro_batch_, micro_batch_).to(device);
     if (sdp_) {
       sdp_->set_sync(k == accum_ - 1);
     } else {
@@ -762,11 +789,11 @@ StepMetrics Trainer::train_step() {
     t = Clock::now();
     {
       auto span = trace::span(trace_.get(), "backward", "train", trace::Track::kCompute, {{"microbatch", k}});
-      (loss * (scale / static_cast<double>(accum_))).backward();
+      (loss * (scale * weight)).backward();
     }
     timed_sync();
     m.backward_ms += ms_since(t);
-    loss_sum += loss.detach().to(torch::kFloat);
+    loss_sum += loss.detach().to(torch::kFloat) * weight;
   }
   auto t = Clock::now();
   {
@@ -833,9 +860,8 @@ StepMetrics Trainer::train_step() {
   if (pipeline_) {
     m.loss = pipeline_mean;
   } else {
-    auto mean = loss_sum / static_cast<double>(accum_);
-    ctx_->dp_comm()->all_reduce(mean, {ReduceOp::kAvg})->wait();
-    m.loss = mean.item<double>();
+    ctx_->dp_comm()->all_reduce(loss_sum, {ReduceOp::kAvg})->wait();
+    m.loss = loss_sum.item<double>();
   }
   if (model_config_.moe.enabled()) collect_moe(m.moe);
   m.step_ms = ms_since(t_step);
@@ -942,9 +968,9 @@ double Trainer::evaluate() {
     pipeline_->scale = 1;
     double sum = 0;
     for (std::int64_t b = 0; b < batches; ++b) {
-      const auto batch = val_->batch(rows(val_sampler_->indices(b), 0, accum_ * micro_batch_));
+      const auto [batch, weights] = step_batch(*val_, val_sampler_->indices(b));
       AutocastScope autocast(precision_dtype(options_.precision), device.type());
-      sum += pipeline_->runtime->forward_only(batch.inputs.to(device), batch.targets.to(device));
+      sum += pipeline_->runtime->forward_only(batch.inputs.to(device), batch.targets.to(device), weights);
     }
     for (auto& chunk : pipeline_->chunks) chunk->train();
     return pipeline_loss(sum / static_cast<double>(batches));
@@ -952,15 +978,17 @@ double Trainer::evaluate() {
   model_->eval();
   auto sum = torch::zeros({}, torch::TensorOptions().device(device));
   for (std::int64_t b = 0; b < batches; ++b) {
-    const auto samples = val_sampler_->indices(b);
+    const auto [batch, weights] = step_batch(*val_, val_sampler_->indices(b));
     for (std::int64_t k = 0; k < accum_; ++k) {
-      auto batch = val_->batch(rows(samples, k * micro_batch_, (k + 1) * micro_batch_));
       AutocastScope autocast(precision_dtype(options_.precision), device.type());
-      sum += model_->loss(batch.inputs.to(device), batch.targets.to(device)).to(torch::kFloat);
+      sum += model_->loss(batch.inputs.narrow(0, k * micro_batch_, micro_batch_).to(device),
+                          batch.targets.narrow(0, k * micro_batch_, micro_batch_).to(device))
+                 .to(torch::kFloat) *
+             weights[static_cast<std::size_t>(k)];
     }
   }
   model_->train();
-  auto mean = sum / static_cast<double>(batches * accum_);
+  auto mean = sum / static_cast<double>(batches);
   ctx_->dp_comm()->all_reduce(mean, {ReduceOp::kAvg})->wait();
   return mean.item<double>();
 }

@@ -66,12 +66,15 @@ expect(attention-window-negative 2 "attention_window=-3 \\(--attention-window\\)
        ARGS ${DATA} --attention-window -3)
 expect(document-separator-range 2 "document_separator=256 \\(--document-separator\\) is out of range; allowed: -1 \\(none\\) or a token id in 0..255"
        ARGS ${DATA} --vocab-size 256 --document-separator 256)
+expect(eod-mask-loss-without-documents 2 "--eod-mask-loss drops the loss at each document separator; allowed only with --document-separator ID \\(got -1\\)"
+       ARGS ${DATA} --eod-mask-loss)
 expect(reset-positions-without-documents 2 "reset_position_ids \\(--reset-position-ids\\) restarts positions at each document; allowed only with document_separator >= 0"
        ARGS ${DATA} --reset-position-ids)
 # Every kernel option on the CPU (their reference paths) trains, with a sliding window and
-# lines of the text as documents (the byte tokenizer's newline, 10) whose positions restart.
-expect(fused-ops-on-cpu 0 "device cpu.*kernels: attention flash, fused norm on, fused cross-entropy on, fused AdamW on.*context 64 \\(attention window 16\\) \\(documents end at token 10, positions restart\\).*done: 5 steps" CPU ARGS ${DATA} --global-batch 8 --steps 5 --warmup-steps 1 --attention flash --fused-norm
-       --fused-ce --fused-adamw --fsdp zero1 --attention-window 16 --document-separator 10 --reset-position-ids)
+# lines of the text as documents (the byte tokenizer's newline, 10) whose positions restart
+# and whose separators get no loss.
+expect(fused-ops-on-cpu 0 "device cpu.*kernels: attention flash, fused norm on, fused cross-entropy on, fused AdamW on.*context 64 \\(attention window 16\\) \\(documents end at token 10, positions restart, no loss at separators\\).*done: 5 steps" CPU ARGS ${DATA} --global-batch 8 --steps 5 --warmup-steps 1 --attention flash --fused-norm
+       --fused-ce --fused-adamw --fsdp zero1 --attention-window 16 --document-separator 10 --reset-position-ids --eod-mask-loss)
 expect(fused-on-and-off nonzero "--fused-ce excludes --no-fused-ce" ARGS ${DATA} --fused-ce --no-fused-ce)
 expect(param-dtype-needs-fsdp 2 "--param-dtype / --reduce-dtype other than float32 need --fsdp"
        ARGS ${DATA} --param-dtype bfloat16)
@@ -123,7 +126,8 @@ if(MPIEXEC)
   expect(np2-sp-seq 2 "--seq-len=31 is not divisible by --tp=2"
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --tp 2 --sequence-parallel --seq-len 31)
   expect(np2-pp-documents 0 "documents end at token 10.*pipeline: 2 stages x 1 chunk.*val loss"
-         NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --pp 2 --microbatches 2 --document-separator 10)
+         NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --pp 2 --microbatches 2 --document-separator 10
+         --eod-mask-loss)
   # Pipeline parallelism: 2 stages of the tiny model's 2 blocks, 2 micro-batches.
   expect(np2-pp 0 "pipeline: 2 stages x 1 chunk\\(s\\), schedule zb, 2 micro-batches of 2.*val loss.*trace: .*t.rank0.json"
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --pp 2 --pp-schedule zb --microbatches 2

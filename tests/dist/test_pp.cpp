@@ -152,6 +152,26 @@ TEST_F(PpTrainTest, EveryScheduleMatchesSingleProcessForTenSteps) {
   }
 }
 
+// --eod-mask-loss through the pipeline: the last stage weighs each micro-batch by its share
+// of the global batch's loss targets (PipelineRuntime::run's weights); at 4 ranks also
+// pp 2 x dp 2.
+TEST_F(PpTrainTest, EodMaskLossMatchesSingleProcess) {
+  const int n = nranks();
+  if (n == 1) GTEST_SKIP() << "pipeline parallelism needs 2 or more ranks";
+  auto cfg = models8().first;
+  cfg.document_separator = 10;  // each line of the text a document
+  TestCorpus corpus("ppeod" + std::to_string(rank()));
+  auto o = options(corpus);
+  o.eod_mask_loss = true;
+  const auto reference = single_process_reference(cfg, o);
+  o.micro_batch = 1;
+  for (int pp : n == 4 ? std::vector<int>{4, 2} : std::vector<int>{n}) {
+    SCOPED_TRACE("pp=" + std::to_string(pp));
+    Trainer pipelined(context(pp), cfg, o);
+    expect_equivalent(pipelined, reference);
+  }
+}
+
 // The pipeline inside the mesh: stages sharded over dp (zero1/zero2/full, the tied copy
 // included) and split over tp (with and without sequence parallelism), 10 steps against
 // the single-process run with the harness's tolerances.

@@ -3,8 +3,9 @@
 // parallelism, GPT-2 and Llama (key/value heads split, or replicated when tp does not
 // divide them), replicated data parallelism and FSDP; 10 steps of the train harness with
 // its tolerances (losses rtol 1e-5, gradient norms 1e-4, parameters rtol 1e-5 / atol 5e-5).
-// Also: packed documents with reset positions, the slices of the initial model, the
-// dropout streams of the RNG tracker, and the errors for sizes that do not divide.
+// Also: packed documents (reset positions, no loss at separators), the slices of the
+// initial model, the dropout streams of the RNG tracker, and the errors for sizes that do
+// not divide.
 #include <torch/torch.h>
 
 #include "train_harness.hpp"
@@ -38,9 +39,10 @@ class TpModelTest : public TrainTest {
     return c;
   }
   void expect_matches(const ContextPtr& ctx, const models::GptConfig& cfg,
-                      const std::string& fsdp = "none") {
+                      const std::string& fsdp = "none", bool eod_mask_loss = false) {
     TestCorpus corpus("tp" + std::to_string(rank()));
     auto o = options(corpus);
+    o.eod_mask_loss = eod_mask_loss;
     if (ctx->tp_size() == 3) o.seq_len = 30;  // sequence parallelism: divisible by tp
     auto ref_o = o;
     o.fsdp = fsdp;
@@ -111,15 +113,16 @@ TEST_F(TpModelTest, TpWithActivationCheckpointingMatchesSingleProcess) {
   expect_matches(context(n, true), cfg);
 }
 
-// Packed documents with reset positions (the byte corpus's newlines end them) under
-// sequence parallelism: each rank's slice of the per-document learned positions (GPT-2),
-// and the rotary angles per token (Llama).
-TEST_F(TpModelTest, PackedDocumentsWithResetPositionsMatchSingleProcess) {
+// Packed documents with reset positions and no loss at separators (the byte corpus's
+// newlines end them) under sequence parallelism: each rank's slice of the per-document
+// learned positions (GPT-2), the rotary angles per token (Llama), and the
+// vocabulary-parallel loss leaving out the ignored targets.
+TEST_F(TpModelTest, PackedDocumentsMatchSingleProcess) {
   const int n = nranks();
   for (auto cfg : {gpt2(n), llama(n)}) {
     cfg.document_separator = 10, cfg.reset_position_ids = true;
     SCOPED_TRACE(cfg.family);
-    expect_matches(context(n, true), cfg);
+    expect_matches(context(n, true), cfg, "none", /*eod_mask_loss=*/true);
   }
 }
 

@@ -1,8 +1,9 @@
 // The trainer with data parallelism against the single-process run: every rank trains the
 // tiny GPT with DP over the world and compares with a single-process reference on the
-// whole global batch (run on rank 0, broadcast: train_harness.hpp); after 10 steps losses agree within 1e-5 relative and parameters
-// within 1e-5 (float32). Also: accumulation under DP, overlap of the bucket all-reduces
-// with backward, and bad input on one rank stops every rank with no hang.
+// whole global batch (run on rank 0, broadcast: train_harness.hpp); after 10 steps losses
+// agree within 1e-5 relative and parameters within 1e-5 (float32). Also: accumulation
+// under DP, --eod-mask-loss, overlap of the bucket all-reduces with backward, and bad
+// input on one rank stops every rank with no hang.
 #include <torch/torch.h>
 
 #include "train_harness.hpp"
@@ -33,6 +34,21 @@ TEST_F(TrainTest, AccumulationUnderDataParallelMatchesSingleProcess) {
   Trainer dp(dp_context(), tiny, o);
   EXPECT_EQ(dp.grad_accumulation(), 12 / nranks());
   expect_equivalent_to_single_process(dp, tiny, corpus);
+}
+
+// --eod-mask-loss (each line of the text a document): with one sample per micro-batch the
+// micro-batches and the ranks hold different numbers of loss targets, and each weighs its
+// share of the global batch's: the single-process run of the whole batch at once.
+TEST_F(TrainTest, EodMaskLossUnderDataParallelMatchesSingleProcess) {
+  TestCorpus corpus("eod" + std::to_string(rank()));
+  auto cfg = models::GptConfig::preset("tiny");
+  cfg.document_separator = 10;
+  auto o = options(corpus);
+  o.eod_mask_loss = true;
+  const auto reference = single_process_reference(cfg, o);
+  o.micro_batch = 1;
+  Trainer dp(dp_context(), cfg, o);
+  expect_equivalent(dp, reference);
 }
 
 TEST_F(TrainTest, BucketAllReducesStartDuringBackward) {

@@ -1,7 +1,7 @@
 // The trainer in one process: the golden loss curve of the tiny config, every input
 // check before training (each naming the option, the value and what is allowed), the
-// metrics file, gradient accumulation, bfloat16 and float16 autocast, and the float16 loss
-// scaler skipping an overflowed step; CPU memory tracking.
+// metrics file, gradient accumulation, --eod-mask-loss, bfloat16 and float16 autocast, and
+// the float16 loss scaler skipping an overflowed step; CPU memory tracking.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -176,6 +176,42 @@ TEST(Trainer, GradientAccumulationEqualsOneLargeBatch) {
   for (std::size_t i = 0; i < pa.size(); ++i) {
     EXPECT_TRUE(torch::allclose(pa[i].second, pb[i].second, 1e-4, 1e-5)) << pa[i].first;
   }
+}
+
+// --eod-mask-loss: the first step's loss is the initial model's mean cross-entropy over
+// the step's targets except those predicted at a separator (computed here from the same
+// samples), with the step as one micro-batch or eight (whose loss targets differ in
+// number); without --document-separator it is refused.
+TEST(Trainer, EodMaskLossIsTheMeanOverTheOtherTargets) {
+  TestCorpus corpus("eod");
+  auto cfg = models::GptConfig::preset("tiny");
+  cfg.document_separator = 10;  // the byte tokenizer's newline: each line is a document
+  auto o = golden_options(corpus);
+  o.steps = 1, o.warmup_steps = 0, o.val_data.clear(), o.eod_mask_loss = true;
+  data::TokenDataset data(o.train_data, o.seq_len);
+  const auto batch = data.batch(data::DistributedSampler(data.num_samples(), o.global_batch, 0, 1, o.seed).indices(0));
+  models::Gpt model(ParallelContext::single_process(), cfg, o.seed);
+  const auto logits = model->forward(batch.inputs).detach();
+  namespace F = torch::nn::functional;
+  const auto per_target = F::cross_entropy(logits.reshape({-1, logits.size(-1)}), batch.targets.reshape({-1}),
+                                           F::CrossEntropyFuncOptions().reduction(torch::kNone));
+  const auto keep = batch.inputs.reshape({-1}).ne(cfg.document_separator);
+  const auto per_sample = keep.view({o.global_batch, -1}).sum(1);
+  ASSERT_GT(per_sample.max().item<std::int64_t>(), per_sample.min().item<std::int64_t>())
+      << "the samples should hold different numbers of separators";
+  const double want = per_target.masked_select(keep).mean().item<double>();
+  ASSERT_GT(std::abs(want - per_target.mean().item<double>()), 2e-4 * want)
+      << "the mask should matter (20x the tolerance)";
+  for (std::int64_t micro : {0, 1}) {
+    o.micro_batch = micro;
+    Trainer t(ParallelContext::single_process(), cfg, o);
+    EXPECT_NEAR(t.run().front().loss, want, 1e-5 * want) << "micro-batch " << micro;
+  }
+  cfg.document_separator = -1;
+  EXPECT_NE(error_of([&] { Trainer(ParallelContext::single_process(), cfg, o); })
+                .find("--eod-mask-loss drops the loss at each document separator; allowed only with "
+                      "--document-separator ID (got -1)"),
+            std::string::npos);
 }
 
 // bf16 and fp16 autocast track float32 within 2% of the loss; fp16 runs with the loss

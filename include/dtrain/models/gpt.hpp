@@ -25,6 +25,10 @@
 
 namespace dtrain::models {
 
+// A target the loss ignores (every loss path: the mean is over the other targets; 0 when
+// none is left). PyTorch's default ignore_index.
+inline constexpr std::int64_t kIgnoreTarget = -100;
+
 struct GptConfig {
   std::string family = "gpt2";  // "gpt2" or "llama"
   std::int64_t vocab_size = 50304;
@@ -172,7 +176,8 @@ class GptImpl : public torch::nn::Module {
   GptImpl(ContextPtr ctx, const GptConfig& config, std::uint64_t seed, GptStage stage = {});
   // The whole model only (forward_stage for a pipeline stage).
   torch::Tensor forward(const torch::Tensor& idx);
-  // Mean cross-entropy of the next-token predictions (the whole model only).
+  // Mean cross-entropy of the next-token predictions over the targets that are not
+  // kIgnoreTarget (the whole model only).
   torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets);
   // This stage on `input` (token ids [B, T] when it holds the embeddings, else the previous
   // stage's output): the output the next stage receives, or, on the last stage, the final
@@ -206,7 +211,11 @@ class GptImpl : public torch::nn::Module {
   // The factor the caller multiplies the loss by before backward; 1 by default. Every MoE
   // layer's auxiliary losses get the same, and the fused cross-entropy writes the logit
   // gradient for it in the forward (another factor costs its backward a rescaling pass).
-  void set_loss_grad_scale(double scale);
+  void set_loss_grad_scale(double scale) { set_loss_grad_scale(scale, scale); }
+  // The same with another factor for the MoE auxiliary losses (the trainer weighs the
+  // loss of a micro-batch by its share of the step's loss tokens, the auxiliary losses by
+  // micro-batch).
+  void set_loss_grad_scale(double scale, double aux_scale);
 
  private:
   torch::Tensor local_logits(const torch::Tensor& h);  // [B, T, padded vocab / tp]

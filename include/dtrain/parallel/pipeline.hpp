@@ -49,13 +49,16 @@ class PipelineRuntime {
   PipelineRuntime(std::vector<StageChunk> chunks, CommPtr pp, PipelineOptions options);
 
   // Forward and backward of the m micro-batches of one step: inputs and targets are
-  // [m * micro, seq] (read on the stages that use them). Gradients accumulate into the
-  // chunks' parameters as d(mean loss over the batch); returns that mean loss on the last
-  // stage's rank, NaN elsewhere.
-  double run(const at::Tensor& inputs, const at::Tensor& targets);
-  // Forward only (no graph): the mean loss over the m micro-batches on the last stage's
-  // rank, NaN elsewhere. Micro-batches in order, each through this rank's chunks in order.
-  double forward_only(const at::Tensor& inputs, const at::Tensor& targets);
+  // [m * micro, seq] (read on the stages that use them). weights: each micro-batch's
+  // factor in the step's loss (read on the last stage; empty: 1/m each, the mean of equal
+  // micro-batches; e.g. their shares of the loss tokens when some targets are ignored).
+  // Gradients accumulate into the chunks' parameters as d(weighted sum of the micro-batch
+  // losses); returns that sum on the last stage's rank, NaN elsewhere.
+  double run(const at::Tensor& inputs, const at::Tensor& targets, const std::vector<double>& weights = {});
+  // Forward only (no graph): the weighted sum of the m micro-batch losses (weights as
+  // above) on the last stage's rank, NaN elsewhere. Micro-batches in order, each through
+  // this rank's chunks in order.
+  double forward_only(const at::Tensor& inputs, const at::Tensor& targets, const std::vector<double>& weights = {});
   // The pp rank that holds the last virtual stage (the loss).
   int loss_rank() const { return pp_->size() - 1; }
   const std::vector<StageActions>& schedule() const { return schedule_; }

@@ -131,9 +131,11 @@ std::int64_t padded_vocab_size(std::int64_t vocab_size, int tp);
 // (this rank's padded_vocab/tp columns, as a column-parallel head without gather_output
 // produces), never gathering the full logits: the row max, the sum of exponentials and
 // the target logit are reduced across tp. Columns at or beyond vocab_size (padding) are
-// ignored. targets: [rows] in [0, vocab_size). Gradient flows to local_logits.
+// ignored. targets: [rows] in [0, vocab_size), or ignore_index: such rows are left out of
+// the mean (0 when every row is) and get no gradient. Gradient flows to local_logits.
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
-                                        std::int64_t vocab_size, const CommPtr& tp);
+                                        std::int64_t vocab_size, const CommPtr& tp,
+                                        std::int64_t ignore_index = -100);
 
 // Dropout randomness under tensor parallelism (as Megatron's RNG tracker): two generator
 // states, "replicated" (seeded alike on every rank of a tp group: activations that are

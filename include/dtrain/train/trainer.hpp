@@ -15,12 +15,8 @@
 #include "dtrain/optim/optim.hpp"
 #include "dtrain/parallel/context.hpp"
 #include "dtrain/parallel/data_parallel.hpp"
+#include "dtrain/data/dataset.hpp"
 #include "dtrain/parallel/fsdp.hpp"
-
-namespace dtrain::data {
-class TokenDataset;
-class DistributedSampler;
-}  // namespace dtrain::data
 
 namespace dtrain::train {
 
@@ -31,6 +27,11 @@ struct TrainOptions {
   std::int64_t seq_len = 64;        // tokens per sample; at most the model's context
   std::int64_t global_batch = 16;   // samples per optimizer step over all ranks
   std::int64_t micro_batch = 0;     // samples per rank per forward; 0: global / dp
+  // Megatron's --eod-mask-loss (needs the model's document_separator): no loss on the
+  // prediction made at a separator (the next document's first token). The loss is then
+  // the mean over the global batch's remaining targets: each micro-batch weighs its share
+  // of them (one count all-reduced per step), so every layout computes the same function.
+  bool eod_mask_loss = false;
   std::int64_t steps = 100;
   std::uint64_t seed = 1337;        // model init and data order
   // Optimizer and schedule (adamw.lr is the peak learning rate).
@@ -208,6 +209,15 @@ class Trainer {
   struct Pipeline;  // pipeline parallelism: this rank's chunks and the runtime
   void validate_and_agree();
   void build_pipeline();
+  // A step's (or an evaluation batch's) samples on the host, with the targets the loss
+  // reads (eod_mask_loss), and each micro-batch's weight in the loss: 1/accum, or its
+  // share of the loss targets of every data-parallel rank's batch, times dp (collective
+  // over dp when eod_mask_loss is on).
+  struct StepBatch {
+    data::Batch batch;
+    std::vector<double> weights;
+  };
+  StepBatch step_batch(data::TokenDataset& data, const std::vector<std::int64_t>& samples);
   double pipeline_step(StepMetrics& m, double scale);
   double pipeline_loss(double local);  // the last stage's loss, on every rank
   void check_options() const;
