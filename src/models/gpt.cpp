@@ -257,7 +257,7 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
 
 // Attention of this rank's heads on the (gathered) normed input; [B, T, H/tp * D].
 torch::Tensor BlockImpl::attention(const torch::Tensor& in, const torch::Tensor& rope_cos,
-                                   const torch::Tensor& rope_sin, const torch::Tensor& documents) {
+                                   const torch::Tensor& rope_sin, const ops::Documents& documents) {
   const auto B = in.size(0), T = in.size(1);
   const auto D = config_.head_dim(), H = config_.n_head / tp_.size;
   namespace F = torch::nn::functional;
@@ -303,7 +303,7 @@ torch::Tensor BlockImpl::attention(const torch::Tensor& in, const torch::Tensor&
 }
 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& rope_cos,
-                                 const torch::Tensor& rope_sin, const torch::Tensor& documents) {
+                                 const torch::Tensor& rope_sin, const ops::Documents& documents) {
   const double p = config_.dropout;
   auto& rng = *tp_.rng;
   auto a = attention(tp::enter_column_region(norm(x, ln1_w_, ln1_b_), tp_.comm, column_),
@@ -327,17 +327,17 @@ namespace {
 // parameter gradients accumulate during the recomputation's own backward. The dropout
 // streams are replayed from their state at the forward, so the recomputation draws the
 // same masks.
-// The document numbers travel as a non-Tensor argument (a Tensor argument is tracked as
-// an input of the graph, which an undefined one cannot be).
+// The documents travel as a non-Tensor argument (a Tensor argument is tracked as an input
+// of the graph, which an undefined one cannot be); the recomputation makes its own mask.
 struct BlockDocuments {
-  torch::Tensor ids;
+  ops::Documents documents;
 };
 struct CheckpointBlock : public torch::autograd::Function<CheckpointBlock> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x,
                                torch::Tensor cos, torch::Tensor sin, const BlockDocuments& docs, BlockImpl* block) {
-    const auto& documents = docs.ids;
+    const auto& documents = docs.documents;
     ctx->save_for_backward({x, cos, sin});
-    ctx->saved_data["documents"] = documents;
+    ctx->saved_data["documents"] = documents.ids();
     // The block outlives the autograd graph (the model owns it); IValue cannot hold it.
     ctx->saved_data["block"] = reinterpret_cast<std::int64_t>(block);
     const auto states = block->rng().states();
@@ -358,7 +358,7 @@ struct CheckpointBlock : public torch::autograd::Function<CheckpointBlock> {
                                ctx->saved_data["rng_split"].toTensor()});
       torch::AutoGradMode enable(true);
       MoeRecomputeScope recompute;  // routing statistics were recorded in the forward
-      out = block->forward(x, saved[1], saved[2], ctx->saved_data["documents"].toTensor());
+      out = block->forward(x, saved[1], saved[2], ops::Documents(ctx->saved_data["documents"].toTensor()));
       block->rng().set_states(now);
     }
     torch::autograd::backward({out}, {grads[0]});
@@ -618,16 +618,18 @@ std::pair<torch::Tensor, torch::Tensor> GptImpl::rope_angles(const torch::Tensor
 
 torch::Tensor GptImpl::forward_stage(const torch::Tensor& input, const torch::Tensor& tokens) {
   const auto& c = config_;
-  // Packed documents: each token's document number (the separators before it) and, with
+  // Packed documents: each token's document number (the separators before it; one
+  // ops::Documents for every block, which makes the attention masks once) and, with
   // reset_position_ids, its position in its document, from the micro-batch's tokens.
-  torch::Tensor documents, positions;
+  ops::Documents documents;
+  torch::Tensor positions;
   if (c.document_separator >= 0) {
     const auto& ids = stage_.embedding ? input : tokens;
     DTRAIN_CHECK_ARG(ids.defined() && ids.dim() == 2 && ids.size(0) == input.size(0), "document_separator=",
                      c.document_separator, " (--document-separator): a pipeline stage after the first needs the "
                      "micro-batch's tokens [batch, time] with its input ", input.sizes());
     const auto ends = ids.eq(c.document_separator).to(torch::kInt);
-    documents = ends.cumsum(1, torch::kInt) - ends;
+    documents = ops::Documents(ends.cumsum(1, torch::kInt) - ends);
     if (c.reset_position_ids) {
       // A document starts at 0 and after each separator; a token's position counts from
       // the last start at or before it.

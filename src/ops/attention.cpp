@@ -51,8 +51,9 @@ void check_window(const char* op, bool causal, std::int64_t window) {
 // Both backends' rule for packed documents: integer [batch, time] over one sequence (q's
 // and k's), on q's device, causal only.
 void check_documents(const char* op, const at::Tensor& q, const at::Tensor& k, bool causal,
-                     const at::Tensor& documents) {
-  if (!documents.defined()) return;
+                     const Documents& docs) {
+  if (!docs.defined()) return;
+  const auto& documents = docs.ids();
   DTRAIN_OP_CHECK(causal, op, "documents without causal are not allowed; allowed: causal attention");
   DTRAIN_OP_CHECK(q.size(2) == k.size(2), op, "documents need one sequence for queries and keys; got ", q.size(2),
                   " queries and ", k.size(2), " keys");
@@ -340,18 +341,42 @@ class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
 
 }  // namespace
 
+struct Documents::Derived {
+  std::pair<at::Tensor, at::Tensor> bounds;
+  at::Tensor mask;
+  std::int64_t mask_window = -1;
+};
+
+Documents::Documents(at::Tensor ids) : ids_(std::move(ids)), derived_(std::make_shared<Derived>()) {}
+
+const std::pair<at::Tensor, at::Tensor>& Documents::bounds() const {
+  DTRAIN_CHECK(defined(), "internal: document bounds without documents");
+  if (!derived_->bounds.first.defined()) derived_->bounds = document_bounds(ids_);
+  return derived_->bounds;
+}
+
+const at::Tensor& Documents::sdpa_mask(std::int64_t window) const {
+  DTRAIN_CHECK(defined(), "internal: a document mask without documents");
+  if (derived_->mask_window != window) {
+    const auto T = ids_.size(1);
+    derived_->mask = hidden_keys(0, T, T, /*causal=*/true, window, bounds().first, ids_.options()).logical_not_();
+    derived_->mask_window = window;
+  }
+  return derived_->mask;
+}
+
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                           double scale, std::int64_t window, const at::Tensor& documents) {
+                           double scale, std::int64_t window, const Documents& documents) {
   check_inputs(q, k, v, causal, window);
   check_documents(kOp, q, k, causal, documents);
   if (scale <= 0) scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
   DocumentBounds docs;
-  if (documents.defined()) std::tie(docs.start, docs.end) = document_bounds(documents);
+  if (documents.defined()) std::tie(docs.start, docs.end) = documents.bounds();
   return FlashAttentionFn::apply(q, k, v, causal, window, docs, scale);
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                     double dropout_p, AttentionBackend backend, std::int64_t window, const at::Tensor& documents) {
+                     double dropout_p, AttentionBackend backend, std::int64_t window, const Documents& documents) {
   if (backend == AttentionBackend::kFlash) {
     DTRAIN_CHECK_ARG(dropout_p == 0.0, "attention: the flash backend has no dropout (dropout_p=", dropout_p,
                      "); use the sdpa backend");
@@ -370,9 +395,13 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     kk = k.repeat_interleave(h / hkv, 1);
     vv = v.repeat_interleave(h / hkv, 1);
   }
-  if (window > 0 || documents.defined()) {  // an explicit mask of the keys each query sees (sdpa has neither)
-    const auto doc_start = documents.defined() ? document_bounds(documents).first : at::Tensor();
-    auto seen = hidden_keys(0, q.size(2), k.size(2), causal, window, doc_start, q.options()).logical_not_();
+  // An explicit mask of the keys each query sees (sdpa has no window and no documents);
+  // the documents' is made once for all the calls that share them.
+  if (documents.defined()) {
+    return at::scaled_dot_product_attention(q, kk, vv, documents.sdpa_mask(window), dropout_p, /*is_causal=*/false);
+  }
+  if (window > 0) {
+    auto seen = hidden_keys(0, q.size(2), k.size(2), causal, window, {}, q.options()).logical_not_();
     return at::scaled_dot_product_attention(q, kk, vv, seen, dropout_p, /*is_causal=*/false);
   }
   return at::scaled_dot_product_attention(q, kk, vv, /*attn_mask=*/{}, dropout_p, causal);

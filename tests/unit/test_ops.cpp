@@ -125,14 +125,15 @@ TEST(FlashAttentionReference, DocumentsAreIndependentSequences) {
       runs[1].push_back({i, std::min(T, i + 3)});
     }
   }
-  for (std::int64_t window : {0, 25}) {
+  const ops::Documents shared(documents);  // one for every call, as a model's layers share it
+  for (std::int64_t window : {0, 25, 0}) {
     for (auto backend : {ops::AttentionBackend::kFlash, ops::AttentionBackend::kSdpa}) {
       SCOPED_TRACE(std::string(ops::to_string(backend)) + " window " + std::to_string(window));
       auto q = torch::randn({B, H, T, D}, torch::kDouble).requires_grad_();
       auto k = torch::randn({B, Hkv, T, D}, torch::kDouble).requires_grad_();
       auto v = torch::randn({B, Hkv, T, D}, torch::kDouble).requires_grad_();
       auto dout = torch::randn({B, H, T, D}, torch::kDouble);
-      auto got = ops::attention(q, k, v, true, 0.0, backend, window, documents);
+      auto got = ops::attention(q, k, v, true, 0.0, backend, window, shared);
       got.backward(dout);
       for (std::int64_t b = 0; b < B; ++b) {
         for (const auto& run : runs[b]) {
@@ -150,6 +151,27 @@ TEST(FlashAttentionReference, DocumentsAreIndependentSequences) {
         }
       }
     }
+  }
+}
+
+// ops::Documents makes the bounds and sdpa's mask once, and its copies share them; the
+// mask is the keys of the query's own document up to the query, within the window.
+TEST(FlashAttentionReference, DocumentsMakeTheirMasksOnce) {
+  const auto ids = torch::tensor({0, 0, 1, 1, 1, 0}, torch::kInt).view({1, 6});
+  const ops::Documents documents(ids);
+  const auto copy = documents;
+  EXPECT_TRUE(copy.bounds().first.is_same(documents.bounds().first));
+  EXPECT_TRUE(torch::equal(documents.bounds().first, torch::tensor({0, 0, 2, 2, 2, 5}, torch::kInt).view({1, 6})));
+  EXPECT_TRUE(torch::equal(documents.bounds().second, torch::tensor({2, 2, 5, 5, 5, 6}, torch::kInt).view({1, 6})));
+  for (std::int64_t window : {0, 2}) {
+    const auto& mask = documents.sdpa_mask(window);
+    EXPECT_TRUE(copy.sdpa_mask(window).is_same(mask));
+    auto want = torch::zeros({1, 1, 6, 6}, torch::kBool);
+    const std::int64_t start[] = {0, 0, 2, 2, 2, 5};
+    for (std::int64_t i = 0; i < 6; ++i) {
+      for (std::int64_t j = start[i]; j <= i; ++j) want.index_put_({0, 0, i, j}, window == 0 || j > i - window);
+    }
+    EXPECT_TRUE(torch::equal(mask, want)) << "window " << window << "\n" << mask;
   }
 }
 

@@ -123,9 +123,9 @@ struct TpEnv {
 class BlockImpl : public torch::nn::Module {
  public:
   BlockImpl(const GptConfig& config, TpEnv tp, std::int64_t index = 0);
-  // documents: each token's document number [B, T] (undefined: one document per row).
+  // documents: each token's document (undefined: one document per row).
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& rope_cos, const torch::Tensor& rope_sin,
-                        const torch::Tensor& documents = {});
+                        const ops::Documents& documents = {});
   // Whether this rank holds its own n_kv_head / tp key/value heads (else all of them).
   bool kv_split() const { return config_.n_kv_head % tp_.size == 0; }
   tp::RngTracker& rng() { return *tp_.rng; }
@@ -134,7 +134,7 @@ class BlockImpl : public torch::nn::Module {
  private:
   torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) const;
   torch::Tensor attention(const torch::Tensor& in, const torch::Tensor& rope_cos, const torch::Tensor& rope_sin,
-                          const torch::Tensor& documents);
+                          const ops::Documents& documents);
   GptConfig config_;
   TpEnv tp_;
   tp::ParallelLinearOptions column_, row_;

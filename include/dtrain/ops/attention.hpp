@@ -8,9 +8,34 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <utility>
 
 namespace dtrain::ops {
+
+// Packed documents for attention: a document number per token (integer [B, T]; a document
+// is a run of equal numbers), with what the backends derive from them (each token's
+// document bounds; sdpa's boolean mask) made on first use and shared by every copy, so
+// that the layers of one forward make and keep them once. Converts from the numbers (an
+// undefined tensor: no documents). Not thread-safe.
+class Documents {
+ public:
+  Documents() = default;
+  Documents(at::Tensor ids);  // NOLINT(google-explicit-constructor): wherever the numbers go
+  const at::Tensor& ids() const { return ids_; }
+  bool defined() const { return ids_.defined(); }
+  // Each token's document [start, end): int32 [B, T] each, contiguous, on the ids' device.
+  const std::pair<at::Tensor, at::Tensor>& bounds() const;
+  // The keys each query sees in causal attention with this window (0: none): bool
+  // [B, 1, T, T] (kept for the last window asked).
+  const at::Tensor& sdpa_mask(std::int64_t window) const;
+
+ private:
+  struct Derived;
+  at::Tensor ids_;
+  std::shared_ptr<Derived> derived_;
+};
 
 enum class AttentionBackend { kSdpa, kFlash };
 
@@ -24,7 +49,7 @@ const char* to_string(AttentionBackend backend);
 // documents).
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                      double dropout_p = 0.0, AttentionBackend backend = AttentionBackend::kSdpa,
-                     std::int64_t window = 0, const at::Tensor& documents = {});
+                     std::int64_t window = 0, const Documents& documents = {});
 
 // Flash attention with autograd: softmax(q k^T scale) v, causal masks top-left aligned as
 // in sdpa (query i sees keys j <= i); scale <= 0 means 1 / sqrt(D). window W > 0 (causal
@@ -40,7 +65,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 // dtype or device or without causal, and on CUDA for a dtype other than bfloat16/float16
 // or an unsupported head dim.
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                           double scale = 0.0, std::int64_t window = 0, const at::Tensor& documents = {});
+                           double scale = 0.0, std::int64_t window = 0, const Documents& documents = {});
 
 // Whether the CUDA kernel takes this head dim (multiples of 8 from 8 to 128); false in a
 // build without CUDA. The reference path takes any.
