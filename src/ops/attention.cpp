@@ -4,6 +4,7 @@
 // ATen ops in float32, chunked over query rows.
 #include "dtrain/ops/attention.hpp"
 
+#include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
 #include <cmath>
@@ -46,6 +47,19 @@ constexpr std::int64_t kChunk = 256;  // query rows per step of the reference pa
 void check_window(const char* op, bool causal, std::int64_t window) {
   DTRAIN_OP_CHECK(window >= 0 && (window == 0 || causal), op, "window=", window, causal ? "" : " without causal",
                   " is not allowed; allowed: 0 (none) or, with causal, a number of keys >= 1");
+}
+
+// The dtype sdpa computes in: q's, or autocast's where autocast casts q (a float type other
+// than float64 on a device with autocast on), as it does for every sdpa backend.
+at::ScalarType sdpa_dtype(const at::Tensor& q) {
+  const auto type = q.device().type();
+  const auto dtype = q.scalar_type();
+  if (!at::isFloatingType(dtype) || dtype == at::kDouble || !at::autocast::is_autocast_available(type) ||
+      !at::autocast::is_autocast_enabled(type) ||
+      c10::impl::tls_is_dispatch_key_excluded(at::autocast::get_autocast_dispatch_key_from_device_type(type))) {
+    return dtype;
+  }
+  return at::autocast::get_autocast_dtype(type);
 }
 
 // Both backends' rule for packed documents: integer [batch, time] over one sequence (q's
@@ -345,6 +359,7 @@ struct Documents::Derived {
   std::pair<at::Tensor, at::Tensor> bounds;
   at::Tensor mask;
   std::int64_t mask_window = -1;
+  at::ScalarType mask_dtype = at::kBool;
 };
 
 Documents::Documents(at::Tensor ids) : ids_(std::move(ids)), derived_(std::make_shared<Derived>()) {}
@@ -355,12 +370,18 @@ const std::pair<at::Tensor, at::Tensor>& Documents::bounds() const {
   return derived_->bounds;
 }
 
-const at::Tensor& Documents::sdpa_mask(std::int64_t window) const {
+const at::Tensor& Documents::sdpa_mask(std::int64_t window, at::ScalarType dtype) const {
   DTRAIN_CHECK(defined(), "internal: a document mask without documents");
-  if (derived_->mask_window != window) {
-    const auto T = ids_.size(1);
-    derived_->mask = hidden_keys(0, T, T, /*causal=*/true, window, bounds().first, ids_.options()).logical_not_();
+  if (derived_->mask_window != window || derived_->mask_dtype != dtype) {
+    const auto B = ids_.size(0), T = ids_.size(1);
+    // Rows padded to 16 elements, as the memory-efficient backend wants its bias (else it
+    // pads a copy in every call).
+    const auto padded = (T + 15) / 16 * 16;
+    derived_->mask = at::zeros({B, 1, T, padded}, ids_.options().dtype(dtype)).narrow(3, 0, T);
+    derived_->mask.masked_fill_(hidden_keys(0, T, T, /*causal=*/true, window, bounds().first, ids_.options()),
+                                -std::numeric_limits<double>::infinity());
     derived_->mask_window = window;
+    derived_->mask_dtype = dtype;
   }
   return derived_->mask;
 }
@@ -396,9 +417,11 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     vv = v.repeat_interleave(h / hkv, 1);
   }
   // An explicit mask of the keys each query sees (sdpa has no window and no documents);
-  // the documents' is made once for all the calls that share them.
+  // the documents' is made once for all the calls that share them, additive in the dtype
+  // sdpa computes in, so that sdpa uses it (and saves it for the backward) as it is.
   if (documents.defined()) {
-    return at::scaled_dot_product_attention(q, kk, vv, documents.sdpa_mask(window), dropout_p, /*is_causal=*/false);
+    return at::scaled_dot_product_attention(q, kk, vv, documents.sdpa_mask(window, sdpa_dtype(q)), dropout_p,
+                                            /*is_causal=*/false);
   }
   if (window > 0) {
     auto seen = hidden_keys(0, q.size(2), k.size(2), causal, window, {}, q.options()).logical_not_();

@@ -18,6 +18,7 @@
 #include "dtrain/ops/norm.hpp"
 #include "dtrain/optim/optim.hpp"
 #include "dtrain/parallel/context.hpp"
+#include "dtrain/train/autocast.hpp"
 #include "dtrain/train/trainer.hpp"
 
 namespace dtrain {
@@ -155,7 +156,8 @@ TEST(FlashAttentionReference, DocumentsAreIndependentSequences) {
 }
 
 // ops::Documents makes the bounds and sdpa's mask once, and its copies share them; the
-// mask is the keys of the query's own document up to the query, within the window.
+// mask is additive in the dtype asked (0 for the keys of the query's own document up to
+// the query, within the window; -inf elsewhere), its rows padded to 16 elements.
 TEST(FlashAttentionReference, DocumentsMakeTheirMasksOnce) {
   const auto ids = torch::tensor({0, 0, 1, 1, 1, 0}, torch::kInt).view({1, 6});
   const ops::Documents documents(ids);
@@ -163,16 +165,43 @@ TEST(FlashAttentionReference, DocumentsMakeTheirMasksOnce) {
   EXPECT_TRUE(copy.bounds().first.is_same(documents.bounds().first));
   EXPECT_TRUE(torch::equal(documents.bounds().first, torch::tensor({0, 0, 2, 2, 2, 5}, torch::kInt).view({1, 6})));
   EXPECT_TRUE(torch::equal(documents.bounds().second, torch::tensor({2, 2, 5, 5, 5, 6}, torch::kInt).view({1, 6})));
-  for (std::int64_t window : {0, 2}) {
-    const auto& mask = documents.sdpa_mask(window);
-    EXPECT_TRUE(copy.sdpa_mask(window).is_same(mask));
-    auto want = torch::zeros({1, 1, 6, 6}, torch::kBool);
-    const std::int64_t start[] = {0, 0, 2, 2, 2, 5};
-    for (std::int64_t i = 0; i < 6; ++i) {
-      for (std::int64_t j = start[i]; j <= i; ++j) want.index_put_({0, 0, i, j}, window == 0 || j > i - window);
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    for (std::int64_t window : {0, 2}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + " window " + std::to_string(window));
+      const auto& mask = documents.sdpa_mask(window, dtype);
+      EXPECT_TRUE(copy.sdpa_mask(window, dtype).is_same(mask));
+      EXPECT_EQ(mask.scalar_type(), dtype);
+      EXPECT_EQ(mask.sizes(), (std::vector<std::int64_t>{1, 1, 6, 6}));
+      EXPECT_EQ(mask.stride(2), 16);
+      EXPECT_EQ(mask.stride(3), 1);
+      auto want = torch::full({1, 1, 6, 6}, -std::numeric_limits<float>::infinity());
+      const std::int64_t start[] = {0, 0, 2, 2, 2, 5};
+      for (std::int64_t i = 0; i < 6; ++i) {
+        for (std::int64_t j = start[i]; j <= i; ++j) {
+          if (window == 0 || j > i - window) want.index_put_({0, 0, i, j}, 0.0);
+        }
+      }
+      EXPECT_TRUE(torch::equal(mask.to(at::kFloat), want)) << mask;
     }
-    EXPECT_TRUE(torch::equal(mask, want)) << "window " << window << "\n" << mask;
   }
+}
+
+// Under autocast, sdpa computes in autocast's dtype, and the documents' mask is made in it
+// (a float32 one is refused beside bfloat16 queries); the output is the float32 run's
+// within bfloat16's rounding.
+TEST(FlashAttentionReference, DocumentsUnderAutocast) {
+  torch::manual_seed(4);
+  auto q = torch::randn({2, 4, 40, 16}), k = torch::randn({2, 2, 40, 16}), v = torch::randn({2, 2, 40, 16});
+  const ops::Documents documents(torch::arange(40, torch::kInt).div(13, "floor").repeat({2, 1}).contiguous());
+  const auto want = ops::attention(q, k, v, true, 0.0, ops::AttentionBackend::kSdpa, 0, documents);
+  at::Tensor got;
+  {
+    train::AutocastScope autocast(at::kBFloat16, at::kCPU);
+    got = ops::attention(q, k, v, true, 0.0, ops::AttentionBackend::kSdpa, 0, documents);
+  }
+  EXPECT_EQ(got.scalar_type(), at::kBFloat16);
+  EXPECT_LT(max_abs(got, want), 0.05);
+  EXPECT_EQ(documents.sdpa_mask(0, at::kBFloat16).scalar_type(), at::kBFloat16);
 }
 
 TEST(FlashAttentionReference, NamedInputChecks) {

@@ -16,7 +16,7 @@ namespace dtrain::ops {
 
 // Packed documents for attention: a document number per token (integer [B, T]; a document
 // is a run of equal numbers), with what the backends derive from them (each token's
-// document bounds; sdpa's boolean mask) made on first use and shared by every copy, so
+// document bounds; sdpa's mask) made on first use and shared by every copy, so
 // that the layers of one forward make and keep them once. Converts from the numbers (an
 // undefined tensor: no documents). Not thread-safe.
 class Documents {
@@ -27,9 +27,10 @@ class Documents {
   bool defined() const { return ids_.defined(); }
   // Each token's document [start, end): int32 [B, T] each, contiguous, on the ids' device.
   const std::pair<at::Tensor, at::Tensor>& bounds() const;
-  // The keys each query sees in causal attention with this window (0: none): bool
-  // [B, 1, T, T] (kept for the last window asked).
-  const at::Tensor& sdpa_mask(std::int64_t window) const;
+  // The keys each query sees in causal attention with this window (0: none), as sdpa's
+  // additive mask in `dtype`: 0 where seen, -inf elsewhere, [B, 1, T, T] with rows padded
+  // to 16 elements (kept for the last window and dtype asked).
+  const at::Tensor& sdpa_mask(std::int64_t window, at::ScalarType dtype) const;
 
  private:
   struct Derived;
