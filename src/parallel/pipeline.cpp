@@ -127,7 +127,9 @@ double PipelineRuntime::forward_only(const at::Tensor& inputs, const at::Tensor&
       if (chunk.before_forward) chunk.before_forward(inputs.defined() ? inputs.narrow(0, micro * i, micro) : at::Tensor());
       const auto y = chunk.forward(x);
       if (g == last) {
-        loss_sum += chunk.loss(y, targets.narrow(0, micro * i, micro)).item<double>() * loss_weight(weights, i, m);
+        const double weight = loss_weight(weights, i, m);
+        if (chunk.before_loss) chunk.before_loss(weight);
+        loss_sum += chunk.loss(y, targets.narrow(0, micro * i, micro)).item<double>() * weight;
       } else {
         io.send(y, g + 1, io.tag(g, false));
         io.flush();
@@ -186,8 +188,10 @@ double PipelineRuntime::run(const at::Tensor& inputs, const at::Tensor& targets,
       }
       st.output = chunk.forward(st.input);
       if (g == last) {
+        const double weight = loss_weight(weights, a.microbatch, m);
+        if (chunk.before_loss) chunk.before_loss(weight);
         const auto loss = chunk.loss(st.output, targets.narrow(0, micro * a.microbatch, micro));
-        st.loss = weights.empty() ? loss / m : loss * loss_weight(weights, a.microbatch, m);
+        st.loss = weights.empty() ? loss / m : loss * weight;
         loss_sum += st.loss.item<double>();
         span.reset();
       } else {

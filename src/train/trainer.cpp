@@ -336,6 +336,7 @@ void Trainer::build_pipeline() {
     Pipeline* owner = &pl;
     // The micro-batch's tokens, which a later stage's document mask needs (before_forward).
     auto tokens = std::make_shared<at::Tensor>();
+    const auto m = static_cast<double>(accum_);
     chunks.push_back({[model, tokens](const at::Tensor& x) mutable { return model->forward_stage(x, *tokens); },
                       [model, owner](const at::Tensor& h, const at::Tensor& t) mutable {
                         return model->loss_from_hidden(h, t) * owner->scale;
@@ -347,7 +348,14 @@ void Trainer::build_pipeline() {
                           owner->expert_ddp[static_cast<std::size_t>(c)]->set_sync(last);
                         }
                       },
-                      [tokens](const at::Tensor& t) { *tokens = t; }});
+                      [tokens](const at::Tensor& t) { *tokens = t; },
+                      // The micro-batch's share of the step's loss, announced as in
+                      // train_step (a share of 0 has no targets: any factor gives 0).
+                      [model, owner, m](double weight) mutable {
+                        const double per_micro_batch = owner->scale / m;
+                        model->set_loss_grad_scale(weight > 0 ? owner->scale * weight : per_micro_batch,
+                                                   per_micro_batch);
+                      }});
   }
   pp::PipelineOptions po;
   po.schedule = pp::parse_schedule(o.pp_schedule);
@@ -752,8 +760,8 @@ StepMetrics Trainer::train_step() {
   }
   if (expert_optimizer_) expert_optimizer_->zero_grad();
   // The factor each micro-batch's loss gets in backward: MoE auxiliary losses get it too,
-  // and the fused cross-entropy writes its gradient for it. (A pipeline's micro-batches
-  // weighed by their loss tokens differ from it: the fused loss rescales its gradient.)
+  // and the fused cross-entropy writes its gradient for it (micro-batches weighed by their
+  // loss targets set their own below, and in the pipeline's before_loss).
   for (auto& model : models()) model->set_loss_grad_scale(scale / static_cast<double>(accum_));
   ep::reset_comm_stats();
   double pipeline_mean = 0;

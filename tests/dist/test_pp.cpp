@@ -102,6 +102,61 @@ TEST_F(PpTest, RuntimeChecksItsShape) {
             std::string::npos);
 }
 
+// before_loss gets, before each micro-batch's loss on the last stage, the factor run()
+// weighs it by (its weight, 1/m without weights), in every schedule and in forward_only.
+TEST_F(PpTest, BeforeLossGetsEachMicroBatchsWeight) {
+  const int p = nranks(), rank = this->rank();
+  for (auto kind : {pp::ScheduleKind::kGPipe, pp::ScheduleKind::k1F1B, pp::ScheduleKind::kInterleaved,
+                    pp::ScheduleKind::kZeroBubble}) {
+    const int v = kind == pp::ScheduleKind::kInterleaved ? 2 : 1, m = 2 * p;
+    const std::int64_t micro = 2, seq = 3;
+    SCOPED_TRACE(pp::to_string(kind));
+    // Micro-batch i's targets are all i, so that the loss knows whose it is.
+    const auto targets = torch::arange(m).repeat_interleave(micro * seq).view({m * micro, seq});
+    const auto inputs = torch::ones({m * micro, seq}, torch::kLong);
+    std::vector<double> weights;
+    for (int i = 0; i < m; ++i) weights.push_back(0.1 * (i + 1));
+    std::vector<torch::Tensor> scales;
+    std::vector<pp::StageChunk> chunks;
+    auto announced = std::make_shared<double>(-1);
+    auto seen = std::make_shared<std::vector<std::pair<std::int64_t, double>>>();  // (micro-batch, factor)
+    for (int c = 0; c < v; ++c) {
+      const bool first = pp::virtual_stage(rank, c, p) == 0;
+      scales.push_back(torch::full({1}, 1.5, torch::requires_grad()));
+      auto w = scales.back();
+      chunks.push_back({[w, first](const at::Tensor& x) { return (first ? x.to(torch::kFloat).unsqueeze(-1) : x) * w; },
+                        [announced, seen](const at::Tensor& h, const at::Tensor& t) {
+                          seen->emplace_back(t[0][0].item<std::int64_t>(), *announced);
+                          *announced = -1;  // one announcement per loss
+                          return h.mean();
+                        },
+                        {w}, {}, {},
+                        [announced](double weight) { *announced = weight; }});
+    }
+    pp::PipelineOptions o;
+    o.schedule = kind;
+    o.shape = {p, m, v};
+    o.activation_shape = {micro, seq, 1};
+    pp::PipelineRuntime runtime(chunks, world(), o);
+    const bool last = rank == (p * v - 1) % p;
+    for (bool weighed : {true, false}) {
+      for (bool train : {true, false}) {
+        SCOPED_TRACE(std::string(weighed ? "weights" : "no weights") + (train ? " run" : " forward_only"));
+        seen->clear();
+        const auto& w = weighed ? weights : std::vector<double>{};
+        train ? runtime.run(inputs, targets, w) : runtime.forward_only(inputs, targets, w);
+        ASSERT_EQ(seen->size(), last ? static_cast<std::size_t>(m) : 0U);
+        std::vector<bool> done(static_cast<std::size_t>(m), false);
+        for (const auto& [i, factor] : *seen) {
+          ASSERT_TRUE(i >= 0 && i < m && !done[static_cast<std::size_t>(i)]) << i;
+          done[static_cast<std::size_t>(i)] = true;
+          EXPECT_DOUBLE_EQ(factor, weighed ? weights[static_cast<std::size_t>(i)] : 1.0 / m) << "micro-batch " << i;
+        }
+      }
+    }
+  }
+}
+
 class PpTrainTest : public TrainTest {
  protected:
   ContextPtr context(int pp, int tp = 1, bool sequence_parallel = false) {

@@ -30,6 +30,10 @@ struct StageChunk {
   // where run() got no inputs): what a later stage needs of them besides the activations,
   // e.g. the model's document mask (Gpt::forward_stage's tokens). Optional.
   std::function<void(const at::Tensor& tokens)> before_forward;
+  // Called on the last virtual stage before each loss with the factor run() weighs that
+  // micro-batch's loss by (its weight, 1/m without weights): e.g. the upstream gradient
+  // the model's fused cross-entropy writes its logit gradient for. Optional.
+  std::function<void(double weight)> before_loss;
 };
 
 struct PipelineOptions {
