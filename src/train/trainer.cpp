@@ -29,6 +29,15 @@ namespace dtrain::train {
 
 namespace {
 
+// Tells the model the factor its next micro-batch's loss gets in backward: the loss scale
+// times the micro-batch's weight in the step's loss (for the fused cross-entropy), and
+// the loss scale over the micro-batches for its MoE auxiliary losses. A weight of 0 (no
+// loss targets) cannot be announced; that loss and its gradient are 0 under any factor.
+void announce_loss_weight(models::GptImpl& model, double scale, double weight, double microbatches) {
+  const double per_micro_batch = scale / microbatches;
+  model.set_loss_grad_scale(weight > 0 ? scale * weight : per_micro_batch, per_micro_batch);
+}
+
 using Clock = std::chrono::steady_clock;
 
 double ms_since(Clock::time_point t) {
@@ -349,12 +358,8 @@ void Trainer::build_pipeline() {
                         }
                       },
                       [tokens](const at::Tensor& t) { *tokens = t; },
-                      // The micro-batch's share of the step's loss, announced as in
-                      // train_step (a share of 0 has no targets: any factor gives 0).
                       [model, owner, m](double weight) mutable {
-                        const double per_micro_batch = owner->scale / m;
-                        model->set_loss_grad_scale(weight > 0 ? owner->scale * weight : per_micro_batch,
-                                                   per_micro_batch);
+                        announce_loss_weight(*model, owner->scale, weight, m);
                       }});
   }
   pp::PipelineOptions po;
@@ -773,10 +778,7 @@ StepMetrics Trainer::train_step() {
   const auto [batch, weights] = step_batch(*train_, sampler_->indices(step_));
   for (std::int64_t k = 0; k < accum_; ++k) {
     const double weight = weights[static_cast<std::size_t>(k)];
-    // (A micro-batch without loss targets weighs 0, which the fused loss cannot announce;
-    // its loss and gradient are 0 under any factor.)
-    const double per_micro_batch = scale / static_cast<double>(accum_);
-    model_->set_loss_grad_scale(weight > 0 ? scale * weight : per_micro_batch, per_micro_batch);
+    announce_loss_weight(*model_, scale, weight, static_cast<double>(accum_));
     auto inputs = batch.inputs.narrow(0, k * micro_batch_, micro_batch_).to(device);
     auto targets = batch.targets.narrow(0, k * micro_batch_, micro_batch_).to(device);
     if (sdp_) {
