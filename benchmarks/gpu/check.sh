@@ -122,6 +122,13 @@ phase kernel_bench_window 120 "$build/benchmarks/kernel_bench" --only attention 
 # varlen and sdpa with a mask.
 phase kernel_bench_documents 90 "$build/benchmarks/kernel_bench" --only attention --seq 16384 --dims 128 \
   --documents 2048 --json "$out/kernel_bench_documents.jsonl"
+# Grouped-query attention on the sdpa backend (sdpa's own GQA) against sdpa over repeated k
+# and v and dtrain's kernel, 16/4 heads at 4k, D 128: time, peak memory and sdpa's backend;
+# causal, then over packed documents of 1024.
+phase kernel_bench_gqa 90 "$build/benchmarks/kernel_bench" --only gqa --seq 4096 --dims 128 \
+  --json "$out/kernel_bench_gqa.jsonl"
+phase kernel_bench_gqa_documents 90 "$build/benchmarks/kernel_bench" --only gqa --seq 4096 --dims 128 \
+  --documents 1024 --json "$out/kernel_bench_gqa.jsonl"
 # DTRAIN_CHECK_AB_BASE: another revision's tree (scripts/ab_tree.sh REV, carried as ab/):
 # its kernel_bench against this tree's, in turn (benchmarks/gpu/ab.sh, default cases).
 if [ -n "${DTRAIN_CHECK_AB_BASE:-}" ]; then
@@ -213,6 +220,9 @@ done
 [ -f "$out/kernel_bench_hdims.log" ] && { echo "-- kernel_bench, head dims 32, 80, 96"; grep -vE '^\{|^#' "$out/kernel_bench_hdims.log"; }
 [ -f "$out/kernel_bench_window.log" ] && { echo "-- kernel_bench, window 1024"; grep -vE '^\{' "$out/kernel_bench_window.log"; }
 [ -f "$out/kernel_bench_documents.log" ] && { echo "-- kernel_bench, documents of 2048"; grep -vE '^\{' "$out/kernel_bench_documents.log"; }
+for f in "$out"/kernel_bench_gqa*.log; do
+  [ -f "$f" ] && { echo "-- $(basename "$f" .log)"; grep -vE '^\{|^#' "$f"; }
+done
 # The issue's targets (a missed one is a result, not a failed phase).
 [ -f "$out/kernel_bench.jsonl" ] && { echo "-- targets"; python3 benchmarks/gpu/targets.py "$out/kernel_bench.jsonl" | tee "$out/targets.txt"; }
 for run in fp32 bf16 bf16_fused bf16_fused_sdpa bf16_b32; do

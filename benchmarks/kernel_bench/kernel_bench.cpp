@@ -15,11 +15,16 @@
 // sequence shorter), against LibTorch's FlashAttention-2 varlen (at::_flash_attention_forward
 // with cu_seqlens over the rows laid end to end; q, k, v are stored [B, S, H, D] for every
 // side, so that its [B S, H, D] is a view) and sdpa with a boolean mask; FLOPs as above.
+// --only gqa: grouped-query attention on the sdpa backend (sdpa's own GQA) against sdpa over
+// k and v repeated per query head (the call it replaced) and dtrain's flash attention:
+// forward+backward time and peak memory (see gqa() below).
 //
 //   build/benchmarks/kernel_bench                          (CUDA when present)
 //   build/benchmarks/kernel_bench --only attention --seq 1024,4096,16384 --json out.jsonl
 //   build/benchmarks/kernel_bench --only attention --seq 4096,16384 --dims 128 --window 1024
 //   build/benchmarks/kernel_bench --only attention --seq 16384 --dims 128 --documents 2048
+//   build/benchmarks/kernel_bench --only gqa --seq 4096 --dims 128 [--kv-heads 4] [--documents 512]
+#include <ATen/SDPBackend.h>
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
@@ -29,6 +34,7 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <tuple>
 
 #include "common/bench_util.hpp"
 #include "dtrain/dtrain.hpp"
@@ -46,6 +52,7 @@ struct Options {
   std::int64_t hidden = 2048;     // attention: heads x head_dim
   std::int64_t window = 0;        // attention: a causal sliding window (0: none)
   std::int64_t documents = 0;     // attention: packed documents of this many tokens (0: none)
+  std::int64_t kv_heads = 0;      // gqa: key/value heads (0: a quarter of the heads)
   int iters = 0, rounds = 3;      // iters 0: 20 on CUDA, 3 on CPU
 };
 
@@ -262,6 +269,106 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
   }
 }
 
+// ---- grouped-query attention on the sdpa backend -----------------------------------------
+
+const char* sdpa_backend_name(std::int64_t choice) {
+  switch (static_cast<at::SDPBackend>(choice)) {
+    case at::SDPBackend::math: return "math";
+    case at::SDPBackend::flash_attention: return "flash";
+    case at::SDPBackend::efficient_attention: return "efficient";
+    case at::SDPBackend::cudnn_attention: return "cudnn";
+    default: return "other";
+  }
+}
+
+// Forward + backward of grouped-query attention as the sdpa backend runs it (sdpa's own
+// GQA, enable_gqa, where a fused backend takes it) against the call it replaced (sdpa over
+// k and v repeated per query head), and dtrain's flash attention (CUDA): time, and the peak
+// of tensor memory above the start (what the graph saves, the copies among it). Causal, or
+// over packed documents with --documents.
+void gqa(const Options& o, const c10::Device& dev, int iters, Out& out) {
+  const auto dtype = cuda(dev) ? torch::kBFloat16 : torch::kFloat;
+  if (!cuda(dev)) dtrain::train::enable_cpu_memory_tracking();
+  std::printf("# grouped-query attention, sdpa backend (%s, %s): fwd+bwd ms and peak MiB above the start; dtrain = "
+              "ops::attention (sdpa's enable_gqa where a fused backend takes it), repeat = sdpa over k, v repeated, "
+              "flash = dtrain's kernel (CUDA); speedup and memory = repeat / dtrain\n",
+              cuda(dev) ? "cuda" : "cpu", c10::toString(dtype));
+  std::printf("%6s %4s %4s %5s %4s %5s %-9s %-9s %9s %9s %9s %9s %9s %9s %8s %8s\n", "seq", "dim", "B", "H", "Hkv",
+              "docs", "backend", "(repeat)", "dtrain_ms", "repeat_ms", "flash_ms", "dtrain_MiB", "repeat_MiB",
+              "flash_MiB", "speedup", "memory");
+  std::vector<std::int64_t> seqs = o.seq;
+  if (seqs.empty()) seqs = cuda(dev) ? std::vector<std::int64_t>{4096} : std::vector<std::int64_t>{512};
+  const std::int64_t tokens = o.tokens > 0 ? o.tokens : (cuda(dev) ? 16384 : 1024);
+  for (auto s : seqs) {
+    for (auto d : o.dims) {
+      const auto b = std::max<std::int64_t>(1, tokens / s), h = std::max<std::int64_t>(1, o.hidden / d);
+      const auto hkv = o.kv_heads > 0 ? o.kv_heads : std::max<std::int64_t>(1, h / 4);
+      DTRAIN_CHECK_ARG(h % hkv == 0, "--kv-heads ", hkv, " does not divide the ", h, " heads of --hidden ", o.hidden,
+                       " at head dim ", d, "; allowed: a divisor of the heads");
+      auto opts = torch::TensorOptions().device(dev).dtype(dtype);
+      auto q = torch::randn({b, h, s, d}, opts).requires_grad_();
+      auto k = torch::randn({b, hkv, s, d}, opts).requires_grad_();
+      auto v = torch::randn({b, hkv, s, d}, opts).requires_grad_();
+      auto dout = torch::randn({b, h, s, d}, opts);
+      dtrain::ops::Documents docs;
+      if (o.documents > 0) {
+        docs = torch::arange(s, opts.dtype(torch::kLong)).div(o.documents, "floor").expand({b, s}).contiguous();
+      }
+      const bool documents = docs.defined();
+      std::optional<at::Tensor> mask;
+      if (documents) mask = docs.sdpa_mask(0, dtype);
+      const std::int64_t group = h / hkv;
+      auto ours = [&] {
+        return dtrain::ops::attention(q, k, v, true, 0.0, dtrain::ops::AttentionBackend::kSdpa, 0, docs);
+      };
+      auto repeat = [&] {
+        return at::scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), mask,
+                                                0.0, !documents);
+      };
+      auto flash = [&] { return dtrain::ops::flash_attention(q, k, v, true, 0.0, 0, docs); };
+      // fwd+bwd ms, and the peak MiB above the start of one more fwd+bwd.
+      using Measured = std::pair<std::optional<double>, std::optional<double>>;
+      auto measure = [&](const std::function<at::Tensor()>& f) -> Measured {
+        auto step = [&] {
+          for (auto* t : {&q, &k, &v}) t->mutable_grad().reset();
+          f().backward(dout);
+        };
+        const auto ms = try_time(dev, iters, o.rounds, step);
+        if (!ms) return {std::nullopt, std::nullopt};
+        for (auto* t : {&q, &k, &v}) t->mutable_grad().reset();
+        dtrain::train::synchronize(dev);
+        const double base = dtrain::train::memory_stats(dev).current_mib;
+        if (!dtrain::train::reset_peak_memory(dev)) return {ms, std::nullopt};
+        step();
+        dtrain::train::synchronize(dev);
+        return {ms, dtrain::train::memory_stats(dev).peak_mib - base};
+      };
+      const auto [ours_ms, ours_mib] = measure(ours);
+      const auto [rep_ms, rep_mib] = measure(repeat);
+      std::optional<double> flash_ms, flash_mib;
+      if (cuda(dev)) std::tie(flash_ms, flash_mib) = measure(flash);
+      const auto choice = at::_fused_sdp_choice(q, k, v, mask, 0.0, !documents, std::nullopt, true);
+      const auto choice_repeat =
+          at::_fused_sdp_choice(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), mask, 0.0, !documents);
+      auto div = [](std::optional<double> a, std::optional<double> b) { return a && b && *b > 0 ? *a / *b : 0.0; };
+      const double speedup = div(rep_ms, ours_ms), memory = div(rep_mib, ours_mib);
+      auto cell = [](std::optional<double> x) { return x ? *x : -1.0; };
+      std::printf("%6lld %4lld %4lld %5lld %4lld %5lld %-9s %-9s %9.3f %9.3f %9.3f %9.1f %9.1f %9.1f %8.2f %8.2f\n",
+                  static_cast<long long>(s), static_cast<long long>(d), static_cast<long long>(b),
+                  static_cast<long long>(h), static_cast<long long>(hkv), static_cast<long long>(o.documents),
+                  sdpa_backend_name(choice), sdpa_backend_name(choice_repeat), cell(ours_ms), cell(rep_ms),
+                  cell(flash_ms), cell(ours_mib), cell(rep_mib), cell(flash_mib), speedup, memory);
+      out.line({{"bench", "kernel"}, {"op", "attention_gqa"}, {"device", cuda(dev) ? "cuda" : "cpu"},
+                {"dtype", c10::toString(dtype)}, {"seq", s}, {"head_dim", d}, {"batch", b}, {"heads", h},
+                {"kv_heads", hkv}, {"documents", o.documents}, {"causal", true},
+                {"sdpa_backend", sdpa_backend_name(choice)}, {"sdpa_backend_repeat", sdpa_backend_name(choice_repeat)},
+                {"fwdbwd_ms", opt(ours_ms)}, {"fwdbwd_ms_repeat", opt(rep_ms)}, {"fwdbwd_ms_flash", opt(flash_ms)},
+                {"peak_mib", opt(ours_mib)}, {"peak_mib_repeat", opt(rep_mib)}, {"peak_mib_flash", opt(flash_mib)},
+                {"speedup", speedup}, {"memory_ratio", memory}});
+    }
+  }
+}
+
 // ---- memory-bound ops --------------------------------------------------------------------
 
 // GB/s of a device copy moving `bytes` (read + write) in all.
@@ -397,8 +504,8 @@ int main(int argc, char** argv) {
   Options o;
   CLI::App app{"kernel_bench: dtrain's attention, AdamW, norm and cross-entropy ops against LibTorch's"};
   app.add_option("--device", o.device, "auto (cuda when available), cuda or cpu")->check(CLI::IsMember({"auto", "cuda", "cpu"}));
-  app.add_option("--only", o.only, "all, attention, adamw, norm or ce")
-      ->check(CLI::IsMember({"all", "attention", "adamw", "norm", "ce"}));
+  app.add_option("--only", o.only, "all (attention and the memory-bound ops), attention, gqa, adamw, norm or ce")
+      ->check(CLI::IsMember({"all", "attention", "gqa", "adamw", "norm", "ce"}));
   app.add_option("--seq", o.seq, "attention sequence lengths")->delimiter(',');
   app.add_option("--dims", o.dims, "attention head dims (multiples of 8 up to 128; default 64,128)")->delimiter(',');
   app.add_option("--tokens", o.tokens, "attention: batch x seq (0: 16384 on CUDA, 1024 on CPU)");
@@ -407,6 +514,8 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--documents", o.documents,
                  "attention: causal attention over packed documents of this many tokens only (0: none)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--kv-heads", o.kv_heads, "gqa: key/value heads (0: a quarter of the heads)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--iters", o.iters, "calls per timing (0: 20 on CUDA, 3 on CPU)");
   app.add_option("--rounds", o.rounds, "timings per case (the median is reported)");
@@ -424,7 +533,8 @@ int main(int argc, char** argv) {
     Out out;
     if (!o.json.empty()) out.file.open(o.json, std::ios::app);
     if (o.only == "all" || o.only == "attention") attention(o, dev, iters, out);
-    if (o.only != "attention") memory_bound(o, dev, iters, out);
+    if (o.only == "gqa") gqa(o, dev, iters, out);
+    if (o.only != "attention" && o.only != "gqa") memory_bound(o, dev, iters, out);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kernel_bench: error: %s\n", e.what());
     return 1;

@@ -1,14 +1,16 @@
-// Attention: LibTorch's scaled_dot_product_attention (key/value heads repeated for
-// grouped-query attention) or flash attention as an autograd Function over the CUDA
-// kernel (kernels/attention) and a reference path that computes the same function with
-// ATen ops in float32, chunked over query rows.
+// Attention: LibTorch's scaled_dot_product_attention (grouped-query attention by its
+// enable_gqa where a fused backend takes it) or flash attention as an autograd Function
+// over the CUDA kernel (kernels/attention) and a reference path that computes the same
+// function with ATen ops in float32, chunked over query rows.
 #include "dtrain/ops/attention.hpp"
 
+#include <ATen/SDPBackend.h>
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
 #include <cmath>
 #include <limits>
+#include <optional>
 
 #include "dtrain/core/env.hpp"
 #include "dtrain/core/error.hpp"
@@ -411,23 +413,30 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   DTRAIN_CHECK_ARG(hkv >= 1 && h % hkv == 0, "attention: ", h, " query heads are not a multiple of ",
                    hkv, " key/value heads");
   check_documents("attention", q, k, causal, documents);
-  at::Tensor kk = k, vv = v;
-  if (hkv != h) {
-    kk = k.repeat_interleave(h / hkv, 1);
-    vv = v.repeat_interleave(h / hkv, 1);
-  }
   // An explicit mask of the keys each query sees (sdpa has no window and no documents);
   // the documents' is made once for all the calls that share them, additive in the dtype
   // sdpa computes in, so that sdpa uses it (and saves it for the backward) as it is.
+  std::optional<at::Tensor> mask;
   if (documents.defined()) {
-    return at::scaled_dot_product_attention(q, kk, vv, documents.sdpa_mask(window, sdpa_dtype(q)), dropout_p,
-                                            /*is_causal=*/false);
+    mask = documents.sdpa_mask(window, sdpa_dtype(q));
+  } else if (window > 0) {
+    mask = hidden_keys(0, q.size(2), k.size(2), causal, window, {}, q.options()).logical_not_();
   }
-  if (window > 0) {
-    auto seen = hidden_keys(0, q.size(2), k.size(2), causal, window, {}, q.options()).logical_not_();
-    return at::scaled_dot_product_attention(q, kk, vv, seen, dropout_p, /*is_causal=*/false);
+  const bool is_causal = causal && !mask.has_value();
+  if (hkv == h) return at::scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal);
+  // Grouped-query attention: sdpa's own (no copy of k and v per query head, none saved for
+  // the backward) wherever a backend other than math takes it; else k and v repeated, as
+  // math would repeat them, so that a backend without GQA (LibTorch 2.11's memory-efficient
+  // one) may still take the call. The choice is asked of q, k, v in the dtype sdpa computes
+  // in: cast here as autocast would cast them inside sdpa.
+  const auto dtype = sdpa_dtype(q);
+  const auto qc = q.to(dtype), kc = k.to(dtype), vc = v.to(dtype);
+  const auto choice = at::_fused_sdp_choice(qc, kc, vc, mask, dropout_p, is_causal, std::nullopt, /*enable_gqa=*/true);
+  if (choice != static_cast<std::int64_t>(at::SDPBackend::math)) {
+    return at::scaled_dot_product_attention(qc, kc, vc, mask, dropout_p, is_causal, std::nullopt, /*enable_gqa=*/true);
   }
-  return at::scaled_dot_product_attention(q, kk, vv, /*attn_mask=*/{}, dropout_p, causal);
+  return at::scaled_dot_product_attention(qc, kc.repeat_interleave(h / hkv, 1), vc.repeat_interleave(h / hkv, 1),
+                                          mask, dropout_p, is_causal);
 }
 
 }  // namespace dtrain::ops

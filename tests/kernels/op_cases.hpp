@@ -5,10 +5,13 @@
 // same op on float64 host tensors, which always takes its reference path.
 #pragma once
 
+#include <ATen/SDPBackend.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstdio>
 #include <functional>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -198,6 +201,68 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionDocumentsAreFlashAttention2sVarlen) {
             .view({B, T, H, D})
             .transpose(1, 2);
       });
+}
+
+// Grouped-query attention on the sdpa backend is sdpa's own (enable_gqa): in bf16 on the
+// kernels' device, causal, a backend other than math takes it (CUDA: cuDNN or
+// FlashAttention-2; the host: sdpa's CPU flash kernel); the backend is printed for the GPU
+// run's log. Output and gradients against the float64 reference path, within twice the
+// error of sdpa over k and v repeated per query head (the call it replaced), causal and over
+// packed documents (whatever backend takes the mask).
+TEST(KERNEL_SUITE(Ops), SdpaGroupedQueryAttentionIsSdpasOwn) {
+  KERNEL_DEVICE_OR_SKIP();
+  torch::manual_seed(17);
+  const std::int64_t nb = 2, nh = 8, nkv = 2, nt = kLargeCases ? 300 : 70;
+  const auto docs = packed_documents(nb, nt, {50, 1, 33, 120});
+  for (bool documents : {false, true}) {
+    for (std::int64_t d : {64, 128}) {
+      SCOPED_TRACE(std::string(documents ? "documents" : "causal") + ", head dim " + std::to_string(d));
+      auto q = torch::randn({nb, nh, nt, d}), k = torch::randn({nb, nkv, nt, d}), v = torch::randn({nb, nkv, nt, d});
+      auto dout = torch::randn({nb, nh, nt, d});
+      auto cu = [](const at::Tensor& t) { return t.to(kernel_device(), at::kBFloat16); };
+      const ops::Documents on_device(documents ? docs.first.to(kernel_device()) : at::Tensor());
+      std::optional<at::Tensor> mask;
+      if (documents) mask = on_device.sdpa_mask(0, at::kBFloat16);
+      const auto choice = at::_fused_sdp_choice(cu(q), cu(k), cu(v), mask, 0.0, !documents, std::nullopt, true);
+      std::printf("sdpa backend for GQA %lld/%lld, head dim %lld, %s: %lld (0 math, 1 flash, 2 efficient, 3 cudnn)\n",
+                  static_cast<long long>(nh), static_cast<long long>(nkv), static_cast<long long>(d),
+                  documents ? "documents" : "causal", static_cast<long long>(choice));
+      if (!documents) {
+        EXPECT_NE(choice, static_cast<std::int64_t>(at::SDPBackend::math));
+      }
+      using Fn = std::function<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>;
+      auto run = [&](const Fn& f, bool reference) -> std::vector<at::Tensor> {
+        auto in = [&](const at::Tensor& t) { return (reference ? t.to(at::kDouble) : cu(t)).requires_grad_(); };
+        auto qa = in(q), kb = in(k), vc = in(v);
+        auto o = f(qa, kb, vc);
+        o.backward(reference ? dout.to(at::kDouble) : cu(dout));
+        return {o.cpu().to(at::kDouble), qa.grad().cpu().to(at::kDouble), kb.grad().cpu().to(at::kDouble),
+                vc.grad().cpu().to(at::kDouble)};
+      };
+      const auto want = run(
+          [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+            return ops::flash_attention(a, b, c, true, 0.0, 0, documents ? docs.first : at::Tensor());
+          },
+          true);
+      const auto got = run(
+          [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+            return ops::attention(a, b, c, true, 0.0, ops::AttentionBackend::kSdpa, 0, on_device);
+          },
+          false);
+      const auto repeated = run(
+          [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+            const auto group = nh / nkv;
+            return at::scaled_dot_product_attention(a, b.repeat_interleave(group, 1), c.repeat_interleave(group, 1),
+                                                    mask, 0.0, !documents);
+          },
+          false);
+      for (int i = 0; i < 4; ++i) {
+        const double e = (got[i] - want[i]).abs().max().item<double>();
+        const double base = (repeated[i] - want[i]).abs().max().item<double>();
+        EXPECT_LE(e, 2 * base + 1e-3) << "output " << i << ": sdpa's GQA " << e << ", repeated " << base;
+      }
+    }
+  }
 }
 
 TEST(KERNEL_SUITE(Ops), NormsMatchTheReferencePath) {
@@ -394,7 +459,9 @@ TEST(KERNEL_SUITE(Ops), TrainerWithFusedOpsTracksTheUnfusedRun) {
   train::Trainer fused(ctx, fcfg, fo);
   const auto a = plain.run(), b = fused.run();
   for (std::size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i].loss, b[i].loss, 2e-2 * a[i].loss) << "step " << i + 1;
-  if (kLargeCases) EXPECT_LT(b.back().loss, b.front().loss - 0.5) << "the fused run must learn";
+  if (kLargeCases) {
+    EXPECT_LT(b.back().loss, b.front().loss - 0.5) << "the fused run must learn";
+  }
 }
 
 }  // namespace

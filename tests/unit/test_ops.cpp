@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <set>
 
 #include "common/corpus.hpp"
@@ -202,6 +203,81 @@ TEST(FlashAttentionReference, DocumentsUnderAutocast) {
   EXPECT_EQ(got.scalar_type(), at::kBFloat16);
   EXPECT_LT(max_abs(got, want), 0.05);
   EXPECT_EQ(documents.sdpa_mask(0, at::kBFloat16).scalar_type(), at::kBFloat16);
+}
+
+// Grouped-query attention on the sdpa backend: sdpa's own (enable_gqa), which reads k and v
+// as they are: its backward node adds into k's and v's gradients directly, with no copy of
+// them per query head between. Output and gradients are those of sdpa over k and v
+// repeated per query head, with and without autocast, causal, with a window and with
+// documents. With dropout, where sdpa's CPU choice is its math backend, k and v are
+// repeated (the same call as before, same random numbers).
+TEST(SdpaAttention, GroupedQueryAttentionCopiesNoKeys) {
+  const ops::Documents documents(torch::arange(24, torch::kInt).div(7, "floor").repeat({2, 1}).contiguous());
+  struct Case {
+    const char* name;
+    std::int64_t window;
+    bool documents, autocast;
+  };
+  for (const Case& c : {Case{"causal", 0, false, false}, Case{"window", 5, false, false},
+                        Case{"documents", 0, true, false}, Case{"documents, window", 4, true, false},
+                        Case{"causal, autocast", 0, false, true}, Case{"window, autocast", 5, false, true}}) {
+    SCOPED_TRACE(c.name);
+    torch::manual_seed(9);
+    auto q = torch::randn({2, 4, 24, 16}).requires_grad_(), k = torch::randn({2, 2, 24, 16}).requires_grad_(),
+         v = torch::randn({2, 2, 24, 16}).requires_grad_();
+    const auto docs = c.documents ? documents : ops::Documents();
+    std::optional<train::AutocastScope> autocast;
+    if (c.autocast) autocast.emplace(at::kBFloat16, at::kCPU);
+    auto o = ops::attention(q, k, v, true, 0.0, ops::AttentionBackend::kSdpa, c.window, docs);
+    // k and v (cast under autocast) feed sdpa's backward node themselves.
+    std::set<const torch::autograd::Node*> inputs;
+    for (const auto& e : o.grad_fn()->next_edges()) inputs.insert(e.function.get());
+    for (const auto* t : {&k, &v}) {
+      const torch::autograd::Node* node = torch::autograd::impl::grad_accumulator(*t).get();
+      if (c.autocast) {
+        // The cast's node, whose only input is the leaf's accumulator.
+        bool found = false;
+        for (const auto* n : inputs) {
+          if (n != nullptr && n->num_inputs() == 1 && n->next_edges().size() == 1 &&
+              n->next_edges()[0].function.get() == node) {
+            found = true;
+          }
+        }
+        EXPECT_TRUE(found) << "k or v reaches sdpa through more than its cast";
+      } else {
+        EXPECT_EQ(inputs.count(node), 1u) << "k or v reaches sdpa through a copy";
+      }
+    }
+    const auto grad = torch::randn(o.sizes()).to(o.scalar_type());
+    const auto g = torch::autograd::grad({o}, {q, k, v}, {grad});
+    // The former call: sdpa over k and v repeated, with the mask the op makes.
+    auto q2 = q.detach().clone().requires_grad_(), k2 = k.detach().clone().requires_grad_(),
+         v2 = v.detach().clone().requires_grad_();
+    const auto dt = c.autocast ? at::kBFloat16 : at::kFloat;
+    std::optional<at::Tensor> mask;
+    if (c.documents) {
+      mask = docs.sdpa_mask(c.window, dt);
+    } else if (c.window > 0) {
+      mask = window_mask(24, 24, c.window);
+    }
+    auto want = at::scaled_dot_product_attention(q2.to(dt), k2.to(dt).repeat_interleave(2, 1),
+                                                 v2.to(dt).repeat_interleave(2, 1), mask, 0.0, !mask.has_value());
+    auto g2 = torch::autograd::grad({want}, {q2, k2, v2}, {grad});
+    const double tol = c.autocast ? 2e-2 : 1e-5;
+    EXPECT_EQ(o.scalar_type(), dt);
+    EXPECT_LT(max_abs(o, want), tol);
+    EXPECT_LT(max_abs(g[0], g2[0]), tol);
+    EXPECT_LT(max_abs(g[1], g2[1]), 2 * tol);
+    EXPECT_LT(max_abs(g[2], g2[2]), 2 * tol);
+  }
+  // Dropout: the repeated call, bitwise, for the same random numbers.
+  auto q = torch::randn({1, 4, 24, 16}), k = torch::randn({1, 2, 24, 16}), v = torch::randn({1, 2, 24, 16});
+  torch::manual_seed(3);
+  const auto got = ops::attention(q, k, v, true, 0.25, ops::AttentionBackend::kSdpa);
+  torch::manual_seed(3);
+  const auto want = at::scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), {},
+                                                     0.25, true);
+  EXPECT_TRUE(torch::equal(got, want));
 }
 
 TEST(FlashAttentionReference, NamedInputChecks) {
