@@ -426,9 +426,9 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   if (hkv == h) return at::scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal);
   // Grouped-query attention: sdpa's own (no copy of k and v per query head, none saved for
   // the backward) wherever a backend other than math takes it; else k and v repeated, as
-  // math would repeat them, so that a backend without GQA (LibTorch 2.11's memory-efficient
-  // one) may still take the call. The choice is asked of q, k, v in the dtype sdpa computes
-  // in: cast here as autocast would cast them inside sdpa.
+  // math would repeat them, so that a backend without GQA (the memory-efficient one in
+  // some LibTorch versions) may still take the call. The choice is asked of q, k, v in the
+  // dtype sdpa computes in: cast here as autocast would cast them inside sdpa.
   const auto dtype = sdpa_dtype(q);
   const auto qc = q.to(dtype), kc = k.to(dtype), vc = v.to(dtype);
   const auto choice = at::_fused_sdp_choice(qc, kc, vc, mask, dropout_p, is_causal, std::nullopt, /*enable_gqa=*/true);
