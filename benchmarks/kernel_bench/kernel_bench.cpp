@@ -316,7 +316,7 @@ void gqa(const Options& o, const c10::Device& dev, int iters, Out& out) {
       }
       const bool documents = docs.defined();
       std::optional<at::Tensor> mask;
-      if (documents) mask = docs.sdpa_mask(0, dtype);
+      if (documents) mask = docs.sdpa_mask(0, dtype, s, s, dev);
       const std::int64_t group = h / hkv;
       auto ours = [&] {
         return dtrain::ops::attention(q, k, v, true, 0.0, dtrain::ops::AttentionBackend::kSdpa, 0, docs);

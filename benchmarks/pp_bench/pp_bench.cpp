@@ -115,7 +115,7 @@ int main(int argc, char** argv) {
           auto model = models.back();
           chunks.push_back({[model](const at::Tensor& x) mutable { return model->forward(x); },
                             [](const at::Tensor& y, const at::Tensor&) { return y.square().mean(); },
-                            model->parameters(), {}, {}});
+                            model->parameters(), {}, {}, {}});
         }
         dtrain::trace::Recorder recorder(rank, "rank " + std::to_string(rank));
         if (device.is_cuda()) recorder.set_end_hook([device] { dtrain::train::synchronize(device); });

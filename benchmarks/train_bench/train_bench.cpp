@@ -44,6 +44,7 @@ struct Options {
   std::string preset = "tiny", json, backend = "auto", precision = "fp32";
   std::vector<std::string> kernels = {"plain"};
   std::int64_t batch = 4, seq = 64, steps = 6, warmup = 2, rounds = 2, comm_reps = 5;
+  std::int64_t attention_window = 0;  // the model's sliding window (0: the preset's, none)
   double bucket_mb = 25;
   std::vector<std::string> strategies = {"none"};
 };
@@ -139,6 +140,9 @@ int main(int argc, char** argv) {
   app.add_option("--steps", o.steps, "timed steps per round and strategy")->check(CLI::PositiveNumber);
   app.add_option("--warmup", o.warmup, "untimed steps per strategy before the rounds")->check(CLI::NonNegativeNumber);
   app.add_option("--rounds", o.rounds, "alternating rounds (plain, then dtrain)")->check(CLI::PositiveNumber);
+  app.add_option("--attention-window", o.attention_window,
+                 "the model's sliding window, in both loops (0: none, the presets' own)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--bucket-mb", o.bucket_mb, "DataParallel bucket size in MiB")->check(CLI::PositiveNumber);
   app.add_option("--backend", o.backend, "auto, mpi or nccl")->check(CLI::IsMember({"auto", "mpi", "nccl"}));
   app.add_option("--fsdp", o.strategies, "strategies to run, each against the plain loop: none (ddp), zero1, zero2, full")
@@ -162,6 +166,7 @@ int main(int argc, char** argv) {
     DTRAIN_CHECK_ARG(cfg.vocab_size <= 65536, "--preset ", o.preset, " has vocabulary ", cfg.vocab_size,
                      "; token shards hold uint16 ids: allowed presets have vocabularies <= 65536");
     DTRAIN_CHECK_ARG(o.seq <= cfg.context, "--seq=", o.seq, " exceeds the context ", cfg.context);
+    cfg.attention_window = o.attention_window;
     const int n = rt.size();
     const auto device = rt.device();
     if (device.is_cpu()) dtrain::train::enable_cpu_memory_tracking();  // peak_MiB on the CPU
@@ -266,9 +271,10 @@ int main(int argc, char** argv) {
       const double tokens = static_cast<double>(o.batch * o.seq * n);
       const double param_bytes = static_cast<double>(cfg.num_parameters()) * 4;
       std::printf("# train_bench: preset %s (%.1fM params), %d rank(s), batch %lld x %lld tokens per rank, "
-                  "%lld rounds x %lld steps, %s, %s kernels, device %s\n",
+                  "window %lld, %lld rounds x %lld steps, %s, %s kernels, device %s\n",
                   o.preset.c_str(), static_cast<double>(cfg.num_parameters()) / 1e6, n,
                   static_cast<long long>(o.batch), static_cast<long long>(o.seq),
+                  static_cast<long long>(o.attention_window),
                   static_cast<long long>(o.rounds), static_cast<long long>(o.steps),
                   o.precision.c_str(), kernels_named.c_str(), dtrain::train::device_name(device).c_str());
       std::printf("# plain: every rank runs the LibTorch loop alone (no communication); ddp: dtrain Trainer"
@@ -304,6 +310,7 @@ int main(int argc, char** argv) {
         nlohmann::json j = {{"strategy", row->strategy}, {"nranks", n},
                             {"preset", o.preset},         {"batch", o.batch},
                             {"seq", o.seq},               {"precision", o.precision}, {"kernels", kernels_named},
+                            {"attention_window", o.attention_window},
                             {"tokens_per_s", tps},
                             {"step_ms", row->step_ms},    {"forward_ms", row->forward_ms},
                             {"backward_ms", row->backward_ms}, {"optimizer_ms", row->optimizer_ms},

@@ -360,9 +360,12 @@ class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
 struct Documents::Derived {
   std::pair<at::Tensor, at::Tensor> bounds;
   at::Tensor mask;
-  std::int64_t mask_window = -1;
+  std::int64_t mask_window = -1, mask_seq_q = -1, mask_seq_k = -1;
   at::ScalarType mask_dtype = at::kBool;
+  c10::Device mask_device{c10::kCPU};
 };
+
+Documents::Documents() : derived_(std::make_shared<Derived>()) {}
 
 Documents::Documents(at::Tensor ids) : ids_(std::move(ids)), derived_(std::make_shared<Derived>()) {}
 
@@ -372,20 +375,30 @@ const std::pair<at::Tensor, at::Tensor>& Documents::bounds() const {
   return derived_->bounds;
 }
 
-const at::Tensor& Documents::sdpa_mask(std::int64_t window, at::ScalarType dtype) const {
-  DTRAIN_CHECK(defined(), "internal: a document mask without documents");
-  if (derived_->mask_window != window || derived_->mask_dtype != dtype) {
-    const auto B = ids_.size(0), T = ids_.size(1);
+const at::Tensor& Documents::sdpa_mask(std::int64_t window, at::ScalarType dtype, std::int64_t seq_q,
+                                       std::int64_t seq_k, c10::Device device) const {
+  DTRAIN_CHECK(defined() || window > 0, "internal: an sdpa mask without documents or a window");
+  DTRAIN_CHECK(!defined() || (seq_q == ids_.size(1) && seq_k == seq_q && device == ids_.device()),
+               "internal: a document mask for other sequences than the documents'");
+  auto& d = *derived_;
+  if (d.mask_window != window || d.mask_dtype != dtype || d.mask_seq_q != seq_q || d.mask_seq_k != seq_k ||
+      d.mask_device != device) {
     // Rows padded to 16 elements, as the memory-efficient backend wants its bias (else it
     // pads a copy in every call).
-    const auto padded = (T + 15) / 16 * 16;
-    derived_->mask = at::zeros({B, 1, T, padded}, ids_.options().dtype(dtype)).narrow(3, 0, T);
-    derived_->mask.masked_fill_(hidden_keys(0, T, T, /*causal=*/true, window, bounds().first, ids_.options()),
-                                -std::numeric_limits<double>::infinity());
-    derived_->mask_window = window;
-    derived_->mask_dtype = dtype;
+    const auto padded = (seq_k + 15) / 16 * 16;
+    const auto options = at::TensorOptions().device(device);
+    if (defined()) {
+      d.mask = at::zeros({ids_.size(0), 1, seq_q, padded}, options.dtype(dtype)).narrow(3, 0, seq_k);
+    } else {
+      d.mask = at::zeros({seq_q, padded}, options.dtype(dtype)).narrow(1, 0, seq_k);
+    }
+    d.mask.masked_fill_(hidden_keys(0, seq_q, seq_k, /*causal=*/true, window,
+                                    defined() ? bounds().first : at::Tensor(), options),
+                        -std::numeric_limits<double>::infinity());
+    d.mask_window = window, d.mask_dtype = dtype, d.mask_seq_q = seq_q, d.mask_seq_k = seq_k;
+    d.mask_device = device;
   }
-  return derived_->mask;
+  return d.mask;
 }
 
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
@@ -413,14 +426,13 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   DTRAIN_CHECK_ARG(hkv >= 1 && h % hkv == 0, "attention: ", h, " query heads are not a multiple of ",
                    hkv, " key/value heads");
   check_documents("attention", q, k, causal, documents);
-  // An explicit mask of the keys each query sees (sdpa has no window and no documents);
-  // the documents' is made once for all the calls that share them, additive in the dtype
-  // sdpa computes in, so that sdpa uses it (and saves it for the backward) as it is.
+  // An explicit mask of the keys each query sees (sdpa has no window and no documents),
+  // made once for all the calls that share `documents`, additive in the dtype sdpa
+  // computes in, so that sdpa uses it (and saves it for the backward) as it is: one per
+  // forward, where a boolean mask became such a bias, saved, in every layer.
   std::optional<at::Tensor> mask;
-  if (documents.defined()) {
-    mask = documents.sdpa_mask(window, sdpa_dtype(q));
-  } else if (window > 0) {
-    mask = hidden_keys(0, q.size(2), k.size(2), causal, window, {}, q.options()).logical_not_();
+  if (documents.defined() || window > 0) {
+    mask = documents.sdpa_mask(window, sdpa_dtype(q), q.size(2), k.size(2), q.device());
   }
   const bool is_causal = causal && !mask.has_value();
   if (hkv == h) return at::scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal);

@@ -63,7 +63,7 @@ TEST_F(PpTest, EveryScheduleMatchesTheWholeModel) {
         auto tokens = std::make_shared<at::Tensor>();
         chunks.push_back({[model, tokens](const at::Tensor& x) mutable { return model->forward_stage(x, *tokens); },
                           [model](const at::Tensor& h, const at::Tensor& t) mutable { return model->loss_from_hidden(h, t); },
-                          model->parameters(), {}, [tokens](const at::Tensor& t) { *tokens = t; }});
+                          model->parameters(), {}, [tokens](const at::Tensor& t) { *tokens = t; }, {}});
       }
       pp::PipelineOptions o;
       o.schedule = kind;

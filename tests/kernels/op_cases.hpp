@@ -222,7 +222,7 @@ TEST(KERNEL_SUITE(Ops), SdpaGroupedQueryAttentionIsSdpasOwn) {
       auto cu = [](const at::Tensor& t) { return t.to(kernel_device(), at::kBFloat16); };
       const ops::Documents on_device(documents ? docs.first.to(kernel_device()) : at::Tensor());
       std::optional<at::Tensor> mask;
-      if (documents) mask = on_device.sdpa_mask(0, at::kBFloat16);
+      if (documents) mask = on_device.sdpa_mask(0, at::kBFloat16, nt, nt, kernel_device());
       const auto choice = at::_fused_sdp_choice(cu(q), cu(k), cu(v), mask, 0.0, !documents, std::nullopt, true);
       std::printf("sdpa backend for GQA %lld/%lld, head dim %lld, %s: %lld (0 math, 1 flash, 2 efficient, 3 cudnn)\n",
                   static_cast<long long>(nh), static_cast<long long>(nkv), static_cast<long long>(d),

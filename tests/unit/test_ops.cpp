@@ -169,8 +169,8 @@ TEST(FlashAttentionReference, DocumentsMakeTheirMasksOnce) {
   for (auto dtype : {at::kFloat, at::kBFloat16}) {
     for (std::int64_t window : {0, 2}) {
       SCOPED_TRACE(std::string(c10::toString(dtype)) + " window " + std::to_string(window));
-      const auto& mask = documents.sdpa_mask(window, dtype);
-      EXPECT_TRUE(copy.sdpa_mask(window, dtype).is_same(mask));
+      const auto& mask = documents.sdpa_mask(window, dtype, 6, 6, at::kCPU);
+      EXPECT_TRUE(copy.sdpa_mask(window, dtype, 6, 6, at::kCPU).is_same(mask));
       EXPECT_EQ(mask.scalar_type(), dtype);
       EXPECT_EQ(mask.sizes(), (std::vector<std::int64_t>{1, 1, 6, 6}));
       EXPECT_EQ(mask.stride(2), 16);
@@ -185,6 +185,37 @@ TEST(FlashAttentionReference, DocumentsMakeTheirMasksOnce) {
       EXPECT_TRUE(torch::equal(mask.to(at::kFloat), want)) << mask;
     }
   }
+}
+
+// Without documents, a sliding window's mask is made once too (the model's one
+// ops::Documents per forward holds it for every layer): [seq_q, seq_k] additive, rows padded
+// to 16 elements, 0 where i - W < j <= i; the op takes the one `documents` holds (one
+// doctored to hide nothing gives full attention), and its output is sdpa's with the window
+// as a boolean mask.
+TEST(FlashAttentionReference, WindowMaskIsMadeOnce) {
+  const ops::Documents none;
+  const auto copy = none;
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const auto& mask = none.sdpa_mask(3, dtype, 7, 9, at::kCPU);
+    EXPECT_TRUE(copy.sdpa_mask(3, dtype, 7, 9, at::kCPU).is_same(mask));
+    EXPECT_EQ(mask.sizes(), (std::vector<std::int64_t>{7, 9}));
+    EXPECT_EQ(mask.stride(0), 16);
+    EXPECT_EQ(mask.scalar_type(), dtype);
+    const auto want =
+        torch::full({7, 9}, -std::numeric_limits<float>::infinity()).masked_fill(window_mask(7, 9, 3), 0.0);
+    EXPECT_TRUE(torch::equal(mask.to(at::kFloat), want)) << mask;
+  }
+  torch::manual_seed(5);
+  auto q = torch::randn({2, 4, 20, 16}), k = torch::randn({2, 4, 20, 16}), v = torch::randn({2, 4, 20, 16});
+  const ops::Documents doctored;
+  doctored.sdpa_mask(5, at::kFloat, 20, 20, at::kCPU).zero_();
+  EXPECT_LT(max_abs(ops::attention(q, k, v, true, 0.0, ops::AttentionBackend::kSdpa, 5, doctored),
+                    at::scaled_dot_product_attention(q, k, v, {}, 0.0, false)),
+            1e-5);
+  EXPECT_LT(max_abs(ops::attention(q, k, v, true, 0.0, ops::AttentionBackend::kSdpa, 5),
+                    at::scaled_dot_product_attention(q, k, v, window_mask(20, 20, 5), 0.0, false)),
+            1e-5);
 }
 
 // Under autocast, sdpa computes in autocast's dtype, and the documents' mask is made in it
@@ -202,7 +233,7 @@ TEST(FlashAttentionReference, DocumentsUnderAutocast) {
   }
   EXPECT_EQ(got.scalar_type(), at::kBFloat16);
   EXPECT_LT(max_abs(got, want), 0.05);
-  EXPECT_EQ(documents.sdpa_mask(0, at::kBFloat16).scalar_type(), at::kBFloat16);
+  EXPECT_EQ(documents.sdpa_mask(0, at::kBFloat16, 40, 40, at::kCPU).scalar_type(), at::kBFloat16);
 }
 
 // Grouped-query attention on the sdpa backend: sdpa's own (enable_gqa), which reads k and v
@@ -256,7 +287,7 @@ TEST(SdpaAttention, GroupedQueryAttentionCopiesNoKeys) {
     const auto dt = c.autocast ? at::kBFloat16 : at::kFloat;
     std::optional<at::Tensor> mask;
     if (c.documents) {
-      mask = docs.sdpa_mask(c.window, dt);
+      mask = docs.sdpa_mask(c.window, dt, 24, 24, at::kCPU);
     } else if (c.window > 0) {
       mask = window_mask(24, 24, c.window);
     }

@@ -14,23 +14,27 @@
 
 namespace dtrain::ops {
 
-// Packed documents for attention: a document number per token (integer [B, T]; a document
-// is a run of equal numbers), with what the backends derive from them (each token's
-// document bounds; sdpa's mask) made on first use and shared by every copy, so
-// that the layers of one forward make and keep them once. Converts from the numbers (an
-// undefined tensor: no documents). Not thread-safe.
+// Packed documents for attention, and the masks sdpa is given: a document number per token
+// (integer [B, T]; a document is a run of equal numbers), with what the backends derive from
+// them and from a sliding window (each token's document bounds; sdpa's mask) made on first
+// use and shared by every copy, so that the layers of one forward make and keep them once.
+// Converts from the numbers; undefined ones, or none (the default), mean no documents, and
+// a window's mask alone is shared then. Not thread-safe.
 class Documents {
  public:
-  Documents() = default;
+  Documents();
   Documents(at::Tensor ids);  // NOLINT(google-explicit-constructor): wherever the numbers go
   const at::Tensor& ids() const { return ids_; }
   bool defined() const { return ids_.defined(); }
   // Each token's document [start, end): int32 [B, T] each, contiguous, on the ids' device.
   const std::pair<at::Tensor, at::Tensor>& bounds() const;
-  // The keys each query sees in causal attention with this window (0: none), as sdpa's
-  // additive mask in `dtype`: 0 where seen, -inf elsewhere, [B, 1, T, T] with rows padded
-  // to 16 elements (kept for the last window and dtype asked).
-  const at::Tensor& sdpa_mask(std::int64_t window, at::ScalarType dtype) const;
+  // The keys each of seq_q queries sees among seq_k keys in causal attention with this
+  // window (0: none; > 0 without documents), as sdpa's additive mask in `dtype` on
+  // `device`: 0 where seen, -inf elsewhere, rows padded to 16 elements; [B, 1, T, T] with
+  // documents (seq_q = seq_k = T, the ids' device), else [seq_q, seq_k]. Kept for the last
+  // arguments asked.
+  const at::Tensor& sdpa_mask(std::int64_t window, at::ScalarType dtype, std::int64_t seq_q, std::int64_t seq_k,
+                              c10::Device device) const;
 
  private:
   struct Derived;
@@ -46,8 +50,9 @@ const char* to_string(AttentionBackend backend);
 
 // dropout_p: dropout on the attention probabilities, drawn from the default generator
 // (sdpa only: flash raises InvalidArgument for dropout_p > 0). window, documents: as
-// flash_attention's (sdpa takes them as an explicit boolean mask, [B, 1, T, T] with
-// documents).
+// flash_attention's (sdpa takes them as documents.sdpa_mask, made once for the calls that
+// share `documents`). Grouped-query attention on sdpa: its own (enable_gqa) wherever a
+// backend other than math takes the call, else k and v repeated per query head.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                      double dropout_p = 0.0, AttentionBackend backend = AttentionBackend::kSdpa,
                      std::int64_t window = 0, const Documents& documents = {});
