@@ -430,10 +430,9 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   // made once for all the calls that share `documents`, additive in the dtype sdpa
   // computes in, so that sdpa uses it (and saves it for the backward) as it is: one per
   // forward, where a boolean mask became such a bias, saved, in every layer.
+  const auto dtype = sdpa_dtype(q);
   std::optional<at::Tensor> mask;
-  if (documents.defined() || window > 0) {
-    mask = documents.sdpa_mask(window, sdpa_dtype(q), q.size(2), k.size(2), q.device());
-  }
+  if (documents.defined() || window > 0) mask = documents.sdpa_mask(window, dtype, q.size(2), k.size(2), q.device());
   const bool is_causal = causal && !mask.has_value();
   if (hkv == h) return at::scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal);
   // Grouped-query attention: sdpa's own (no copy of k and v per query head, none saved for
@@ -441,7 +440,6 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   // math would repeat them, so that a backend without GQA (the memory-efficient one in
   // some LibTorch versions) may still take the call. The choice is asked of q, k, v in the
   // dtype sdpa computes in: cast here as autocast would cast them inside sdpa.
-  const auto dtype = sdpa_dtype(q);
   const auto qc = q.to(dtype), kc = k.to(dtype), vc = v.to(dtype);
   const auto choice = at::_fused_sdp_choice(qc, kc, vc, mask, dropout_p, is_causal, std::nullopt, /*enable_gqa=*/true);
   if (choice != static_cast<std::int64_t>(at::SDPBackend::math)) {
