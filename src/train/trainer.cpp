@@ -7,8 +7,10 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -17,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dtrain/core/error.hpp"
+#include "dtrain/core/fs.hpp"
 #include "dtrain/core/logging.hpp"
 #include "dtrain/data/dataset.hpp"
 #include "dtrain/parallel/pipeline.hpp"
@@ -505,6 +508,8 @@ void Trainer::check_options() const {
                    "; allowed: a multiple of ", dp * std::max<std::int64_t>(1, micro));
   DTRAIN_CHECK_ARG(o.warmup_steps >= 0 && o.warmup_steps <= o.steps, "--warmup-steps=",
                    o.warmup_steps, " is not allowed; allowed: 0..--steps (", o.steps, ")");
+  DTRAIN_CHECK_ARG(o.adamw.lr > 0 && std::isfinite(o.adamw.lr), "--lr=", o.adamw.lr,
+                   " is not allowed; allowed: a finite learning rate > 0");
   DTRAIN_CHECK_ARG(o.min_lr >= 0 && o.min_lr <= o.adamw.lr, "--min-lr=", o.min_lr,
                    " is not allowed; allowed: 0..--lr (", o.adamw.lr, ")");
   DTRAIN_CHECK_ARG(o.grad_clip >= 0, "--grad-clip=", o.grad_clip, " must be >= 0 (0 disables)");
@@ -531,6 +536,15 @@ void Trainer::check_options() const {
   DTRAIN_CHECK_ARG(o.save_every >= 0, "--save-every=", o.save_every, " must be >= 0 (0: only at the end)");
   DTRAIN_CHECK_ARG(o.save_every == 0 || !o.save_dir.empty(), "--save-every ", o.save_every,
                    " needs --save-dir (where the checkpoints go)");
+  if (!o.save_dir.empty()) {  // fail now, not at the first save after hours of training
+    try {
+      fs::make_directories(o.save_dir);
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(detail::str_cat("--save-dir '", o.save_dir, "': ", e.what()));
+    }
+    DTRAIN_CHECK_ARG(::access(o.save_dir.c_str(), W_OK | X_OK) == 0, "--save-dir '", o.save_dir,
+                     "' is not writable: ", std::strerror(errno));
+  }
   DTRAIN_CHECK_ARG(o.keep_checkpoints >= 0, "--keep-checkpoints=", o.keep_checkpoints,
                    " must be >= 0 (0: keep all)");
   DTRAIN_CHECK_ARG(o.resume != "auto" || !o.save_dir.empty(),

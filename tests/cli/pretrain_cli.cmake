@@ -189,6 +189,10 @@ expect(save-every-without-dir 2 "--save-every 5 needs --save-dir" ARGS ${DATA} -
 expect(resume-auto-without-dir 2 "--resume auto needs --save-dir" ARGS ${DATA} --global-batch 8 --resume auto)
 expect(resume-not-a-checkpoint 2 "--resume '[^']*data' is neither a checkpoint" ARGS ${DATA} --global-batch 8 --resume "${WORK_DIR}/data")
 expect(max-skipped-steps 2 "--max-skipped-steps=0 must be >= 1" ARGS ${DATA} --global-batch 8 --max-skipped-steps 0)
+expect(lr-negative 2 "--lr=-1 is not allowed; allowed: a finite learning rate > 0" ARGS ${DATA} --global-batch 8 --lr -1)
+file(WRITE "${WORK_DIR}/not_a_dir" "")
+expect(save-dir-is-file 2 "--save-dir '[^']*not_a_dir/ck': .*not_a_dir.* (exists but is not a directory|cannot be created)"
+       ARGS ${DATA} --global-batch 8 --save-dir "${WORK_DIR}/not_a_dir/ck")
 expect(keep-checkpoints 2 "--keep-checkpoints=-1 must be >= 0" ARGS ${DATA} --global-batch 8 --keep-checkpoints -1)
 # Save at the end, then resume auto with more steps: it continues from step 3.
 expect(save-at-end 0 "checkpoint: step 3 saved to [^\n]*ck/step_3" ARGS ${DATA} --global-batch 8 --steps 3 --warmup-steps 1 --save-dir "${WORK_DIR}/ck")
