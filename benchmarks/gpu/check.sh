@@ -129,6 +129,10 @@ phase kernel_bench_gqa 90 "$build/benchmarks/kernel_bench" --only gqa --seq 4096
   --json "$out/kernel_bench_gqa.jsonl"
 phase kernel_bench_gqa_documents 90 "$build/benchmarks/kernel_bench" --only gqa --seq 4096 --dims 128 \
   --documents 1024 --json "$out/kernel_bench_gqa.jsonl"
+# One rank's share of the tensor-parallel loss (50304 over tp 8, 8192 rows): the fused
+# split form against Megatron's and the one-call op, time and peak memory.
+phase kernel_bench_ce_split 60 "$build/benchmarks/kernel_bench" --only ce_split --tp 8 \
+  --json "$out/kernel_bench_ce_split.jsonl"
 # DTRAIN_CHECK_AB_BASE: another revision's tree (scripts/ab_tree.sh REV, carried as ab/):
 # its kernel_bench against this tree's, in turn (benchmarks/gpu/ab.sh, default cases).
 if [ -n "${DTRAIN_CHECK_AB_BASE:-}" ]; then
@@ -220,7 +224,7 @@ done
 [ -f "$out/kernel_bench_hdims.log" ] && { echo "-- kernel_bench, head dims 32, 80, 96"; grep -vE '^\{|^#' "$out/kernel_bench_hdims.log"; }
 [ -f "$out/kernel_bench_window.log" ] && { echo "-- kernel_bench, window 1024"; grep -vE '^\{' "$out/kernel_bench_window.log"; }
 [ -f "$out/kernel_bench_documents.log" ] && { echo "-- kernel_bench, documents of 2048"; grep -vE '^\{' "$out/kernel_bench_documents.log"; }
-for f in "$out"/kernel_bench_gqa*.log; do
+for f in "$out"/kernel_bench_gqa*.log "$out"/kernel_bench_ce_split.log; do
   [ -f "$f" ] && { echo "-- $(basename "$f" .log)"; grep -vE '^\{|^#' "$f"; }
 done
 # The issue's targets (a missed one is a result, not a failed phase).

@@ -18,12 +18,15 @@
 // --only gqa: grouped-query attention on the sdpa backend (sdpa's own GQA) against sdpa over
 // k and v repeated per query head (the call it replaced) and dtrain's flash attention:
 // forward+backward time and peak memory (see gqa() below).
+// --only ce_split: one rank's share of the tensor-parallel loss, dtrain's fused form against
+// Megatron's (see ce_split() below).
 //
 //   build/benchmarks/kernel_bench                          (CUDA when present)
 //   build/benchmarks/kernel_bench --only attention --seq 1024,4096,16384 --json out.jsonl
 //   build/benchmarks/kernel_bench --only attention --seq 4096,16384 --dims 128 --window 1024
 //   build/benchmarks/kernel_bench --only attention --seq 16384 --dims 128 --documents 2048
 //   build/benchmarks/kernel_bench --only gqa --seq 4096 --dims 128 [--kv-heads 4] [--documents 512]
+//   build/benchmarks/kernel_bench --only ce_split [--tp 8]
 #include <ATen/SDPBackend.h>
 #include <torch/torch.h>
 
@@ -53,6 +56,7 @@ struct Options {
   std::int64_t window = 0;        // attention: a causal sliding window (0: none)
   std::int64_t documents = 0;     // attention: packed documents of this many tokens (0: none)
   std::int64_t kv_heads = 0;      // gqa: key/value heads (0: a quarter of the heads)
+  int tp = 8;                     // ce_split: the vocabulary split across this many ranks
   int iters = 0, rounds = 3;      // iters 0: 20 on CUDA, 3 on CPU
 };
 
@@ -281,6 +285,27 @@ const char* sdpa_backend_name(std::int64_t choice) {
   }
 }
 
+// Forward+backward ms (median of rounds), and the peak of tensor memory above the start of
+// one more call in MiB (nullopt where the device keeps no such count, or the call throws).
+// Each call starts with the leaves' gradients cleared.
+using Measured = std::pair<std::optional<double>, std::optional<double>>;
+Measured time_and_peak(const c10::Device& dev, int iters, int rounds, const std::vector<at::Tensor*>& leaves,
+                       const std::function<void()>& fwdbwd) {
+  auto step = [&] {
+    for (auto* t : leaves) t->mutable_grad().reset();
+    fwdbwd();
+  };
+  const auto ms = try_time(dev, iters, rounds, step);
+  if (!ms) return {std::nullopt, std::nullopt};
+  for (auto* t : leaves) t->mutable_grad().reset();
+  dtrain::train::synchronize(dev);
+  const double base = dtrain::train::memory_stats(dev).current_mib;
+  if (!dtrain::train::reset_peak_memory(dev)) return {ms, std::nullopt};
+  step();
+  dtrain::train::synchronize(dev);
+  return {ms, dtrain::train::memory_stats(dev).peak_mib - base};
+}
+
 // Forward + backward of grouped-query attention as the sdpa backend runs it (sdpa's own
 // GQA, enable_gqa, where a fused backend takes it) against the call it replaced (sdpa over
 // k and v repeated per query head), and dtrain's flash attention (CUDA): time, and the peak
@@ -326,22 +351,8 @@ void gqa(const Options& o, const c10::Device& dev, int iters, Out& out) {
                                                 0.0, !documents);
       };
       auto flash = [&] { return dtrain::ops::flash_attention(q, k, v, true, 0.0, 0, docs); };
-      // fwd+bwd ms, and the peak MiB above the start of one more fwd+bwd.
-      using Measured = std::pair<std::optional<double>, std::optional<double>>;
-      auto measure = [&](const std::function<at::Tensor()>& f) -> Measured {
-        auto step = [&] {
-          for (auto* t : {&q, &k, &v}) t->mutable_grad().reset();
-          f().backward(dout);
-        };
-        const auto ms = try_time(dev, iters, o.rounds, step);
-        if (!ms) return {std::nullopt, std::nullopt};
-        for (auto* t : {&q, &k, &v}) t->mutable_grad().reset();
-        dtrain::train::synchronize(dev);
-        const double base = dtrain::train::memory_stats(dev).current_mib;
-        if (!dtrain::train::reset_peak_memory(dev)) return {ms, std::nullopt};
-        step();
-        dtrain::train::synchronize(dev);
-        return {ms, dtrain::train::memory_stats(dev).peak_mib - base};
+      auto measure = [&](const std::function<at::Tensor()>& f) {
+        return time_and_peak(dev, iters, o.rounds, {&q, &k, &v}, [&] { f().backward(dout); });
       };
       const auto [ours_ms, ours_mib] = measure(ours);
       const auto [rep_ms, rep_mib] = measure(repeat);
@@ -367,6 +378,58 @@ void gqa(const Options& o, const c10::Device& dev, int iters, Out& out) {
                 {"speedup", speedup}, {"memory_ratio", memory}});
     }
   }
+}
+
+// One rank's share of a vocabulary split across --tp ranks (a tensor-parallel head's
+// loss): forward+backward ms and peak tensor memory above the start of dtrain's fused form
+// (tp::fused_vocab_parallel_cross_entropy, in place as the model runs it) against
+// Megatron's form (tp::vocab_parallel_cross_entropy: float32 copies, the softmax saved)
+// and the unsplit one-call op over the same columns (what splitting costs). Both split
+// forms run over a one-rank communicator: their collectives become copies, so the figure
+// is the per-rank work without the network.
+void ce_split(const Options& o, const c10::Device& dev, int iters, Out& out) {
+  const auto dtype = cuda(dev) ? torch::kBFloat16 : torch::kFloat;
+  if (!cuda(dev)) dtrain::train::enable_cpu_memory_tracking();
+  const std::int64_t rows = cuda(dev) ? 8192 : 512, vocab = cuda(dev) ? 50304 : 8192;
+  const std::int64_t cols = dtrain::tp::padded_vocab_size(vocab, o.tp) / o.tp;
+  auto self = dtrain::make_self_communicator("tp", 0);
+  auto opts = torch::TensorOptions().device(dev).dtype(dtype);
+  auto logits = torch::randn({rows, cols}, opts).requires_grad_();
+  const auto fresh = logits.detach().clone();
+  auto target = torch::randint(0, cols, {rows}, opts.dtype(torch::kLong));
+  dtrain::ops::CrossEntropyOptions in_place;
+  in_place.in_place = true;
+  // The logits are refilled before each call: the in-place forms leave their gradient there.
+  auto run = [&](const std::function<at::Tensor()>& loss) {
+    return time_and_peak(dev, iters, o.rounds, {&logits}, [&] {
+      {
+        torch::NoGradGuard no_grad;
+        logits.copy_(fresh);
+      }
+      loss().backward();
+    });
+  };
+  const auto [ours_ms, ours_mib] =
+      run([&] { return dtrain::tp::fused_vocab_parallel_cross_entropy(logits, target, cols, self, in_place); });
+  const auto [meg_ms, meg_mib] = run([&] { return dtrain::tp::vocab_parallel_cross_entropy(logits, target, cols, self); });
+  const auto [one_ms, one_mib] = run([&] { return dtrain::ops::cross_entropy(logits, target, in_place); });
+  auto div = [](std::optional<double> a, std::optional<double> b) { return a && b && *b > 0 ? *a / *b : 0.0; };
+  auto cell = [](std::optional<double> x) { return x ? *x : -1.0; };
+  std::printf("# vocabulary-parallel cross-entropy, one rank's share (%s, %s): %lld rows x %lld of %lld columns (tp "
+              "%d); fwd+bwd ms and peak MiB above the start; dtrain = fused split form, megatron = "
+              "tp::vocab_parallel_cross_entropy, one_call = ops::cross_entropy unsplit; speedup and memory = megatron "
+              "/ dtrain\n",
+              cuda(dev) ? "cuda" : "cpu", c10::toString(dtype), static_cast<long long>(rows),
+              static_cast<long long>(cols), static_cast<long long>(vocab), o.tp);
+  std::printf("%9s %11s %11s %10s %12s %12s %8s %8s\n", "dtrain_ms", "megatron_ms", "one_call_ms", "dtrain_MiB",
+              "megatron_MiB", "one_call_MiB", "speedup", "memory");
+  std::printf("%9.3f %11.3f %11.3f %10.1f %12.1f %12.1f %8.2f %8.2f\n", cell(ours_ms), cell(meg_ms), cell(one_ms),
+              cell(ours_mib), cell(meg_mib), cell(one_mib), div(meg_ms, ours_ms), div(meg_mib, ours_mib));
+  out.line({{"bench", "kernel"}, {"op", "cross_entropy_split"}, {"device", cuda(dev) ? "cuda" : "cpu"},
+            {"dtype", c10::toString(dtype)}, {"rows", rows}, {"cols", cols}, {"vocab", vocab}, {"tp", o.tp},
+            {"fwdbwd_ms", opt(ours_ms)}, {"fwdbwd_ms_megatron", opt(meg_ms)}, {"fwdbwd_ms_one_call", opt(one_ms)},
+            {"peak_mib", opt(ours_mib)}, {"peak_mib_megatron", opt(meg_mib)}, {"peak_mib_one_call", opt(one_mib)},
+            {"speedup", div(meg_ms, ours_ms)}, {"memory_ratio", div(meg_mib, ours_mib)}});
 }
 
 // ---- memory-bound ops --------------------------------------------------------------------
@@ -504,8 +567,9 @@ int main(int argc, char** argv) {
   Options o;
   CLI::App app{"kernel_bench: dtrain's attention, AdamW, norm and cross-entropy ops against LibTorch's"};
   app.add_option("--device", o.device, "auto (cuda when available), cuda or cpu")->check(CLI::IsMember({"auto", "cuda", "cpu"}));
-  app.add_option("--only", o.only, "all (attention and the memory-bound ops), attention, gqa, adamw, norm or ce")
-      ->check(CLI::IsMember({"all", "attention", "gqa", "adamw", "norm", "ce"}));
+  app.add_option("--only", o.only,
+                 "all (attention and the memory-bound ops), attention, gqa, adamw, norm, ce or ce_split")
+      ->check(CLI::IsMember({"all", "attention", "gqa", "adamw", "norm", "ce", "ce_split"}));
   app.add_option("--seq", o.seq, "attention sequence lengths")->delimiter(',');
   app.add_option("--dims", o.dims, "attention head dims (multiples of 8 up to 128; default 64,128)")->delimiter(',');
   app.add_option("--tokens", o.tokens, "attention: batch x seq (0: 16384 on CUDA, 1024 on CPU)");
@@ -517,6 +581,8 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--kv-heads", o.kv_heads, "gqa: key/value heads (0: a quarter of the heads)")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--tp", o.tp, "ce_split: the vocabulary split across this many tensor-parallel ranks")
+      ->check(CLI::PositiveNumber);
   app.add_option("--iters", o.iters, "calls per timing (0: 20 on CUDA, 3 on CPU)");
   app.add_option("--rounds", o.rounds, "timings per case (the median is reported)");
   app.add_option("--json", o.json, "also append the JSON lines to this file");
@@ -534,7 +600,8 @@ int main(int argc, char** argv) {
     if (!o.json.empty()) out.file.open(o.json, std::ios::app);
     if (o.only == "all" || o.only == "attention") attention(o, dev, iters, out);
     if (o.only == "gqa") gqa(o, dev, iters, out);
-    if (o.only != "attention" && o.only != "gqa") memory_bound(o, dev, iters, out);
+    if (o.only == "ce_split") ce_split(o, dev, iters, out);
+    if (o.only == "all" || o.only == "adamw" || o.only == "norm" || o.only == "ce") memory_bound(o, dev, iters, out);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kernel_bench: error: %s\n", e.what());
     return 1;

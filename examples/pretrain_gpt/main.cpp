@@ -105,7 +105,7 @@ void define(CLI::App& app, Options& o) {
     app.add_flag("--no-" + name, off, "LibTorch's op instead of --" + name)->group(kernels)->excludes(yes);
   };
   on_off("fused-norm", o.fused_norm, o.no_fused_norm, "fused RMSNorm/LayerNorm (one kernel each way)");
-  on_off("fused-ce", o.fused_ce, o.no_fused_ce, "fused softmax cross-entropy from the logits' own dtype (tp 1)");
+  on_off("fused-ce", o.fused_ce, o.no_fused_ce, "fused softmax cross-entropy from the logits' own dtype (with --tp: over each rank's vocabulary columns)");
   on_off("fused-adamw", o.fused_adamw, o.no_fused_adamw,
          "one multi-tensor AdamW pass per step (with --fsdp: the 16-bit parameter shard written in the same pass)");
 

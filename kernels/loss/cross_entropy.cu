@@ -1,7 +1,9 @@
 // Fused softmax cross-entropy (dtrain_kernels/cross_entropy.h): one block per row; each
 // thread keeps an online (max, sum of exp) over its strided share of the vocabulary, the
 // block merges them, and the same threads walk their share again, last chunk first, writing
-// the gradient (the logits' second read should come from L2). Rows whose start is 16-byte
+// the gradient (the logits' second read should come from L2). Over a vocabulary split
+// across ranks the walks are two launches (statistics, then the gradient for the
+// log-sum-exp the caller gathered). Rows whose start is 16-byte
 // aligned are read and written in 16-byte accesses, others one element per access; a
 // thread loads kUnroll accesses before using any. The kernel is bound by instructions per
 // logit more than by memory (Nsight Compute on the H200: 74% of the SM's issue slots, 63%
@@ -42,43 +44,14 @@ __device__ __forceinline__ void for_row(const T* x, int64_t nv, F&& f) {
   }
 }
 
-template <typename T, int V>
-__global__ void __launch_bounds__(kThreads) ce_fwd_kernel(dtrain_cross_entropy_fwd_params p) {
-  __shared__ float scratch[32];
-  const int64_t row = blockIdx.x;
-  const T* x = static_cast<const T*>(p.logits) + row * p.logits_stride;
-  const int64_t t = p.target[row], nv = p.vocab / V;
-  const bool ignored = t == p.ignore_index, in_range = t >= 0 && t < p.vocab;
-  // Read before the block's first barrier: after the last one the gradient may replace it.
-  const float xt = threadIdx.x == 0 && !ignored && in_range ? to_float(x[t]) : 0.f;
-  // The running max m, and the sum of exp(x - m) (terms below 2^-126 of the max's flush to
-  // 0: nothing a float32 sum of at least 1 would keep).
-  float m = -INFINITY, s = 0.f;
-  for_row<false, V>(x, nv, [&](int64_t, const Vec<T, V>& r) {
-    float f[V];
-    to_floats(r, f);
-    float vmax = -INFINITY;  // fmaxf skips NaN here; the sum below carries it
-#pragma unroll
-    for (int i = 0; i < V; ++i) vmax = fmaxf(vmax, f[i]);
-    if (vmax > m) {
-      s *= fast_exp2((m - vmax) * kLog2e);
-      m = vmax;
-    }
-    if (m == -INFINITY) return;  // all -inf so far: nothing to add
-    const float shift = -m * kLog2e;
-#pragma unroll
-    for (int i = 0; i < V; ++i) s += fast_exp2(fmaf(f[i], kLog2e, shift));
-  });
-  const float bm = block_max(m, scratch);
-  // A thread that saw only -inf (or nothing) adds 0.
-  const float bs = block_sum(m == -INFINITY ? 0.f : s * __expf(m - bm), scratch);
-  const float lse = bm + logf(bs);
-  if (threadIdx.x == 0) {
-    if (p.lse) p.lse[row] = lse;
-    p.loss[row] = ignored ? 0.f : in_range ? lse - xt : NAN;
-  }
-  if (!p.dlogits) return;
+// The gradient of row `row` given its log-sum-exp: (softmax - onehot(t)) * scale, walking
+// the row last chunk first (the forward's last reads may still be in L2); zeros for an
+// ignored row. t: the target's column (outside [0, vocab): no onehot term here).
+template <int V, typename T>
+__device__ __forceinline__ void write_grad(const dtrain_cross_entropy_fwd_params& p, int64_t row, const T* x,
+                                           bool ignored, int64_t t, float lse) {
   T* dx = static_cast<T*>(p.dlogits) + row * p.dlogits_stride;
+  const int64_t nv = p.vocab / V;
   if (ignored) {
     Vec<T, V> zero;
 #pragma unroll
@@ -99,6 +72,50 @@ __global__ void __launch_bounds__(kThreads) ce_fwd_kernel(dtrain_cross_entropy_f
     }
     store_vec_streaming<V>(dx + j * V, out);
   });
+}
+
+template <typename T, int V>
+__global__ void __launch_bounds__(kThreads) ce_fwd_kernel(dtrain_cross_entropy_fwd_params p) {
+  __shared__ float scratch[32];
+  const int64_t row = blockIdx.x;
+  const T* x = static_cast<const T*>(p.logits) + row * p.logits_stride;
+  const int64_t target = p.target[row], t = target - p.vocab_start, nv = p.vocab / V;
+  const bool ignored = target == p.ignore_index, in_range = t >= 0 && t < p.vocab;
+  float lse;
+  if (p.given_lse) {  // the whole (split) vocabulary's: the gradient alone
+    lse = p.given_lse[row];
+  } else {
+    // Read before the block's first barrier: after the last one the gradient may replace it.
+    const float xt = threadIdx.x == 0 && !ignored && in_range ? to_float(x[t]) : 0.f;
+    // The running max m, and the sum of exp(x - m) (terms below 2^-126 of the max's flush to
+    // 0: nothing a float32 sum of at least 1 would keep).
+    float m = -INFINITY, s = 0.f;
+    for_row<false, V>(x, nv, [&](int64_t, const Vec<T, V>& r) {
+      float f[V];
+      to_floats(r, f);
+      float vmax = -INFINITY;  // fmaxf skips NaN here; the sum below carries it
+#pragma unroll
+      for (int i = 0; i < V; ++i) vmax = fmaxf(vmax, f[i]);
+      if (vmax > m) {
+        s *= fast_exp2((m - vmax) * kLog2e);
+        m = vmax;
+      }
+      if (m == -INFINITY) return;  // all -inf so far: nothing to add
+      const float shift = -m * kLog2e;
+#pragma unroll
+      for (int i = 0; i < V; ++i) s += fast_exp2(fmaf(f[i], kLog2e, shift));
+    });
+    const float bm = block_max(m, scratch);
+    // A thread that saw only -inf (or nothing) adds 0.
+    const float bs = block_sum(m == -INFINITY ? 0.f : s * __expf(m - bm), scratch);
+    lse = bm + logf(bs);
+    if (threadIdx.x == 0) {
+      if (p.lse) p.lse[row] = lse;
+      if (p.target_logit) p.target_logit[row] = xt;
+      if (p.loss) p.loss[row] = ignored ? 0.f : in_range ? lse - xt : NAN;
+    }
+  }
+  if (p.dlogits) write_grad<V>(p, row, x, ignored, t, lse);
 }
 
 // out = dlogits * *grad / *written (a ratio within 1e-6 of 1 is 1, and in place then
@@ -136,7 +153,8 @@ extern "C" cudaError_t dtrain_cross_entropy_fwd(const dtrain_cross_entropy_fwd_p
   const auto& p = *params;
   if (p.rows < 0 || p.rows > INT32_MAX || p.vocab <= 0 || p.logits_stride < p.vocab) return cudaErrorInvalidValue;
   if (p.rows == 0) return cudaSuccess;
-  if (!p.logits || !p.target || !p.loss) return cudaErrorInvalidValue;
+  if (!p.logits || !p.target || p.vocab_start < 0) return cudaErrorInvalidValue;
+  if (p.given_lse && !p.dlogits) return cudaErrorInvalidValue;
   if (p.dlogits) {
     if (!p.count || !std::isfinite(p.grad_scale) || p.grad_scale == 0.f || p.dlogits_stride < p.vocab) {
       return cudaErrorInvalidValue;

@@ -707,13 +707,15 @@ torch::Tensor GptImpl::loss(const torch::Tensor& idx, const torch::Tensor& targe
 torch::Tensor GptImpl::loss_from_hidden(const torch::Tensor& hidden, const torch::Tensor& targets) {
   DTRAIN_CHECK_ARG(stage_.head, "loss_from_hidden needs the stage that holds the head (the last)");
   auto logits = local_logits(hidden);
-  if (tp_.size == 1 && config_.fused_ce) {
+  if (config_.fused_ce) {
     // The logits are this call's own: their gradient may take their place.
     ops::CrossEntropyOptions o;
     o.grad_scale = loss_grad_scale_;
     o.in_place = true;
     o.ignore_index = kIgnoreTarget;
-    return ops::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}), o);
+    const auto flat = logits.reshape({-1, logits.size(-1)});
+    if (tp_.size == 1) return ops::cross_entropy(flat, targets.reshape({-1}), o);
+    return tp::fused_vocab_parallel_cross_entropy(flat, targets.reshape({-1}), config_.vocab_size, tp_.comm, o);
   }
   if (tp_.size == 1) {
     return torch::nn::functional::cross_entropy(

@@ -4,11 +4,15 @@
 // device when autograd's upstream gradient differs (a retained graph's later backwards
 // get a rescaled copy: the first one's may still be held, by a hook for one). The
 // reference path saves the logits and the row log-sum-exp and rebuilds softmax - onehot.
+// Over a vocabulary split across ranks (options.combine) both paths exchange two floats
+// per row between their statistics and the gradient (two kernel calls on CUDA).
 #include "dtrain/ops/cross_entropy.hpp"
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "dtrain/core/error.hpp"
 #include "ops/kernel_launch.hpp"
@@ -27,43 +31,86 @@ bool use_kernel(const at::Tensor& logits) {
   return detail::on_kernel_device(logits) && (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf);
 }
 
+// Where the logits sit in the vocabulary: columns [start, start + cols), of which the
+// first `valid` hold ids below its size (the rest: a split vocabulary's padding).
+struct Columns {
+  std::int64_t start, valid;
+};
+
+Columns columns_of(const at::Tensor& logits, const CrossEntropyOptions& o) {
+  if (!o.combine) return {0, logits.size(1)};
+  return {o.vocab_start, std::clamp<std::int64_t>(o.vocab_size - o.vocab_start, 0, logits.size(1))};
+}
+
+// The rank's [2, rows] statistics over the whole vocabulary, from o.combine.
+at::Tensor combined(const CrossEntropyOptions& o, const at::Tensor& stats) {
+  auto all = o.combine(stats);
+  DTRAIN_OP_CHECK(all.defined() && all.sizes() == stats.sizes(), kOp, "combine returned ",
+                  all.defined() ? all.sizes() : at::IntArrayRef{}, "; it must return the [2, rows] = ", stats.sizes(),
+                  " it was given, over the whole vocabulary");
+  return all;
+}
+
 class CrossEntropyFn : public torch::autograd::Function<CrossEntropyFn> {
  public:
   // want_grad: the caller's logits need a gradient (decided outside, where grad mode is
   // the caller's).
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits_in,
-                            const at::Tensor& target, std::int64_t ignore_index, double grad_scale, bool in_place,
-                            bool want_grad) {
+                            const at::Tensor& target, const CrossEntropyOptions& o, bool want_grad) {
     auto logits = logits_in.stride(1) == 1 ? logits_in : logits_in.contiguous();
     const auto rows = logits.size(0), vocab = logits.size(1);
-    auto valid = target != ignore_index;
+    const Columns cols = columns_of(logits, o);
+    auto valid = target != o.ignore_index;
     auto count = valid.sum();  // int64 scalar on the device: no host synchronisation
 #ifdef DTRAIN_WITH_CUDA
     if (use_kernel(logits)) {
       const detail::DeviceGuard guard(logits.device());
-      auto rows_loss = at::empty({rows}, logits.options().dtype(at::kFloat));
+      const auto stream = detail::current_stream(logits);
       at::Tensor dlogits, written;
       if (want_grad) {
-        dlogits = in_place ? logits : at::empty(logits.sizes(), logits.options());
-        written = at::full({1}, grad_scale, logits.options().dtype(at::kFloat));
+        dlogits = o.in_place ? logits : at::empty(logits.sizes(), logits.options());
+        written = at::full({1}, o.grad_scale, logits.options().dtype(at::kFloat));
       }
       dtrain_cross_entropy_fwd_params p{};
       p.logits = logits.data_ptr();
       p.target = target.data_ptr<std::int64_t>();
-      p.loss = rows_loss.data_ptr<float>();
       p.dlogits = want_grad ? dlogits.data_ptr() : nullptr;
       p.count = count.data_ptr<std::int64_t>();
-      p.grad_scale = static_cast<float>(grad_scale);
+      p.grad_scale = static_cast<float>(o.grad_scale);
       p.rows = rows;
-      p.vocab = vocab;
+      p.vocab = cols.valid;
+      p.vocab_start = cols.start;
       p.logits_stride = logits.stride(0);
       p.dlogits_stride = want_grad ? dlogits.stride(0) : 0;
-      p.ignore_index = ignore_index;
+      p.ignore_index = o.ignore_index;
       p.dtype = detail::kernel_dtype(logits, kOp, "logits");
-      DTRAIN_CUDA_CHECK(dtrain_cross_entropy_fwd(&p, detail::current_stream(logits)));
+      at::Tensor rows_loss;
+      if (!o.combine) {  // one call: loss and gradient
+        rows_loss = at::empty({rows}, logits.options().dtype(at::kFloat));
+        p.loss = rows_loss.data_ptr<float>();
+        DTRAIN_CUDA_CHECK(dtrain_cross_entropy_fwd(&p, stream));
+      } else {  // the statistics, the ranks' exchange, then the gradient for the whole lse
+        auto stats = at::zeros({2, rows}, logits.options().dtype(at::kFloat));
+        stats[0].fill_(-std::numeric_limits<float>::infinity());
+        auto stat_call = p;
+        stat_call.dlogits = nullptr;
+        stat_call.lse = stats[0].data_ptr<float>();
+        stat_call.target_logit = stats[1].data_ptr<float>();
+        if (cols.valid > 0) DTRAIN_CUDA_CHECK(dtrain_cross_entropy_fwd(&stat_call, stream));
+        const auto all = combined(o, stats);
+        const auto lse = all[0].to(at::kFloat).contiguous();
+        // As the one-call kernel: 0 for an ignored row, NaN for a target outside the vocabulary.
+        const auto bad = valid & ((target < 0) | (target >= o.vocab_size));
+        rows_loss = at::where(valid, lse - all[1].to(at::kFloat), 0.f).masked_fill(bad, NAN);
+        if (want_grad) {
+          p.given_lse = lse.data_ptr<float>();
+          if (cols.valid > 0) DTRAIN_CUDA_CHECK(dtrain_cross_entropy_fwd(&p, stream));
+          if (cols.valid < vocab) dlogits.narrow(1, cols.valid, vocab - cols.valid).zero_();
+        }
+      }
       // The logits changed under autograd's feet: a graph that saved them now fails loudly
       // in its backward instead of reading the gradient.
-      if (want_grad && in_place) logits.unsafeGetTensorImpl()->bump_version();
+      if (want_grad && o.in_place) logits.unsafeGetTensorImpl()->bump_version();
       if (want_grad) {
         ctx->save_for_backward({dlogits, written});
         ctx->saved_data["handed_over"] = false;
@@ -71,18 +118,26 @@ class CrossEntropyFn : public torch::autograd::Function<CrossEntropyFn> {
       return rows_loss.sum() / count.clamp_min(1);
     }
 #endif
-    (void)grad_scale;
-    (void)in_place;
     (void)want_grad;
     detail::NoAutocast no_autocast;
-    const auto bad = valid & ((target < 0) | (target >= vocab));
-    DTRAIN_OP_CHECK(!bad.any().item<bool>(), kOp, "a target is outside [0, ", vocab, ") and is not ignore_index ",
-                    ignore_index, " (the CUDA kernel gives that row a NaN loss)");
+    const auto ids = o.combine ? o.vocab_size : vocab;
+    const auto bad = valid & ((target < 0) | (target >= ids));
+    DTRAIN_OP_CHECK(!bad.any().item<bool>(), kOp, "a target is outside [0, ", ids, ") and is not ignore_index ",
+                    o.ignore_index, " (the CUDA kernel gives that row a NaN loss)");
     auto lf = logits.to(logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
-    auto lse = lf.logsumexp(1);
-    auto picked = lf.gather(1, target.clamp(0, vocab - 1).unsqueeze(1)).squeeze(1);
+    const auto local = target - cols.start, inside = (local >= 0) & (local < cols.valid);
+    auto lse = cols.valid > 0 ? lf.narrow(1, 0, cols.valid).logsumexp(1)
+                              : at::full({rows}, -std::numeric_limits<double>::infinity(), lf.options());
+    auto picked = lf.gather(1, local.clamp(0, vocab - 1).unsqueeze(1)).squeeze(1).masked_fill(~inside, 0);
+    if (o.combine) {
+      const auto all = combined(o, at::stack({lse, picked}));
+      lse = all[0].to(lf.scalar_type());
+      picked = all[1].to(lf.scalar_type());
+    }
     ctx->save_for_backward({logits, target, lse, count});
-    ctx->saved_data["ignore_index"] = ignore_index;
+    ctx->saved_data["ignore_index"] = o.ignore_index;
+    ctx->saved_data["start"] = cols.start;
+    ctx->saved_data["valid"] = cols.valid;
     return ((lse - picked) * valid).sum() / count.clamp_min(1);
   }
 
@@ -124,15 +179,19 @@ class CrossEntropyFn : public torch::autograd::Function<CrossEntropyFn> {
     {
       const auto &logits = s[0], &target = s[1], &lse = s[2], &count = s[3];
       const auto ignore_index = ctx->saved_data["ignore_index"].toInt();
+      const auto start = ctx->saved_data["start"].toInt(), valid_cols = ctx->saved_data["valid"].toInt();
+      const auto vocab = logits.size(1);
       detail::NoAutocast no_autocast;
       auto lf = logits.to(lse.scalar_type());
       auto valid = (target != ignore_index).unsqueeze(1);
       auto d = (lf - lse.unsqueeze(1)).exp();
-      d.scatter_add_(1, target.clamp(0, logits.size(1) - 1).unsqueeze(1), -at::ones_like(lse).unsqueeze(1));
+      if (valid_cols < vocab) d.narrow(1, valid_cols, vocab - valid_cols).zero_();  // padding
+      const auto local = target - start, inside = (local >= 0) & (local < valid_cols);
+      d.scatter_add_(1, local.clamp(0, vocab - 1).unsqueeze(1), -inside.to(d.scalar_type()).unsqueeze(1));
       d = d * valid * (grads[0].to(d.scalar_type()) / count.clamp_min(1));
       dlogits = d.to(logits.scalar_type());
     }
-    return {dlogits, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dlogits, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -150,9 +209,17 @@ at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& target, con
   const auto scale = static_cast<float>(options.grad_scale);
   DTRAIN_OP_CHECK(std::isfinite(scale) && scale != 0.f, kOp, "grad_scale is ", options.grad_scale,
                   "; allowed: finite and nonzero in float32");
+  if (options.combine) {
+    DTRAIN_OP_CHECK(options.vocab_size >= 1 && options.vocab_start >= 0, kOp, "a split vocabulary (combine) needs ",
+                    "vocab_size >= 1 and vocab_start >= 0; got vocab_size ", options.vocab_size, ", vocab_start ",
+                    options.vocab_start);
+  } else {
+    DTRAIN_OP_CHECK(options.vocab_start == 0 && options.vocab_size == -1, kOp, "vocab_start ", options.vocab_start,
+                    " and vocab_size ", options.vocab_size, " describe a split vocabulary and need combine; ",
+                    "without it the logits are the whole vocabulary (allowed: 0 and -1)");
+  }
   const bool want_grad = at::GradMode::is_enabled() && logits.requires_grad();
-  return CrossEntropyFn::apply(logits, target.contiguous(), options.ignore_index, options.grad_scale,
-                               options.in_place, want_grad);
+  return CrossEntropyFn::apply(logits, target.contiguous(), options, want_grad);
 }
 
 }  // namespace dtrain::ops

@@ -297,24 +297,42 @@ struct VocabParallelCrossEntropy : public torch::autograd::Function<VocabParalle
   }
 };
 
+void check_vocab_parallel(const char* fn, const at::Tensor& local_logits, const at::Tensor& targets,
+                          std::int64_t vocab_size, const CommPtr& tp) {
+  DTRAIN_CHECK_ARG(tp != nullptr, "tensor parallel: no tp communicator");
+  DTRAIN_CHECK_ARG(local_logits.dim() == 2 && targets.dim() == 1 && targets.size(0) == local_logits.size(0), fn,
+                   ": logits must be [rows, vocab/tp] and targets [rows]; got ", local_logits.sizes(), " and ",
+                   targets.sizes());
+  DTRAIN_CHECK_ARG(local_logits.size(1) * tp->size() == padded_vocab_size(vocab_size, tp->size()), fn, ": ",
+                   local_logits.size(1), " columns per rank x tp=", tp->size(), " is not the padded vocabulary ",
+                   padded_vocab_size(vocab_size, tp->size()), " of vocab_size=", vocab_size);
+}
 }  // namespace
 
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
                                         std::int64_t vocab_size, const CommPtr& tp, std::int64_t ignore_index) {
-  DTRAIN_CHECK_ARG(tp != nullptr, "tensor parallel: no tp communicator");
-  DTRAIN_CHECK_ARG(local_logits.dim() == 2 && targets.dim() == 1 &&
-                       targets.size(0) == local_logits.size(0),
-                   "vocab_parallel_cross_entropy: logits must be [rows, vocab/tp] and targets "
-                   "[rows]; got ", local_logits.sizes(), " and ", targets.sizes());
-  DTRAIN_CHECK_ARG(local_logits.size(1) * tp->size() == padded_vocab_size(vocab_size, tp->size()),
-                   "vocab_parallel_cross_entropy: ", local_logits.size(1), " columns per rank x tp=",
-                   tp->size(), " is not the padded vocabulary ",
-                   padded_vocab_size(vocab_size, tp->size()), " of vocab_size=", vocab_size);
+  check_vocab_parallel("vocab_parallel_cross_entropy", local_logits, targets, vocab_size, tp);
   // An ignored row's loss is finite (its target is outside every rank's columns) and is
   // multiplied by 0, which also zeroes its gradient.
   const auto keep = targets.ne(ignore_index);
   const auto rows = VocabParallelCrossEntropy::apply(local_logits, targets, vocab_size, handle(tp));
   return (rows * keep).sum() / keep.sum().clamp_min(1);
+}
+
+at::Tensor fused_vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
+                                              std::int64_t vocab_size, const CommPtr& tp,
+                                              ops::CrossEntropyOptions options) {
+  check_vocab_parallel("fused_vocab_parallel_cross_entropy", local_logits, targets, vocab_size, tp);
+  options.vocab_start = local_logits.size(1) * tp->rank();
+  options.vocab_size = vocab_size;
+  Communicator& c = *tp;
+  // [2, rows] per rank -> [tp, 2, rows] -> the log-sum-exp over the ranks, the target
+  // logit summed (one rank holds it; the others give 0).
+  options.combine = [&c](const at::Tensor& stats) {
+    const auto all = all_gather_dim(stats.unsqueeze(0), c, 0);
+    return at::stack({all.select(1, 0).logsumexp(0), all.select(1, 1).sum(0)});
+  };
+  return ops::cross_entropy(local_logits, targets, options);
 }
 
 namespace {

@@ -184,40 +184,49 @@ TEST_F(TpTest, VocabParallelEmbeddingMatchesDense) {
 // padded vocabulary split across tp, with garbage in the padding columns that must be
 // ignored; loss and this rank's columns of the gradient (zero on padding); rows whose
 // target is the ignore index (two of five, then all five) as PyTorch leaves them out.
+// Both forms: Megatron's (max, sums reduced) and the fused op's (statistics gathered).
 TEST_F(TpTest, VocabParallelCrossEntropyMatchesDense) {
   const auto tp = world();
   const int n = nranks(), r = rank();
-  for (std::int64_t vocab : {12, 10, 9}) {
-    const std::int64_t padded = tp::padded_vocab_size(vocab, n), cols = padded / n;
-    auto full = randn({5, padded}, 31) * 3;
-    full.narrow(1, vocab, padded - vocab).fill_(50);  // padding: would dominate if used
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(32);
-    auto targets = torch::randint(0, vocab, {5}, gen, torch::kLong);
-    if (vocab == 10) targets.index_put_({torch::tensor({1, 3})}, -100);
-    auto dense_in = full.narrow(1, 0, vocab).clone().requires_grad_();
-    auto dense = torch::nn::functional::cross_entropy(dense_in, targets);
-    dense.backward();
+  for (bool fused : {false, true}) {
+    SCOPED_TRACE(fused ? "fused" : "Megatron's");
+    auto vocab_parallel_cross_entropy = [fused](const at::Tensor& local, const at::Tensor& targets,
+                                                std::int64_t vocab, const CommPtr& c) {
+      return fused ? tp::fused_vocab_parallel_cross_entropy(local, targets, vocab, c)
+                   : tp::vocab_parallel_cross_entropy(local, targets, vocab, c);
+    };
+    for (std::int64_t vocab : {12, 10, 9}) {
+      const std::int64_t padded = tp::padded_vocab_size(vocab, n), cols = padded / n;
+      auto full = randn({5, padded}, 31) * 3;
+      full.narrow(1, vocab, padded - vocab).fill_(50);  // padding: would dominate if used
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(32);
+      auto targets = torch::randint(0, vocab, {5}, gen, torch::kLong);
+      if (vocab == 10) targets.index_put_({torch::tensor({1, 3})}, -100);
+      auto dense_in = full.narrow(1, 0, vocab).clone().requires_grad_();
+      auto dense = torch::nn::functional::cross_entropy(dense_in, targets);
+      dense.backward();
 
-    auto local = full.narrow(1, cols * r, cols).clone().requires_grad_();
-    auto loss = tp::vocab_parallel_cross_entropy(local, targets, vocab, tp);
-    EXPECT_NEAR(loss.item<double>(), dense.item<double>(), 1e-5) << "vocab " << vocab;
-    loss.backward();
-    auto padded_grad = torch::zeros({5, padded});
-    padded_grad.narrow(1, 0, vocab).copy_(dense_in.grad());
-    EXPECT_TRUE(close(local.grad(), padded_grad.narrow(1, cols * r, cols))) << "vocab " << vocab;
-  }
-  {  // every row ignored: 0 and no gradient (PyTorch's mean would be 0 / 0)
-    auto local = torch::randn({3, tp::padded_vocab_size(10, n) / n}).requires_grad_();
-    auto loss = tp::vocab_parallel_cross_entropy(local, torch::full({3}, -100, torch::kLong), 10, tp);
-    EXPECT_EQ(loss.item<double>(), 0.0);
-    loss.backward();
-    EXPECT_EQ(local.grad().abs().max().item<double>(), 0.0);
-  }
-  try {
-    tp::vocab_parallel_cross_entropy(torch::zeros({5, 7}), torch::zeros({5}, torch::kLong), 100, tp);
-    ADD_FAILURE() << "no error";
-  } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("is not the padded vocabulary"), std::string::npos) << e.what();
+      auto local = full.narrow(1, cols * r, cols).clone().requires_grad_();
+      auto loss = vocab_parallel_cross_entropy(local, targets, vocab, tp);
+      EXPECT_NEAR(loss.item<double>(), dense.item<double>(), 1e-5) << "vocab " << vocab;
+      loss.backward();
+      auto padded_grad = torch::zeros({5, padded});
+      padded_grad.narrow(1, 0, vocab).copy_(dense_in.grad());
+      EXPECT_TRUE(close(local.grad(), padded_grad.narrow(1, cols * r, cols))) << "vocab " << vocab;
+    }
+    {  // every row ignored: 0 and no gradient (PyTorch's mean would be 0 / 0)
+      auto local = torch::randn({3, tp::padded_vocab_size(10, n) / n}).requires_grad_();
+      auto loss = vocab_parallel_cross_entropy(local, torch::full({3}, -100, torch::kLong), 10, tp);
+      EXPECT_EQ(loss.item<double>(), 0.0);
+      loss.backward();
+      EXPECT_EQ(local.grad().abs().max().item<double>(), 0.0);
+    }
+    try {
+      vocab_parallel_cross_entropy(torch::zeros({5, 7}), torch::zeros({5}, torch::kLong), 100, tp);
+      ADD_FAILURE() << "no error";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("is not the padded vocabulary"), std::string::npos) << e.what();
+    }
   }
 }
 

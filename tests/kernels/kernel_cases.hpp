@@ -342,6 +342,103 @@ TEST(KERNEL_SUITE(CrossEntropy), LossAndGradientsMatchFloat64WithIgnoredRows) {
   }
 }
 
+// A vocabulary split across ranks (as a tensor-parallel head's columns), each shard its
+// own calls over a column slice of the logits: the statistics (lse over the shard, the
+// target's logit where it holds it, else 0), combined here as the caller's exchange would,
+// then the gradient for the whole vocabulary's log-sum-exp (given_lse), into a buffer of
+// its own and in place. Splits aligned (16-byte accesses) and not, a shard holding no
+// target, ignored rows; loss, lse and gradient against float64 over the whole vocabulary.
+TEST(KERNEL_SUITE(CrossEntropy), SplitVocabularyMatchesTheWhole) {
+  KERNEL_DEVICE_OR_SKIP();
+  torch::manual_seed(5);
+  struct Split {
+    std::int64_t vocab;
+    std::vector<std::int64_t> shards;
+  };
+  std::vector<Split> splits = {{5008, {2504, 2504}}, {5003, {1000, 2000, 2003}}, {4096, {64, 4032}}};
+  if (kLargeCases) splits.push_back({50304, {12576, 12576, 12576, 12576}});
+  for (const auto& sp : splits) {
+    for (auto type : {at::kFloat, at::kBFloat16}) {
+      SCOPED_TRACE(std::string(c10::toString(type)) + " vocab " + std::to_string(sp.vocab) + " in " +
+                   std::to_string(sp.shards.size()));
+      const std::int64_t rows = 19, vocab = sp.vocab;
+      auto logits = (torch::randn({rows, vocab}) * 3).to(type);
+      auto target = torch::randint(64, vocab, {rows}, torch::kLong);  // none in the first 64 columns
+      target[2] = -100;
+      target[7] = -100;
+      auto ref = logits.to(at::kDouble).requires_grad_();
+      const auto count = (target != -100).sum();
+      auto loss_ref = at::cross_entropy_loss(ref, target, {}, at::Reduction::None, -100);
+      (loss_ref.sum() / count * 0.25).backward();
+      const double gtol = type == at::kFloat ? 1e-6 : 1e-4;
+      auto ld = dev(logits), td = dev(target), countd = dev(count.reshape({1}));
+      dtrain_cross_entropy_fwd_params f{};
+      f.target = td.data_ptr<std::int64_t>();
+      f.count = countd.data_ptr<std::int64_t>();
+      f.grad_scale = 0.25f;
+      f.rows = rows;
+      f.logits_stride = f.dlogits_stride = vocab;
+      f.ignore_index = -100;
+      f.dtype = kernel_dtype(logits);
+      // The statistics, shard by shard.
+      std::vector<at::Tensor> lses, tls;
+      std::int64_t start = 0;
+      for (const auto cols : sp.shards) {
+        auto lse = poisoned({rows}, at::kFloat), tl = poisoned({rows}, at::kFloat);
+        auto g = f;
+        g.logits = static_cast<char*>(ld.data_ptr()) + start * ld.element_size();
+        g.lse = lse.data_ptr<float>();
+        g.target_logit = tl.data_ptr<float>();
+        g.vocab = cols;
+        g.vocab_start = start;
+        ASSERT_EQ(dtrain_cross_entropy_fwd(&g, nullptr), cudaSuccess);
+        kernel_sync();
+        auto slice = ref.detach().narrow(1, start, cols);
+        EXPECT_LT(max_abs(lse, slice.logsumexp(1)), 1e-4);
+        const auto local = target - start, inside = (local >= 0) & (local < cols);
+        auto want = slice.gather(1, local.clamp(0, cols - 1).unsqueeze(1)).squeeze(1) * inside;
+        EXPECT_TRUE(torch::equal(tl.cpu().to(at::kDouble), want));  // the logit itself, or 0
+        lses.push_back(lse.cpu().to(at::kDouble));
+        tls.push_back(tl.cpu().to(at::kDouble));
+        start += cols;
+      }
+      const auto lse_all = torch::stack(lses).logsumexp(0), picked = torch::stack(tls).sum(0);
+      const auto valid = target != -100;
+      EXPECT_LT(max_abs((lse_all - picked) * valid, loss_ref.detach()), 1e-4);
+      // The gradient, shard by shard, for the whole vocabulary's log-sum-exp.
+      auto given = dev(lse_all.to(at::kFloat));
+      auto dlogits = poisoned({rows, vocab}, type), inplace = dev(logits);
+      start = 0;
+      for (const auto cols : sp.shards) {
+        auto g = f;
+        g.logits = static_cast<char*>(ld.data_ptr()) + start * ld.element_size();
+        g.dlogits = static_cast<char*>(dlogits.data_ptr()) + start * dlogits.element_size();
+        g.given_lse = given.data_ptr<float>();
+        g.vocab = cols;
+        g.vocab_start = start;
+        ASSERT_EQ(dtrain_cross_entropy_fwd(&g, nullptr), cudaSuccess);
+        g.logits = g.dlogits = static_cast<char*>(inplace.data_ptr()) + start * inplace.element_size();
+        ASSERT_EQ(dtrain_cross_entropy_fwd(&g, nullptr), cudaSuccess);
+        start += cols;
+      }
+      kernel_sync();
+      EXPECT_LT(max_abs(dlogits, ref.grad()), gtol);
+      EXPECT_EQ(dlogits[2].abs().sum().item<float>(), 0.f);
+      EXPECT_TRUE(torch::equal(inplace.cpu(), dlogits.cpu()));
+      EXPECT_TRUE(torch::equal(ld.cpu(), logits));  // read only
+      // Refused: a given log-sum-exp with no gradient to write, a negative vocab_start.
+      auto g = f;
+      g.logits = ld.data_ptr();
+      g.vocab = vocab;
+      g.given_lse = given.data_ptr<float>();
+      EXPECT_EQ(dtrain_cross_entropy_fwd(&g, nullptr), cudaErrorInvalidValue);
+      g.given_lse = nullptr;
+      g.vocab_start = -1;
+      EXPECT_EQ(dtrain_cross_entropy_fwd(&g, nullptr), cudaErrorInvalidValue);
+    }
+  }
+}
+
 // ---- flash attention ----------------------------------------------------------------------
 
 struct AttnCase {

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <cstdio>
 #include <functional>
 #include <optional>
@@ -388,6 +389,85 @@ TEST(KERNEL_SUITE(Ops), CrossEntropyMatchesTheReferencePath) {
     ops::cross_entropy(ref, target.cpu()).backward();
     EXPECT_LT((l.grad().cpu().to(at::kDouble) - ref.grad()).abs().max().item<double>(), 1e-6);
   }
+}
+
+// The op over a vocabulary split across 3 ranks (padded to a multiple of 3: the last
+// shard's last columns are padding), each rank's call on its own: its combine adds the
+// other shards' statistics, computed here in float64 from the same logits, as the ranks'
+// exchange would. Loss and each shard's gradient against the unsplit op in float64;
+// padding gets 0; an upstream gradient told and not, in place and not; the split on the
+// reference path too (float64); a target past the vocabulary NaN on the kernel path and
+// refused on the reference path; the split options refused without combine.
+TEST(KERNEL_SUITE(Ops), CrossEntropySplitVocabularyIsTheWhole) {
+  KERNEL_DEVICE_OR_SKIP();
+  torch::manual_seed(17);
+  const std::int64_t rows = kLargeCases ? 129 : 23, vocab = kLargeCases ? 50257 : 1001, tp = 3;
+  const std::int64_t per = (vocab + tp - 1) / tp;
+  auto logits = (torch::randn({rows, per * tp}) * 2).to(at::kBFloat16);
+  auto target = torch::randint(0, vocab, {rows}, torch::kLong);
+  target[1] = -100;
+  target[2] = vocab - 1;  // the last id: the padded shard holds it
+  auto whole = logits.narrow(1, 0, vocab).to(at::kDouble).requires_grad_();
+  const double want = ops::cross_entropy(whole, target).item<double>();
+  (ops::cross_entropy(whole, target) * 2).backward();
+  // Each shard's exact statistics [2, rows]: lse over its ids, the target's logit or 0.
+  std::vector<at::Tensor> exact;
+  for (std::int64_t r = 0; r < tp; ++r) {
+    const auto cols = std::min(per, vocab - r * per);
+    auto x = whole.detach().narrow(1, r * per, cols);
+    const auto local = target - r * per, inside = (local >= 0) & (local < cols);
+    exact.push_back(torch::stack(
+        {x.logsumexp(1), x.gather(1, local.clamp(0, cols - 1).unsqueeze(1)).squeeze(1).masked_fill(~inside, 0)}));
+  }
+  struct Case {
+    bool exact;  // float64 on the host (the reference path), else bf16 on the kernels' device
+    bool in_place;
+    double told;
+  };
+  for (const Case& c : {Case{true, false, 2}, Case{false, false, 2}, Case{false, true, 2}, Case{false, true, 1}}) {
+    const bool exact_run = c.exact;
+    for (std::int64_t r = 0; r < tp; ++r) {
+      SCOPED_TRACE(std::string(exact_run ? "float64" : "bf16") + (c.in_place ? " in place" : "") + " told " +
+                   std::to_string(c.told) + " rank " + std::to_string(r));
+      auto shard = logits.narrow(1, r * per, per).contiguous();
+      auto l = (exact_run ? shard.to(at::kDouble) : dev(shard)).requires_grad_();
+      ops::CrossEntropyOptions o;
+      o.in_place = c.in_place;
+      o.grad_scale = c.told;
+      o.vocab_start = r * per;
+      o.vocab_size = vocab;
+      o.combine = [&](const at::Tensor& mine) {
+        EXPECT_EQ(mine.sizes(), (at::IntArrayRef{2, rows}));
+        auto all = exact;
+        all[r] = mine.cpu().to(at::kDouble);
+        auto stacked = torch::stack(all);
+        return torch::stack({stacked.select(1, 0).logsumexp(0), stacked.select(1, 1).sum(0)}).to(mine.options());
+      };
+      auto loss = ops::cross_entropy(l, target.to(l.device()), o);
+      (loss * 2).backward();
+      EXPECT_NEAR(loss.item<double>(), want, exact_run ? 1e-10 : 1e-3 * want);
+      const auto cols = std::min(per, vocab - r * per);
+      auto g = l.grad().cpu().to(at::kDouble);
+      // bf16: gradients up to 2 / (rows - 1), a rounding 2^-9 of that; allow four.
+      const double tol = exact_run ? 1e-12 : 4 * 2.0 / (rows - 1) / 512;
+      EXPECT_LT((g.narrow(1, 0, cols) - whole.grad().narrow(1, r * per, cols)).abs().max().item<double>(), tol);
+      if (cols < per) EXPECT_EQ(g.narrow(1, cols, per - cols).abs().sum().item<double>(), 0.0) << "padding";
+      EXPECT_EQ(g[1].abs().sum().item<double>(), 0.0) << "an ignored row";
+    }
+  }
+  ops::CrossEntropyOptions o;
+  o.vocab_start = per;
+  o.vocab_size = vocab;
+  o.combine = [](const at::Tensor& mine) { return mine; };
+  auto bad = target.clone();
+  bad[0] = vocab;  // the padding column's id
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_TRUE(std::isnan(ops::cross_entropy(dev(logits.narrow(1, per, per).contiguous()), dev(bad), o).item<double>()));
+  }
+  EXPECT_THROW(ops::cross_entropy(logits.narrow(1, per, per).to(at::kDouble), bad, o), InvalidArgument);
+  o.combine = nullptr;
+  EXPECT_THROW(ops::cross_entropy(dev(logits), dev(target), o), InvalidArgument);
 }
 
 // Fused AdamW over segments of 1, 1000 (with weight decay) and more elements, bfloat16

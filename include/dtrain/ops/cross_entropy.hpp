@@ -2,12 +2,15 @@
 // ignore_index, from [rows, vocab] logits in their own dtype. On CUDA one kernel reads the
 // logits and, when they need a gradient, writes it in the same call (for the upstream
 // gradient the caller announces); the backward returns it. A reference path computes the
-// same function with ATen ops in float32 on other devices.
+// same function with ATen ops in float32 on other devices. The logits may be one rank's
+// columns of a vocabulary split across ranks (options.combine): then one kernel call for
+// the statistics, the exchange, and one for the gradient.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 
 namespace dtrain::ops {
 
@@ -22,9 +25,21 @@ struct CrossEntropyOptions {
   // nothing else may still need them): one logits-sized buffer instead of two. The
   // reference path leaves them as they are.
   bool in_place = false;
+  // A vocabulary split across ranks (a tensor-parallel head: tp::vocab_parallel_cross_entropy
+  // sets these). The logits are columns [vocab_start, vocab_start + cols) of a vocabulary
+  // of vocab_size ids; columns at or past vocab_size are padding (no loss, gradient 0);
+  // targets are global ids. `combine` is the exchange between the ranks: given this rank's
+  // [2, rows] statistics (log-sum-exp over its columns, -inf where it holds none; the
+  // target's logit where it holds the target, else 0), it returns them over the whole
+  // vocabulary (the log-sum-exp of the ranks' first rows and the sum of their second).
+  // Unset: the logits are the whole vocabulary.
+  std::function<at::Tensor(const at::Tensor&)> combine;
+  std::int64_t vocab_start = 0;
+  std::int64_t vocab_size = -1;  // with combine: the whole vocabulary's ids
 };
 
-// logits [rows, vocab], target [rows] int64; 0 when every row is ignored. InvalidArgument
+// logits [rows, vocab] (or this rank's columns of it), target [rows] int64; 0 when every
+// row is ignored. InvalidArgument
 // naming the input or option for other shapes, dtypes or values.
 at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& target, const CrossEntropyOptions& options = {});
 

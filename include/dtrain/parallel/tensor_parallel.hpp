@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "dtrain/comm/communicator.hpp"
+#include "dtrain/ops/cross_entropy.hpp"
 
 namespace dtrain::tp {
 
@@ -136,6 +137,16 @@ std::int64_t padded_vocab_size(std::int64_t vocab_size, int tp);
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
                                         std::int64_t vocab_size, const CommPtr& tp,
                                         std::int64_t ignore_index = -100);
+
+// The same loss by dtrain's fused cross-entropy over the split vocabulary (the model's
+// fused_ce, --fused-ce): on CUDA one kernel pass over this rank's logits for its row
+// statistics, one all-gather of two floats per row and rank, and one pass writing the
+// gradient (in place of the logits with options.in_place, so no float32 copy and no
+// saved softmax); the op's reference path elsewhere. options gives ignore_index,
+// grad_scale and in_place; vocab_start, vocab_size and combine are set here.
+at::Tensor fused_vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
+                                              std::int64_t vocab_size, const CommPtr& tp,
+                                              ops::CrossEntropyOptions options = {});
 
 // Dropout randomness under tensor parallelism (as Megatron's RNG tracker): two generator
 // states, "replicated" (seeded alike on every rank of a tp group: activations that are

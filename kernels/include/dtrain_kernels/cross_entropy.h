@@ -11,7 +11,12 @@
  * The backward only corrects a gradient written for the wrong upstream gradient: it
  * writes out = dlogits * *grad / *written, where *grad is the one autograd gives; a ratio
  * within 1e-6 of 1 counts as 1. In place (out == dlogits), a ratio of 1 returns at once:
- * that is the cost of a backward whose upstream gradient the forward was told. */
+ * that is the cost of a backward whose upstream gradient the forward was told.
+ * A vocabulary split across ranks (a tensor-parallel head) takes two calls around the
+ * caller's exchange: the first, with target_logit, writes per row the log-sum-exp over
+ * this call's columns and the target's logit where they hold it (0 elsewhere); the second,
+ * given the whole vocabulary's log-sum-exp (given_lse), reduces nothing and writes dlogits
+ * alone. vocab_start places the columns in the vocabulary: targets are global ids. */
 #pragma once
 
 #include "dtrain_kernels/common.h"
@@ -22,9 +27,12 @@ extern "C" {
 
 typedef struct {
   const void* logits;     /* [rows, vocab], row stride logits_stride, dtype */
-  const int64_t* target;  /* [rows] */
-  float* loss;            /* [rows] */
-  float* lse;             /* [rows] log-sum-exp, or null */
+  const int64_t* target;  /* [rows] global ids: column t - vocab_start */
+  float* loss;            /* [rows], or null */
+  float* lse;             /* [rows] log-sum-exp over these columns, or null */
+  float* target_logit;    /* [rows] the target's logit where these columns hold it, else 0; or null */
+  const float* given_lse; /* [rows] or null: the whole vocabulary's log-sum-exp; only dlogits is written */
+  int64_t vocab_start;    /* the vocabulary id of column 0 (0 unless the vocabulary is split) */
   void* dlogits;          /* [rows, vocab], row stride dlogits_stride, dtype; null: loss only */
   const int64_t* count;   /* device scalar: rows whose target is not ignore_index (with dlogits) */
   float grad_scale;       /* the upstream gradient dlogits is written for (with dlogits) */
@@ -41,8 +49,9 @@ typedef struct {
   dtrain_kernel_dtype dtype;
 } dtrain_cross_entropy_bwd_params;
 
-/* A target outside [0, vocab) that is not ignore_index gives a NaN loss for its row (and
- * a gradient without the onehot term). */
+/* A target outside [vocab_start, vocab_start + vocab) that is not ignore_index gives a NaN
+ * loss for its row (and a gradient without the onehot term): with a split vocabulary the
+ * caller reads target_logit instead. */
 cudaError_t dtrain_cross_entropy_fwd(const dtrain_cross_entropy_fwd_params* params, cudaStream_t stream);
 cudaError_t dtrain_cross_entropy_bwd(const dtrain_cross_entropy_bwd_params* params, cudaStream_t stream);
 
