@@ -75,9 +75,6 @@ expect(reset-positions-without-documents 2 "reset_position_ids \\(--reset-positi
 # and whose separators get no loss.
 expect(fused-ops-on-cpu 0 "device cpu.*kernels: attention flash, fused norm on, fused cross-entropy on, fused AdamW on.*context 64 \\(attention window 16\\) \\(documents end at token 10, positions restart, no loss at separators\\).*done: 5 steps" CPU ARGS ${DATA} --global-batch 8 --steps 5 --warmup-steps 1 --attention flash --fused-norm
        --fused-ce --fused-adamw --fsdp zero1 --attention-window 16 --document-separator 10 --reset-position-ids --eod-mask-loss)
-# The fused cross-entropy over the vocabulary split across --tp 2 (its reference path).
-expect(fused-ce-tp 0 "tp=2.*fused cross-entropy on.*done: 3 steps" CPU NP 2
-       ARGS ${DATA} --global-batch 8 --steps 3 --warmup-steps 1 --tp 2 --fused-ce)
 expect(fused-on-and-off nonzero "--fused-ce excludes --no-fused-ce" ARGS ${DATA} --fused-ce --no-fused-ce)
 expect(param-dtype-needs-fsdp 2 "--param-dtype / --reduce-dtype other than float32 need --fsdp"
        ARGS ${DATA} --param-dtype bfloat16)
@@ -120,6 +117,9 @@ if(MPIEXEC)
   # Tensor parallelism: the tp group reads the same samples (dp 1 here).
   expect(np2-tp-sp 0 "batch: 4 samples x 32 tokens per step = dp 1 .*tensor parallel: 2 ranks with sequence parallelism.*val loss"
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --tp 2 --sequence-parallel --dropout 0.1)
+  # The fused cross-entropy over the vocabulary split across --tp 2 (its reference path).
+  expect(np2-tp-fused-ce 0 "tp=2.*fused cross-entropy on.*done: 3 steps" CPU NP 2
+         ARGS ${DATA} --global-batch 8 --steps 3 --warmup-steps 1 --tp 2 --fused-ce)
   expect(np2-tp-fsdp 0 "tensor parallel: 2 ranks.*sharding: full over 1 rank.*val loss"
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --tp 2 --fsdp full)
   expect(np2-tp-heads 2 "n_head=3 \\(--n-head\\) is not divisible by --tp=2"
