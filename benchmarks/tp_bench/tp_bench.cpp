@@ -31,6 +31,7 @@ struct Options {
   std::int64_t n_kv_head = 0;
   std::int64_t n_layer = 0, batch = 2, seq = 64, steps = 4, warmup = 1;
   std::vector<int> tp = {1, 2, 4};
+  bool fused_ce = false;
 };
 
 // Bytes one rank sends per optimizer step in the tensor-parallel layers (docs/parallelism.md):
@@ -40,7 +41,9 @@ struct Options {
 //   activations  (4 L + 2) r A   (2 per block in forward, 2 in backward; embedding, head).
 //                Sequence parallelism trades each all-reduce for a reduce-scatter plus an
 //                all-gather of the same bytes: the same count.
-//   loss         3 r b s 4       (row max, sum of exponentials, target logit; float32)
+//   loss         3 r b s 4       (row max, sum of exponentials, target logit; float32), or
+//                with --fused-ce 8 (t - 1) b s (an all-gather of two float32 statistics
+//                per row from each rank)
 //   kv heads     L r (2 Hkv hd d [+ 2 Hkv hd bias]) e, only when tp does not divide Hkv
 //                (replicated key/value projections: their gradients are summed)
 //   sequence     r e (per block: 2 norms and 2 row biases (gpt2: 6d; llama: 2d); the final
@@ -53,7 +56,8 @@ double theory_bytes(const dtrain::models::GptConfig& c, std::int64_t micro, std:
   const bool gpt2 = c.family == "gpt2";
   const double L = static_cast<double>(c.n_layer), d = static_cast<double>(c.d_model);
   const double A = static_cast<double>(micro * seq) * d * e;
-  double bytes = (4 * L + 2) * r * A + 3 * r * static_cast<double>(micro * seq) * 4;
+  const double tokens = static_cast<double>(micro * seq);
+  double bytes = (4 * L + 2) * r * A + (c.fused_ce ? 8.0 * (t - 1) * tokens : 3 * r * tokens * 4);
   if (c.n_kv_head % t != 0) {
     const double kv = 2.0 * static_cast<double>(c.n_kv_head * c.head_dim());
     bytes += L * r * (kv * d + (gpt2 ? kv : 0)) * e;
@@ -86,6 +90,8 @@ int main(int argc, char** argv) {
   app.add_option("--steps", o.steps, "timed steps per layout")->check(CLI::PositiveNumber);
   app.add_option("--warmup", o.warmup, "untimed steps per layout")->check(CLI::NonNegativeNumber);
   app.add_option("--tp", o.tp, "tensor-parallel degrees to run (each dividing the world)")->delimiter(',');
+  app.add_flag("--fused-ce", o.fused_ce,
+               "the loss by dtrain's fused cross-entropy over the split vocabulary (its reference path on the CPU)");
   app.add_option("--backend", o.backend, "auto, mpi or nccl")->check(CLI::IsMember({"auto", "mpi", "nccl"}));
   app.add_option("-J,--json", o.json, "append one JSON object per layout to this file");
   CLI11_PARSE(app, argc, argv);
@@ -100,6 +106,7 @@ int main(int argc, char** argv) {
     if (o.n_layer > 0) cfg.n_layer = o.n_layer;
     if (!o.family.empty()) cfg.family = o.family;
     if (o.n_kv_head > 0) cfg.n_kv_head = o.n_kv_head;
+    cfg.fused_ce = o.fused_ce;
     cfg.validate();
     DTRAIN_CHECK_ARG(cfg.vocab_size <= 65536, "--preset ", o.preset, " has vocabulary ", cfg.vocab_size,
                      "; token shards hold uint16 ids: allowed presets have vocabularies <= 65536");
@@ -161,11 +168,11 @@ int main(int argc, char** argv) {
 
     if (rt.rank() == 0) {
       std::printf("# tp_bench: preset %s %s (%d layers, d %lld, %lld heads / %lld kv), %d rank(s), "
-                  "global batch %lld x %lld tokens, fp32, median of %lld steps\n",
+                  "global batch %lld x %lld tokens, fp32, %s loss, median of %lld steps\n",
                   o.preset.c_str(), cfg.family.c_str(), static_cast<int>(cfg.n_layer), static_cast<long long>(cfg.d_model),
                   static_cast<long long>(cfg.n_head), static_cast<long long>(cfg.n_kv_head), n,
                   static_cast<long long>(to.global_batch), static_cast<long long>(o.seq),
-                  static_cast<long long>(o.steps));
+                  o.fused_ce ? "fused" : "Megatron's", static_cast<long long>(o.steps));
       std::printf("%-6s %3s %3s %9s %10s %8s %14s %14s %8s %14s\n", "layout", "tp", "dp", "step_ms",
                   "tokens/s", "vs_tp1", "tp_MB/step", "theory_MB", "ratio", "dp_MB/step");
       const double base = rows.front().tp == 1 ? rows.front().tokens_per_s : 0;
@@ -180,7 +187,7 @@ int main(int argc, char** argv) {
                     r.dp_bytes / 1e6);
         nlohmann::json j = {{"bench", "tp_bench"}, {"strategy", layout}, {"preset", o.preset}, {"family", cfg.family},
                             {"n_layer", cfg.n_layer}, {"tp", r.tp}, {"dp", r.dp}, {"nranks", n},
-                            {"sequence_parallel", r.sp}, {"seq", o.seq}, {"global_batch", to.global_batch},
+                            {"sequence_parallel", r.sp}, {"fused_ce", o.fused_ce}, {"seq", o.seq}, {"global_batch", to.global_batch},
                             {"step_ms", r.step_ms}, {"tokens_per_s", r.tokens_per_s},
                             {"tokens_per_s_vs_tp1", base > 0 ? nlohmann::json(vs) : nlohmann::json()},
                             {"comm_bytes", r.comm_bytes}, {"comm_bytes_theory", r.theory},

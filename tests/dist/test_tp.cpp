@@ -184,7 +184,8 @@ TEST_F(TpTest, VocabParallelEmbeddingMatchesDense) {
 // padded vocabulary split across tp, with garbage in the padding columns that must be
 // ignored; loss and this rank's columns of the gradient (zero on padding); rows whose
 // target is the ignore index (two of five, then all five) as PyTorch leaves them out.
-// Both forms: Megatron's (max, sums reduced) and the fused op's (statistics gathered).
+// Both forms: Megatron's (max, sums reduced) and the fused op's (statistics gathered), with
+// the collectives each issues.
 TEST_F(TpTest, VocabParallelCrossEntropyMatchesDense) {
   const auto tp = world();
   const int n = nranks(), r = rank();
@@ -207,9 +208,16 @@ TEST_F(TpTest, VocabParallelCrossEntropyMatchesDense) {
       dense.backward();
 
       auto local = full.narrow(1, cols * r, cols).clone().requires_grad_();
+      tp::reset_comm_stats();
       auto loss = vocab_parallel_cross_entropy(local, targets, vocab, tp);
+      // Megatron's: three all-reduces of [5] float32; the fused: one all-gather of [2, 5]
+      // from each rank. None in the backward.
+      const double wire = fused ? 8.0 * 5 * (n - 1) : 3 * 4.0 * 5 * 2 * (n - 1) / n;
+      EXPECT_EQ(tp::comm_stats().calls, n == 1 ? 0 : fused ? 1 : 3) << "vocab " << vocab;
+      EXPECT_DOUBLE_EQ(tp::comm_stats().bytes, wire) << "vocab " << vocab;
       EXPECT_NEAR(loss.item<double>(), dense.item<double>(), 1e-5) << "vocab " << vocab;
       loss.backward();
+      EXPECT_EQ(tp::comm_stats().calls, n == 1 ? 0 : fused ? 1 : 3) << "vocab " << vocab;
       auto padded_grad = torch::zeros({5, padded});
       padded_grad.narrow(1, 0, vocab).copy_(dense_in.grad());
       EXPECT_TRUE(close(local.grad(), padded_grad.narrow(1, cols * r, cols))) << "vocab " << vocab;
