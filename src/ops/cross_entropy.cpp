@@ -90,13 +90,17 @@ class CrossEntropyFn : public torch::autograd::Function<CrossEntropyFn> {
         p.loss = rows_loss.data_ptr<float>();
         DTRAIN_CUDA_CHECK(dtrain_cross_entropy_fwd(&p, stream));
       } else {  // the statistics, the ranks' exchange, then the gradient for the whole lse
-        auto stats = at::zeros({2, rows}, logits.options().dtype(at::kFloat));
-        stats[0].fill_(-std::numeric_limits<float>::infinity());
-        auto stat_call = p;
-        stat_call.dlogits = nullptr;
-        stat_call.lse = stats[0].data_ptr<float>();
-        stat_call.target_logit = stats[1].data_ptr<float>();
-        if (cols.valid > 0) DTRAIN_CUDA_CHECK(dtrain_cross_entropy_fwd(&stat_call, stream));
+        auto stats = at::empty({2, rows}, logits.options().dtype(at::kFloat));
+        if (cols.valid > 0) {
+          auto stat_call = p;
+          stat_call.dlogits = nullptr;
+          stat_call.lse = stats[0].data_ptr<float>();
+          stat_call.target_logit = stats[1].data_ptr<float>();
+          DTRAIN_CUDA_CHECK(dtrain_cross_entropy_fwd(&stat_call, stream));
+        } else {  // padding alone: no terms, no target
+          stats[0].fill_(-std::numeric_limits<float>::infinity());
+          stats[1].zero_();
+        }
         const auto all = combined(o, stats);
         const auto lse = all[0].to(at::kFloat).contiguous();
         // As the one-call kernel: 0 for an ignored row, NaN for a target outside the vocabulary.

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <limits>
 #include <optional>
 #include <string>
 #include <utility>
@@ -396,8 +397,9 @@ TEST(KERNEL_SUITE(Ops), CrossEntropyMatchesTheReferencePath) {
 // other shards' statistics, computed here in float64 from the same logits, as the ranks'
 // exchange would. Loss and each shard's gradient against the unsplit op in float64;
 // padding gets 0; an upstream gradient told and not, in place and not; the split on the
-// reference path too (float64); a target past the vocabulary NaN on the kernel path and
-// refused on the reference path; the split options refused without combine.
+// reference path too (float64); a rank holding padding alone; a target past the
+// vocabulary NaN on the kernel path and refused on the reference path; the split options
+// refused without combine.
 TEST(KERNEL_SUITE(Ops), CrossEntropySplitVocabularyIsTheWhole) {
   KERNEL_DEVICE_OR_SKIP();
   torch::manual_seed(17);
@@ -454,6 +456,29 @@ TEST(KERNEL_SUITE(Ops), CrossEntropySplitVocabularyIsTheWhole) {
       if (cols < per) EXPECT_EQ(g.narrow(1, cols, per - cols).abs().sum().item<double>(), 0.0) << "padding";
       EXPECT_EQ(g[1].abs().sum().item<double>(), 0.0) << "an ignored row";
     }
+  }
+  // A rank holding padding alone (a vocabulary its split pads by more than a shard): it
+  // gives -inf and 0, and gets a gradient of 0.
+  for (bool exact_run : {true, false}) {
+    SCOPED_TRACE(exact_run ? "padding alone, float64" : "padding alone, bf16");
+    auto shard = logits.narrow(1, 0, per).contiguous();
+    auto l = (exact_run ? shard.to(at::kDouble) : dev(shard)).requires_grad_();
+    ops::CrossEntropyOptions o;
+    o.vocab_start = per * tp;
+    o.vocab_size = vocab;
+    o.combine = [&](const at::Tensor& mine) {
+      const auto m = mine.cpu().to(at::kDouble);
+      EXPECT_TRUE(torch::equal(m[0], torch::full({rows}, -std::numeric_limits<double>::infinity(), at::kDouble)));
+      EXPECT_EQ(m[1].abs().sum().item<double>(), 0.0);
+      auto all = exact;
+      all.push_back(m);
+      auto stacked = torch::stack(all);
+      return torch::stack({stacked.select(1, 0).logsumexp(0), stacked.select(1, 1).sum(0)}).to(mine.options());
+    };
+    auto loss = ops::cross_entropy(l, target.to(l.device()), o);
+    loss.backward();
+    EXPECT_NEAR(loss.item<double>(), want, exact_run ? 1e-10 : 1e-3 * want);
+    EXPECT_EQ(l.grad().abs().sum().item<double>(), 0.0);
   }
   ops::CrossEntropyOptions o;
   o.vocab_start = per;
