@@ -25,8 +25,8 @@ struct CrossEntropyOptions {
   // nothing else may still need them): one logits-sized buffer instead of two. The
   // reference path leaves them as they are.
   bool in_place = false;
-  // A vocabulary split across ranks (a tensor-parallel head: tp::vocab_parallel_cross_entropy
-  // sets these). The logits are columns [vocab_start, vocab_start + cols) of a vocabulary
+  // A vocabulary split across ranks (a tensor-parallel head:
+  // tp::fused_vocab_parallel_cross_entropy sets these). The logits are columns [vocab_start, vocab_start + cols) of a vocabulary
   // of vocab_size ids; columns at or past vocab_size are padding (no loss, gradient 0);
   // targets are global ids. `combine` is the exchange between the ranks: given this rank's
   // [2, rows] statistics (log-sum-exp over its columns, -inf where it holds none; the
@@ -39,8 +39,8 @@ struct CrossEntropyOptions {
 };
 
 // logits [rows, vocab] (or this rank's columns of it), target [rows] int64; 0 when every
-// row is ignored. InvalidArgument
-// naming the input or option for other shapes, dtypes or values.
+// row is ignored. InvalidArgument naming the input or option for other shapes, dtypes or
+// values.
 at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& target, const CrossEntropyOptions& options = {});
 
 }  // namespace dtrain::ops
