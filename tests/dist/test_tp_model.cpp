@@ -3,8 +3,8 @@
 // parallelism, GPT-2 and Llama (key/value heads split, or replicated when tp does not
 // divide them), replicated data parallelism and FSDP; 10 steps of the train harness with
 // its tolerances (losses rtol 1e-5, gradient norms 1e-4, parameters rtol 1e-5 / atol 5e-5).
-// Also: packed documents (reset positions, no loss at separators), the fused
-// cross-entropy over the split vocabulary, the slices of the
+// Also: packed documents (reset positions, no loss at separators), every kernel option
+// (the cross-entropy over the split vocabulary among them), the slices of the
 // initial model, the dropout streams of the RNG tracker, and the errors for sizes that do
 // not divide.
 #include <torch/torch.h>
@@ -127,11 +127,12 @@ TEST_F(TpModelTest, PackedDocumentsMatchSingleProcess) {
   }
 }
 
-// The fused cross-entropy over the split vocabulary (fused_ce at tp > 1: the op's
-// reference path on the CPU, its row statistics all-gathered across tp) against the
-// unfused single-process model: GPT-2's tied head and Llama's untied one (a padded
+// Every kernel option (the ops' reference paths on the CPU: flash attention over each
+// rank's heads, the fused norms, the cross-entropy over the split vocabulary with its row
+// statistics all-gathered across tp, fused AdamW over each rank's slices) against the
+// plain single-process model: GPT-2's tied head and Llama's untied one (a padded
 // vocabulary at tp 3), packed documents whose separators' targets are ignored.
-TEST_F(TpModelTest, FusedCrossEntropyMatchesSingleProcess) {
+TEST_F(TpModelTest, FusedOpsMatchSingleProcess) {
   const int n = nranks();
   auto untied = llama(n);
   untied.tie_embeddings = false;
@@ -143,8 +144,11 @@ TEST_F(TpModelTest, FusedCrossEntropyMatchesSingleProcess) {
     o.eod_mask_loss = true;
     if (n == 3) o.seq_len = 30;  // sequence parallelism: divisible by tp
     auto fused = cfg;
-    fused.fused_ce = true;
-    Trainer parallel(context(n, true), fused, o);
+    fused.fused_ce = fused.fused_norm = true;
+    fused.attention = ops::AttentionBackend::kFlash;
+    auto fused_o = o;
+    fused_o.adamw.fused = true;
+    Trainer parallel(context(n, true), fused, fused_o);
     expect_equivalent(parallel, single_process_reference(cfg, o));
   }
 }

@@ -65,8 +65,8 @@ struct GptConfig {
   // Which implementation of each op the model calls (not architecture: a checkpoint loads
   // under any choice). attention: sdpa (LibTorch) or flash (ops::flash_attention; no
   // dropout); fused_norm: ops::rms_norm / ops::layer_norm; fused_ce: ops::cross_entropy
-  // (without tensor parallelism; the vocabulary-parallel loss is used with tp > 1), whose
-  // logit gradient replaces the logits in the forward.
+  // (with tp > 1 over each rank's vocabulary columns: tp::fused_vocab_parallel_cross_entropy),
+  // whose logit gradient replaces the logits in the forward.
   ops::AttentionBackend attention = ops::AttentionBackend::kSdpa;
   bool fused_norm = false;
   bool fused_ce = false;
