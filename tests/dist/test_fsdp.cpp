@@ -194,6 +194,34 @@ TEST_F(FsdpTest, FusedAdamWIsBitwiseTheUnfusedShardedStep) {
   }
 }
 
+// Every kernel option (the ops' reference paths on the CPU: flash attention, the fused
+// norms and cross-entropy, fused AdamW over the shards) under zero2 and full sharding
+// against the plain single-process run: GPT-2 and Llama, packed documents with
+// eod-mask-loss, the harness's ten steps and tolerances.
+TEST_F(FsdpTest, FusedOpsMatchSingleProcess) {
+  for (const char* strategy : {"zero2", "full"}) {
+    auto cfg = models::GptConfig::preset("tiny");
+    cfg.n_layer = 3;
+    cfg.document_separator = 10;
+    for (const char* family : {"gpt2", "llama"}) {
+      SCOPED_TRACE(std::string(strategy) + " " + family);
+      cfg.family = family;
+      cfg.n_kv_head = cfg.family == "llama" ? 2 : cfg.n_head;
+      TestCorpus corpus(std::string("fo") + strategy + family + std::to_string(rank()));
+      auto o = options(corpus);
+      o.eod_mask_loss = true;
+      const auto reference = single_process_reference(cfg, o);
+      auto fused = cfg;
+      fused.fused_ce = fused.fused_norm = true;
+      fused.attention = ops::AttentionBackend::kFlash;
+      o.adamw.fused = true;
+      o.fsdp = strategy;
+      Trainer sharded(dp_context(), fused, o);
+      expect_equivalent(sharded, reference);
+    }
+  }
+}
+
 // float16 with dynamic loss scaling: autocast (replicated) or float16 parameters (sharded)
 // against the same precision in one process. The default scale (65536) never overflows
 // here, so every step applies on both sides. (Where the threshold lies depends on the
