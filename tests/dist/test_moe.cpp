@@ -221,6 +221,13 @@ TEST_F(MoeTrainTest, ExpertParallelMatchesSingleProcessForTenSteps) {
   auto cfg = moe_model();
   SCOPED_TRACE(format("ep={} dropless", n));
   expect_moe_equivalent(context(n), cfg);
+  {  // the model's kernel options (their reference paths on the CPU) on both sides
+    auto fused = cfg;
+    fused.fused_ce = fused.fused_norm = true;
+    fused.attention = ops::AttentionBackend::kFlash;
+    SCOPED_TRACE(format("ep={} dropless, flash attention, fused norms and cross-entropy", n));
+    expect_moe_equivalent(context(n), fused);
+  }
   if (n > 1) {  // capacity: tokens dropped on their rank, as in the reference's micro-batch
     cfg.moe.capacity_factor = 1.0;
     SCOPED_TRACE(format("ep={} capacity 1.0", n));
