@@ -142,6 +142,7 @@ TEST_F(TpModelTest, FusedOpsMatchSingleProcess) {
     TestCorpus corpus("tpce" + std::to_string(rank()));
     auto o = options(corpus);
     o.eod_mask_loss = true;
+    o.adamw.lr = 1e-3;  // as dist_pp's: the fused ops' roundings, amplified by Adam, stay small
     if (n == 3) o.seq_len = 30;  // sequence parallelism: divisible by tp
     auto fused = cfg;
     fused.fused_ce = fused.fused_norm = true;

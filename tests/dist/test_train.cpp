@@ -2,8 +2,8 @@
 // tiny GPT with DP over the world and compares with a single-process reference on the
 // whole global batch (run on rank 0, broadcast: train_harness.hpp); after 10 steps losses
 // agree within 1e-5 relative and parameters within 1e-5 (float32). Also: accumulation
-// under DP, --eod-mask-loss, overlap of the bucket all-reduces with backward, and bad
-// input on one rank stops every rank with no hang.
+// under DP, --eod-mask-loss, the kernel options, overlap of the bucket all-reduces with
+// backward, and bad input on one rank stops every rank with no hang.
 #include <torch/torch.h>
 
 #include "train_harness.hpp"
@@ -46,6 +46,28 @@ TEST_F(TrainTest, EodMaskLossUnderDataParallelMatchesSingleProcess) {
   auto o = options(corpus);
   o.eod_mask_loss = true;
   const auto reference = single_process_reference(cfg, o);
+  o.micro_batch = 1;
+  Trainer dp(dp_context(), cfg, o);
+  expect_equivalent(dp, reference);
+}
+
+// Every kernel option (the ops' reference paths on the CPU) under replicated data
+// parallelism with accumulation and eod-mask-loss, Llama (grouped-query attention, untied
+// head), against the plain single-process run.
+TEST_F(TrainTest, FusedOpsUnderDataParallelMatchSingleProcess) {
+  TestCorpus corpus("dpfused" + std::to_string(rank()));
+  auto cfg = models::GptConfig::preset("tiny");
+  cfg.family = "llama";
+  cfg.n_kv_head = 2;
+  cfg.tie_embeddings = false;
+  cfg.document_separator = 10;
+  auto o = options(corpus);
+  o.eod_mask_loss = true;
+  o.adamw.lr = 1e-3;  // as dist_pp's: the fused ops' roundings, amplified by Adam, stay small
+  const auto reference = single_process_reference(cfg, o);
+  cfg.fused_ce = cfg.fused_norm = true;
+  cfg.attention = ops::AttentionBackend::kFlash;
+  o.adamw.fused = true;
   o.micro_batch = 1;
   Trainer dp(dp_context(), cfg, o);
   expect_equivalent(dp, reference);
