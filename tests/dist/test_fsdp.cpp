@@ -50,10 +50,7 @@ TEST_F(FsdpTest, Zero1MatchesSingleProcessForTenSteps) {
 // locally before the sharded reduction.
 TEST_F(FsdpTest, Zero2WithAccumulationMatchesSingleProcess) {
   TestCorpus corpus("z2" + std::to_string(rank()));
-  auto cfg = models::GptConfig::preset("tiny");
-  cfg.family = "llama";
-  cfg.n_kv_head = 2;
-  cfg.tie_embeddings = false;
+  const auto cfg = tiny_llama();
   auto o = options(corpus);
   o.fsdp = "zero2";
   o.micro_batch = 1;
@@ -508,10 +505,7 @@ TEST_F(FsdpTest, LoadStateResumesInAnotherLayout) {
 
 TEST_F(FsdpTest, FullShardingWithAccumulationLlama) {
   TestCorpus corpus("fullacc" + std::to_string(rank()));
-  auto cfg = models::GptConfig::preset("tiny");
-  cfg.family = "llama";
-  cfg.n_kv_head = 2;
-  cfg.tie_embeddings = false;
+  const auto cfg = tiny_llama();
   auto o = options(corpus);
   o.fsdp = "full";
   o.micro_batch = 1;

@@ -25,10 +25,7 @@ TEST_F(TrainTest, DataParallelMatchesSingleProcessForTenSteps) {
 // one sample per micro-batch.
 TEST_F(TrainTest, AccumulationUnderDataParallelMatchesSingleProcess) {
   TestCorpus corpus("acc" + std::to_string(rank()));
-  auto tiny = models::GptConfig::preset("tiny");
-  tiny.family = "llama";
-  tiny.n_kv_head = 2;
-  tiny.tie_embeddings = false;
+  const auto tiny = tiny_llama();
   auto o = options(corpus);
   o.micro_batch = 1;  // 12 / n micro-batches per rank
   Trainer dp(dp_context(), tiny, o);
@@ -56,10 +53,7 @@ TEST_F(TrainTest, EodMaskLossUnderDataParallelMatchesSingleProcess) {
 // head), against the plain single-process run.
 TEST_F(TrainTest, FusedOpsUnderDataParallelMatchSingleProcess) {
   TestCorpus corpus("dpfused" + std::to_string(rank()));
-  auto cfg = models::GptConfig::preset("tiny");
-  cfg.family = "llama";
-  cfg.n_kv_head = 2;
-  cfg.tie_embeddings = false;
+  auto cfg = tiny_llama();
   cfg.document_separator = 10;
   auto o = options(corpus);
   o.eod_mask_loss = true;

@@ -32,6 +32,16 @@ inline TrainOptions options(const TestCorpus& corpus) {
   return o;
 }
 
+// The tiny preset as Llama: RMSNorm, RoPE, SwiGLU, 4 query heads over 2 key/value heads,
+// an untied head.
+inline models::GptConfig tiny_llama() {
+  auto c = models::GptConfig::preset("tiny");
+  c.family = "llama";
+  c.n_kv_head = 2;
+  c.tie_embeddings = false;
+  return c;
+}
+
 // Every field of cfg, as text: the key under which a process keeps a config's
 // single-process run (a field added to GptConfig must be added here).
 inline std::string describe(const models::GptConfig& c) {
