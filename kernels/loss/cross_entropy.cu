@@ -3,9 +3,9 @@
 // block merges them, and the same threads walk their share again, last chunk first, writing
 // the gradient (the logits' second read should come from L2). Over a vocabulary split
 // across ranks the walks are two launches (statistics, then the gradient for the
-// log-sum-exp the caller gathered). Rows whose start is 16-byte
-// aligned are read and written in 16-byte accesses, others one element per access; a
-// thread loads kUnroll accesses before using any. The kernel is bound by instructions per
+// log-sum-exp the caller gathered). Rows whose start is 16-byte aligned are read and
+// written in 16-byte accesses, others one element per access; a thread loads kUnroll
+// accesses before using any. The kernel is bound by instructions per
 // logit more than by memory (Nsight Compute on the H200: 74% of the SM's issue slots, 63%
 // of DRAM bandwidth), so the exponentials are ex2.approx.ftz with the shift folded into one
 // FFMA (fast_exp2), and bfloat16 logits unpack with one integer operation each (to_floats).
