@@ -138,7 +138,7 @@ int main(int argc, char** argv) {
   app.add_option("--batch", o.batch, "samples per rank per step")->check(CLI::PositiveNumber);
   app.add_option("--seq", o.seq, "tokens per sample")->check(CLI::PositiveNumber);
   app.add_option("--steps", o.steps, "timed steps per round and strategy")->check(CLI::PositiveNumber);
-  app.add_option("--warmup", o.warmup, "untimed steps per strategy before the rounds")->check(CLI::NonNegativeNumber);
+  app.add_option("--warmup", o.warmup, "untimed steps per strategy before the rounds (the plain loop: at least 2, for its peak memory)")->check(CLI::NonNegativeNumber);
   app.add_option("--rounds", o.rounds, "alternating rounds (plain, then dtrain)")->check(CLI::PositiveNumber);
   app.add_option("--attention-window", o.attention_window,
                  "the model's sliding window, in both loops (0: none, the presets' own)")
@@ -191,7 +191,9 @@ int main(int argc, char** argv) {
     const bool track_peak = dtrain::train::reset_peak_memory(device);
     PlainLoop plain(cfg, o, device);
     Row scratch;
-    for (std::int64_t i = 0; i < std::max<std::int64_t>(o.warmup, 1); ++i) plain.step(scratch);
+    // At least two steps: the second is the first whose activations live beside the AdamW
+    // state (the first step creates it after its backward), the steady state's peak.
+    for (std::int64_t i = 0; i < std::max<std::int64_t>(o.warmup, 2); ++i) plain.step(scratch);
     const double plain_peak = track_peak ? peak_bytes(device) - before_plain : -1;
 
     // The slowest rank sets the pace: the maximum over ranks of each value.
