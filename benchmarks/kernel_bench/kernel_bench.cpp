@@ -417,8 +417,8 @@ void ce_split(const Options& o, const c10::Device& dev, int iters, Out& out) {
   auto cell = [](std::optional<double> x) { return x ? *x : -1.0; };
   std::printf("# vocabulary-parallel cross-entropy, one rank's share (%s, %s): %lld rows x %lld of %lld columns (tp "
               "%d); fwd+bwd ms and peak MiB above the start; dtrain = fused split form, megatron = "
-              "tp::vocab_parallel_cross_entropy, one_call = ops::cross_entropy unsplit; speedup and memory = megatron "
-              "/ dtrain\n",
+              "tp::vocab_parallel_cross_entropy, one_call = ops::cross_entropy unsplit (each time includes one copy "
+              "refilling the logits, which the in-place forms overwrite); speedup and memory = megatron / dtrain\n",
               cuda(dev) ? "cuda" : "cpu", c10::toString(dtype), static_cast<long long>(rows),
               static_cast<long long>(cols), static_cast<long long>(vocab), o.tp);
   std::printf("%9s %11s %11s %10s %12s %12s %8s %8s\n", "dtrain_ms", "megatron_ms", "one_call_ms", "dtrain_MiB",
