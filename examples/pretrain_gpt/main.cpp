@@ -131,8 +131,10 @@ void define(CLI::App& app, Options& o) {
 
   const char* optim = "Optimizer";
   app.add_option("--lr", t.adamw.lr, "peak learning rate")->group(optim);
-  app.add_option("--min-lr", t.min_lr, "final learning rate of the cosine decay (0: lr / 10)")->group(optim);
+  app.add_option("--min-lr", t.min_lr, "learning rate at the end of the decay")->default_str("lr / 10")->group(optim);
   app.add_option("--warmup-steps", t.warmup_steps, "linear warm-up steps")->group(optim);
+  app.add_option("--lr-decay", t.lr_decay, "decay from lr to min-lr: cosine, linear, sqrt (1 - sqrt) or constant (none)")->group(optim);
+  app.add_option("--lr-decay-steps", t.lr_decay_steps, "the decay spans the last N steps, lr held before them (warmup-stable-decay); 0: every step after the warm-up")->group(optim);
   app.add_option("--weight-decay", t.adamw.weight_decay, "AdamW decoupled weight decay (not on norms, biases, embeddings)")->group(optim);
   app.add_option("--beta1", t.adamw.beta1, "AdamW beta1")->group(optim);
   app.add_option("--beta2", t.adamw.beta2, "AdamW beta2")->group(optim);

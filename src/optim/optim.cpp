@@ -1,4 +1,4 @@
-// AdamW parameter groups, cosine schedule, global-norm gradient clipping.
+// AdamW parameter groups, the learning-rate schedule, global-norm gradient clipping.
 #include "dtrain/optim/optim.hpp"
 
 #include <torch/torch.h>
@@ -102,22 +102,57 @@ void set_learning_rate(torch::optim::Optimizer& optimizer, double lr) {
   for (auto& group : optimizer.param_groups()) group.options().set_lr(lr);
 }
 
-CosineSchedule::CosineSchedule(double max_lr, double min_lr, std::int64_t warmup_steps,
-                               std::int64_t total_steps)
-    : max_lr_(max_lr), min_lr_(min_lr), warmup_(warmup_steps), total_(total_steps) {
-  DTRAIN_CHECK_ARG(max_lr > 0, "learning rate ", max_lr, " must be positive");
-  DTRAIN_CHECK_ARG(min_lr >= 0 && min_lr <= max_lr, "minimum learning rate ", min_lr,
-                   " must be in [0, ", max_lr, "]");
-  DTRAIN_CHECK_ARG(warmup_steps >= 0 && warmup_steps <= total_steps, "warm-up steps ",
-                   warmup_steps, " must be in [0, total steps ", total_steps, "]");
+LrDecay parse_lr_decay(const std::string& name) {
+  if (name == "cosine") return LrDecay::kCosine;
+  if (name == "linear") return LrDecay::kLinear;
+  if (name == "sqrt") return LrDecay::kSqrt;
+  if (name == "constant") return LrDecay::kConstant;
+  throw InvalidArgument("--lr-decay '" + name + "' is not known; allowed: cosine, linear, sqrt, constant");
 }
 
-double CosineSchedule::lr(std::int64_t step) const {
-  if (step < warmup_) return max_lr_ * static_cast<double>(step + 1) / static_cast<double>(warmup_);
-  if (step >= total_) return min_lr_;
-  const double progress =
-      static_cast<double>(step - warmup_) / static_cast<double>(std::max<std::int64_t>(1, total_ - warmup_));
-  return min_lr_ + 0.5 * (max_lr_ - min_lr_) * (1.0 + std::cos(M_PI * progress));
+const char* to_string(LrDecay decay) {
+  switch (decay) {
+    case LrDecay::kCosine: return "cosine";
+    case LrDecay::kLinear: return "linear";
+    case LrDecay::kSqrt: return "sqrt";
+    case LrDecay::kConstant: return "constant";
+  }
+  return "?";
+}
+
+LrSchedule::LrSchedule(const LrScheduleOptions& o) : o_(o) {
+  DTRAIN_CHECK_ARG(o.lr > 0 && std::isfinite(o.lr), "learning rate ", o.lr, " must be positive and finite");
+  DTRAIN_CHECK_ARG(o.decay == LrDecay::kConstant || (o.min_lr >= 0 && o.min_lr <= o.lr), "minimum learning rate ",
+                   o.min_lr, " must be in [0, ", o.lr, "]");
+  DTRAIN_CHECK_ARG(o.total_steps >= 1, "total steps ", o.total_steps, " must be at least 1");
+  DTRAIN_CHECK_ARG(o.warmup_steps >= 0 && o.warmup_steps <= o.total_steps, "warm-up steps ", o.warmup_steps,
+                   " must be in [0, total steps ", o.total_steps, "]");
+  DTRAIN_CHECK_ARG(o.decay_steps >= 0 && o.warmup_steps + o.decay_steps <= o.total_steps, "decay steps ",
+                   o.decay_steps, " must be in [0, total steps ", o.total_steps, " - warm-up steps ", o.warmup_steps,
+                   "]");
+  DTRAIN_CHECK_ARG(o.decay != LrDecay::kConstant || o.decay_steps == 0, "decay steps ", o.decay_steps,
+                   " given to a constant learning rate (it has no decay)");
+}
+
+std::int64_t LrSchedule::decay_start() const {
+  return o_.decay_steps > 0 ? o_.total_steps - o_.decay_steps : o_.warmup_steps;
+}
+
+double LrSchedule::lr(std::int64_t step) const {
+  if (step < o_.warmup_steps) return o_.lr * static_cast<double>(step + 1) / static_cast<double>(o_.warmup_steps);
+  if (o_.decay == LrDecay::kConstant) return o_.lr;
+  const std::int64_t start = decay_start();
+  if (step < start) return o_.lr;
+  if (step >= o_.total_steps) return o_.min_lr;
+  const double p = static_cast<double>(step - start) / static_cast<double>(std::max<std::int64_t>(1, o_.total_steps - start));
+  double f = 0;  // the fraction of (lr - min_lr) left
+  switch (o_.decay) {
+    case LrDecay::kCosine: f = 0.5 * (1.0 + std::cos(M_PI * p)); break;
+    case LrDecay::kLinear: f = 1.0 - p; break;
+    case LrDecay::kSqrt: f = 1.0 - std::sqrt(p); break;
+    case LrDecay::kConstant: f = 1.0; break;
+  }
+  return o_.min_lr + (o_.lr - o_.min_lr) * f;
 }
 
 double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm,

@@ -32,6 +32,17 @@ namespace dtrain::train {
 
 namespace {
 
+LrScheduleOptions lr_schedule_options(const TrainOptions& o) {
+  LrScheduleOptions s;
+  s.lr = o.adamw.lr;
+  s.min_lr = o.min_lr.value_or(o.adamw.lr / 10);
+  s.warmup_steps = o.warmup_steps;
+  s.total_steps = o.steps;
+  s.decay = parse_lr_decay(o.lr_decay);
+  s.decay_steps = o.lr_decay_steps;
+  return s;
+}
+
 // Tells the model the factor its next micro-batch's loss gets in backward: the loss scale
 // times the micro-batch's weight in the step's loss (for the fused cross-entropy), and
 // the loss scale over the micro-batches for its MoE auxiliary losses. A weight of 0 (no
@@ -252,9 +263,7 @@ Trainer::Trainer(ContextPtr ctx, models::GptConfig model, TrainOptions options)
   const auto& params = params_;
   const int ep = ctx_->ep_size();
   auto [dense, experts] = split_experts(params, ep);
-  const double min_lr = options_.min_lr > 0 ? options_.min_lr : options_.adamw.lr / 10;
-  schedule_ = std::make_unique<CosineSchedule>(options_.adamw.lr, min_lr, options_.warmup_steps,
-                                               options_.steps);
+  schedule_ = std::make_unique<LrSchedule>(lr_schedule_options(options_));
   if (!pipeline_ && !experts.empty()) {
     expert_ddp_ = std::make_unique<DataParallel>(experts, ctx_->expert_dp_comm(), options_.ddp);
   } else if (pipeline_ && ep > 1) {
@@ -510,8 +519,14 @@ void Trainer::check_options() const {
                    o.warmup_steps, " is not allowed; allowed: 0..--steps (", o.steps, ")");
   DTRAIN_CHECK_ARG(o.adamw.lr > 0 && std::isfinite(o.adamw.lr), "--lr=", o.adamw.lr,
                    " is not allowed; allowed: a finite learning rate > 0");
-  DTRAIN_CHECK_ARG(o.min_lr >= 0 && o.min_lr <= o.adamw.lr, "--min-lr=", o.min_lr,
+  DTRAIN_CHECK_ARG(!o.min_lr || (*o.min_lr >= 0 && *o.min_lr <= o.adamw.lr), "--min-lr=", o.min_lr.value_or(0),
                    " is not allowed; allowed: 0..--lr (", o.adamw.lr, ")");
+  const auto decay = parse_lr_decay(o.lr_decay);  // raises naming --lr-decay
+  DTRAIN_CHECK_ARG(o.lr_decay_steps >= 0 && o.warmup_steps + o.lr_decay_steps <= o.steps, "--lr-decay-steps=",
+                   o.lr_decay_steps, " is not allowed; allowed: 0..--steps - --warmup-steps (", o.steps, " - ",
+                   o.warmup_steps, " = ", o.steps - o.warmup_steps, ")");
+  DTRAIN_CHECK_ARG(decay != LrDecay::kConstant || o.lr_decay_steps == 0, "--lr-decay-steps=", o.lr_decay_steps,
+                   " is not allowed with --lr-decay constant (it has no decay); allowed: 0");
   DTRAIN_CHECK_ARG(o.grad_clip >= 0, "--grad-clip=", o.grad_clip, " must be >= 0 (0 disables)");
   precision_dtype(o.precision);  // raises naming --precision
   if (model_config_.attention == ops::AttentionBackend::kFlash && ctx_->device().is_cuda()) {

@@ -266,8 +266,10 @@ std::shared_ptr<Trainer::PendingSave> Trainer::snapshot(const std::string& root)
     m["sampler"] = {{"step", step_}, {"seed", o.seed}, {"global_batch", o.global_batch},
                     {"seq_len", o.seq_len}, {"num_samples", train_->num_samples()},
                     {"epoch", step_ / sampler_->steps_per_epoch()}};
-    m["schedule"] = {{"kind", "cosine"}, {"lr", o.adamw.lr}, {"min_lr", o.min_lr > 0 ? o.min_lr : o.adamw.lr / 10},
-                     {"warmup_steps", o.warmup_steps}, {"steps", o.steps}, {"next_lr", schedule_->lr(step_)}};
+    const auto& lr = schedule_->options();
+    m["schedule"] = {{"kind", to_string(lr.decay)}, {"lr", lr.lr}, {"min_lr", lr.min_lr},
+                     {"warmup_steps", lr.warmup_steps}, {"decay_start", schedule_->decay_start()},
+                     {"steps", lr.total_steps}, {"next_lr", schedule_->lr(step_)}};
     if (scaler_) {
       const auto& st = scaler_->state();
       m["loss_scaler"] = {{"scale", st.scale}, {"good_steps", st.good_steps}, {"skipped_steps", st.skipped_steps}};

@@ -201,6 +201,14 @@ expect(keep-checkpoints 2 "--keep-checkpoints=-1 must be >= 0" ARGS ${DATA} --gl
 expect(save-at-end 0 "checkpoint: step 3 saved to [^\n]*ck/step_3" ARGS ${DATA} --global-batch 8 --steps 3 --warmup-steps 1 --save-dir "${WORK_DIR}/ck")
 expect(resume-auto 0 "resumed from [^\n]*ck/step_3 at step 3.*step +5/5" ARGS ${DATA} --global-batch 8 --steps 5 --warmup-steps 1 --save-dir "${WORK_DIR}/ck" --resume auto)
 expect(resume-done 0 "nothing to train, the run is at step 5 of --steps 5" ARGS ${DATA} --global-batch 8 --steps 5 --warmup-steps 1 --save-dir "${WORK_DIR}/ck" --resume auto)
+expect(lr-decay-unknown 2 "--lr-decay 'wsd' is not known; allowed: cosine, linear, sqrt, constant" ARGS ${DATA} --global-batch 8 --lr-decay wsd)
+# Warmup-stable-decay as a cooldown branched off a stable run: 3 steps at a constant lr,
+# then a resume that decays linearly to 0 over the last 2 of 5 steps (step 4 at the peak,
+# step 5 halfway).
+set(WSD ${DATA} --global-batch 8 --warmup-steps 1 --log-every 1 --lr 3e-4 --save-dir "${WORK_DIR}/ck_wsd")
+expect(wsd-stable 0 "step +3/3 [^\n]*lr 3.000e-04" ARGS ${WSD} --steps 3 --lr-decay constant)
+expect(wsd-cooldown 0 "resumed from [^\n]*step_3.*step +4/5 [^\n]*lr 3.000e-04.*step +5/5 [^\n]*lr 1.500e-04"
+       ARGS ${WSD} --steps 5 --lr-decay linear --lr-decay-steps 2 --min-lr 0 --resume auto)
 expect(resume-other-model 2 "is from a different model: n_layer is 2 there, 3 here"
        ARGS ${DATA} --global-batch 8 --steps 6 --warmup-steps 1 --n-layer 3 --resume "${WORK_DIR}/ck/step_5")
 

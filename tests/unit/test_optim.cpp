@@ -1,10 +1,11 @@
-// AdamW parameter groups, the cosine schedule and gradient clipping against LibTorch's;
+// AdamW parameter groups, the learning-rate schedules and gradient clipping against LibTorch's;
 // the dynamic loss scaler's schedule and clipping of loss-scaled gradients.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <cmath>
 #include <limits>
+#include <tuple>
 
 #include "dtrain/core/error.hpp"
 #include "dtrain/optim/loss_scaler.hpp"
@@ -13,8 +14,13 @@
 namespace dtrain {
 namespace {
 
-TEST(CosineSchedule, WarmupThenCosineThenFloor) {
-  CosineSchedule s(1.0, 0.1, 10, 100);
+LrSchedule schedule(double lr, double min_lr, std::int64_t warmup, std::int64_t total,
+                    LrDecay decay = LrDecay::kCosine, std::int64_t decay_steps = 0) {
+  return LrSchedule({lr, min_lr, warmup, total, decay, decay_steps});
+}
+
+TEST(LrSchedule, WarmupThenCosineThenFloor) {
+  const auto s = schedule(1.0, 0.1, 10, 100);
   EXPECT_DOUBLE_EQ(s.lr(0), 0.1);
   EXPECT_DOUBLE_EQ(s.lr(4), 0.5);
   EXPECT_DOUBLE_EQ(s.lr(9), 1.0);
@@ -22,11 +28,70 @@ TEST(CosineSchedule, WarmupThenCosineThenFloor) {
   EXPECT_NEAR(s.lr(55), 0.55, 1e-12);
   EXPECT_DOUBLE_EQ(s.lr(100), 0.1);
   EXPECT_DOUBLE_EQ(s.lr(5000), 0.1);
+  EXPECT_EQ(s.decay_start(), 10);
   for (int i = 10; i < 100; ++i) EXPECT_LE(s.lr(i + 1), s.lr(i)) << "monotone after warm-up";
-  EXPECT_DOUBLE_EQ(CosineSchedule(2.0, 0.0, 0, 10).lr(0), 2.0);
-  EXPECT_THROW(CosineSchedule(1.0, 2.0, 0, 10), InvalidArgument);
-  EXPECT_THROW(CosineSchedule(1.0, 0.1, 20, 10), InvalidArgument);
-  EXPECT_THROW(CosineSchedule(0.0, 0.0, 0, 10), InvalidArgument);
+  EXPECT_DOUBLE_EQ(schedule(2.0, 0.0, 0, 10).lr(0), 2.0);
+  EXPECT_THROW(schedule(1.0, 2.0, 0, 10), InvalidArgument);
+  EXPECT_THROW(schedule(1.0, 0.1, 20, 10), InvalidArgument);
+  EXPECT_THROW(schedule(0.0, 0.0, 0, 10), InvalidArgument);
+}
+
+// Each decay's shape at known points of its progress p = (step - start) / (total - start).
+TEST(LrSchedule, DecayShapes) {
+  // No warm-up, 100 steps, 2 -> 0.5: lr = 0.5 + 1.5 f(p), p = step / 100.
+  const double lr = 2.0, min_lr = 0.5;
+  for (auto [decay, f_quarter, f_half] : {std::tuple{LrDecay::kCosine, 0.5 * (1 + std::cos(M_PI / 4)), 0.5},
+                                          std::tuple{LrDecay::kLinear, 0.75, 0.5},
+                                          std::tuple{LrDecay::kSqrt, 0.5, 1 - std::sqrt(0.5)}}) {
+    SCOPED_TRACE(to_string(decay));
+    const auto s = schedule(lr, min_lr, 0, 100, decay);
+    EXPECT_DOUBLE_EQ(s.lr(0), lr);
+    EXPECT_NEAR(s.lr(25), min_lr + (lr - min_lr) * f_quarter, 1e-12);
+    EXPECT_NEAR(s.lr(50), min_lr + (lr - min_lr) * f_half, 1e-12);
+    EXPECT_GT(s.lr(99), min_lr);
+    EXPECT_DOUBLE_EQ(s.lr(100), min_lr);
+    for (int i = 0; i < 100; ++i) EXPECT_LT(s.lr(i + 1), s.lr(i)) << "strictly decreasing at " << i;
+  }
+  const auto c = schedule(lr, min_lr, 4, 100, LrDecay::kConstant);
+  EXPECT_DOUBLE_EQ(c.lr(0), 0.5);
+  for (int i : {4, 50, 99, 100, 1000}) EXPECT_DOUBLE_EQ(c.lr(i), lr) << i;
+}
+
+// Warmup-stable-decay: the peak held from the warm-up's end to the last decay_steps.
+TEST(LrSchedule, DecayOverTheLastStepsOnly) {
+  for (auto decay : {LrDecay::kCosine, LrDecay::kLinear, LrDecay::kSqrt}) {
+    SCOPED_TRACE(to_string(decay));
+    const auto s = schedule(1.0, 0.0, 10, 100, decay, 20);
+    EXPECT_EQ(s.decay_start(), 80);
+    EXPECT_DOUBLE_EQ(s.lr(0), 0.1);
+    for (int i = 9; i <= 80; ++i) EXPECT_DOUBLE_EQ(s.lr(i), 1.0) << i;
+    for (int i = 80; i < 100; ++i) EXPECT_LT(s.lr(i + 1), s.lr(i)) << i;
+    EXPECT_DOUBLE_EQ(s.lr(100), 0.0);
+    // Against the same decay over 20 steps without warm-up or plateau, shifted by 80.
+    const auto whole = schedule(1.0, 0.0, 0, 20, decay);
+    for (int i = 80; i <= 100; ++i) EXPECT_DOUBLE_EQ(s.lr(i), whole.lr(i - 80)) << i;
+  }
+  EXPECT_NEAR(schedule(1.0, 0.0, 10, 100, LrDecay::kLinear, 20).lr(90), 0.5, 1e-15);
+  // The whole span after the warm-up is the plain schedule.
+  const auto full = schedule(1.0, 0.1, 10, 100, LrDecay::kCosine, 90), plain = schedule(1.0, 0.1, 10, 100);
+  for (int i = 0; i <= 100; ++i) EXPECT_DOUBLE_EQ(full.lr(i), plain.lr(i)) << i;
+  EXPECT_THROW(schedule(1.0, 0.1, 10, 100, LrDecay::kLinear, 91), InvalidArgument);
+  EXPECT_THROW(schedule(1.0, 0.1, 0, 100, LrDecay::kLinear, -1), InvalidArgument);
+  EXPECT_THROW(schedule(1.0, 0.1, 0, 100, LrDecay::kConstant, 10), InvalidArgument);
+}
+
+TEST(LrSchedule, ParsesDecayNames) {
+  for (auto decay : {LrDecay::kCosine, LrDecay::kLinear, LrDecay::kSqrt, LrDecay::kConstant}) {
+    EXPECT_EQ(parse_lr_decay(to_string(decay)), decay);
+  }
+  try {
+    parse_lr_decay("wsd");
+    FAIL() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("--lr-decay 'wsd' is not known; allowed: cosine, linear, sqrt, constant"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(ClipGradNorm, MatchesLibTorch) {

@@ -120,6 +120,23 @@ TEST(Trainer, BadInputIsRejectedBeforeTrainingWithTheOptionNamed) {
   expect(o, tiny, {"--warmup-steps=30", "allowed: 0..--steps (20)"});
 
   o = golden_options(corpus);
+  o.min_lr = 0.5;
+  expect(o, tiny, {"--min-lr=0.5", "allowed: 0..--lr (0.003)"});
+
+  o = golden_options(corpus);
+  o.lr_decay = "wsd";
+  expect(o, tiny, {"--lr-decay 'wsd'", "allowed: cosine, linear, sqrt, constant"});
+
+  o = golden_options(corpus);
+  o.lr_decay_steps = 16;
+  expect(o, tiny, {"--lr-decay-steps=16", "allowed: 0..--steps - --warmup-steps (20 - 5 = 15)"});
+
+  o = golden_options(corpus);
+  o.lr_decay = "constant";
+  o.lr_decay_steps = 3;
+  expect(o, tiny, {"--lr-decay-steps=3", "--lr-decay constant", "allowed: 0"});
+
+  o = golden_options(corpus);
   o.precision = "fp8";
   expect(o, tiny, {"--precision 'fp8'", "allowed: fp32, bf16, fp16"});
 
@@ -158,6 +175,34 @@ TEST(Trainer, WritesOneJsonObjectPerStep) {
     EXPECT_EQ(j["tokens"].get<std::int64_t>(), n * 8 * 32);
   }
   EXPECT_EQ(n, 4);
+}
+
+// The learning rate of each step (the metrics' lr, which the optimizer is given) follows
+// the options: warm-up, the peak held, then the decay over the last steps to an explicit
+// --min-lr 0; and without --min-lr, the decay ends at lr / 10.
+TEST(Trainer, LearningRateFollowsTheChosenSchedule) {
+  TestCorpus corpus("schedule");
+  auto o = golden_options(corpus);
+  o.steps = 6;
+  o.warmup_steps = 2;
+  o.val_data.clear();
+  o.lr_decay = "linear";
+  o.lr_decay_steps = 2;
+  o.min_lr = 0.0;
+  const double peak = o.adamw.lr;
+  const auto wsd = Trainer(ParallelContext::single_process(), models::GptConfig::preset("tiny"), o).run();
+  const std::vector<double> want = {peak / 2, peak, peak, peak, peak, peak / 2};
+  ASSERT_EQ(wsd.size(), want.size());
+  for (std::size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(wsd[i].lr, want[i], 1e-15 * peak) << "step " << i + 1;
+
+  o.lr_decay_steps = 0;
+  o.min_lr.reset();
+  o.warmup_steps = 0;
+  o.steps = 2;
+  const auto plain = Trainer(ParallelContext::single_process(), models::GptConfig::preset("tiny"), o).run();
+  ASSERT_EQ(plain.size(), 2u);
+  EXPECT_DOUBLE_EQ(plain[0].lr, peak);
+  EXPECT_NEAR(plain[1].lr, peak / 10 + (peak - peak / 10) / 2, 1e-15 * peak);  // linear, halfway to lr / 10
 }
 
 TEST(Trainer, GradientAccumulationEqualsOneLargeBatch) {

@@ -1,6 +1,7 @@
 // Optimizer pieces shared by every strategy: AdamW with the usual decay / no-decay
-// parameter groups, the cosine learning-rate schedule with linear warm-up, and gradient
-// clipping by the global norm across the ranks that hold distinct gradient shards.
+// parameter groups, the learning-rate schedule (linear warm-up, then cosine, linear,
+// 1 - sqrt or no decay, optionally over the last steps only: warmup-stable-decay), and
+// gradient clipping by the global norm across the ranks that hold distinct gradient shards.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -53,17 +54,36 @@ torch::optim::AdamWParamState& advance_adamw_state(torch::optim::Optimizer& opti
 // Sets the learning rate of every parameter group.
 void set_learning_rate(torch::optim::Optimizer& optimizer, double lr);
 
-// Linear warm-up to max_lr over warmup_steps (step 0 trains at max_lr / warmup_steps),
-// then cosine decay to min_lr at total_steps, min_lr after that.
-class CosineSchedule {
+// The shape of the decay from the peak learning rate to the minimum: cosine
+// (0.5 (1 + cos(pi p))), linear (1 - p), sqrt (1 - sqrt(p), the "1-sqrt" cooldown of
+// Haegele et al. 2024) over the decay's progress p in [0, 1); constant: no decay.
+enum class LrDecay { kCosine, kLinear, kSqrt, kConstant };
+// "cosine" | "linear" | "sqrt" | "constant"; InvalidArgument names --lr-decay otherwise.
+LrDecay parse_lr_decay(const std::string& name);
+const char* to_string(LrDecay decay);
+
+struct LrScheduleOptions {
+  double lr = 0;                   // peak
+  double min_lr = 0;               // reached at total_steps (ignored by kConstant)
+  std::int64_t warmup_steps = 0;   // linear from lr / warmup_steps at step 0 to lr
+  std::int64_t total_steps = 0;
+  LrDecay decay = LrDecay::kCosine;
+  // The decay spans the last decay_steps of total_steps, the peak held before them
+  // (warmup-stable-decay, WSD); 0: every step after the warm-up.
+  std::int64_t decay_steps = 0;
+};
+
+// Linear warm-up to lr, lr held until the decay starts, the decay to min_lr at
+// total_steps, min_lr after that. Raises InvalidArgument naming an option out of range.
+class LrSchedule {
  public:
-  CosineSchedule(double max_lr, double min_lr, std::int64_t warmup_steps,
-                 std::int64_t total_steps);
+  explicit LrSchedule(const LrScheduleOptions& options);
   double lr(std::int64_t step) const;
+  const LrScheduleOptions& options() const { return o_; }
+  std::int64_t decay_start() const;  // the first step of the decay
 
  private:
-  double max_lr_, min_lr_;
-  std::int64_t warmup_, total_;
+  LrScheduleOptions o_;
 };
 
 // Scales the gradients so that their global L2 norm is at most max_norm and returns the

@@ -1,11 +1,12 @@
 // Trainer: the pretraining loop of a GPT over a ParallelContext. Validates the whole run
 // before step 0, then per step: micro-batches with gradient accumulation, data-parallel
-// gradient averaging overlapped with backward, clipping, AdamW with a cosine schedule;
+// gradient averaging overlapped with backward, clipping, AdamW with a warm-up and decay schedule;
 // eval on the val split, logs on rank 0, JSON-lines metrics and a progress bar.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -36,8 +37,13 @@ struct TrainOptions {
   std::uint64_t seed = 1337;        // model init and data order
   // Optimizer and schedule (adamw.lr is the peak learning rate).
   AdamWOptions adamw;
-  double min_lr = 0.0;              // cosine floor; 0: adamw.lr / 10
+  // The schedule (LrSchedule): linear warm-up, the peak held until the decay's last
+  // lr_decay_steps (0: the decay spans every step after the warm-up; fewer: WSD), then
+  // lr_decay (cosine | linear | sqrt | constant) to min_lr (unset: adamw.lr / 10).
+  std::optional<double> min_lr;
   std::int64_t warmup_steps = 10;
+  std::string lr_decay = "cosine";
+  std::int64_t lr_decay_steps = 0;
   double grad_clip = 1.0;           // global-norm clipping; 0 disables
   std::string precision = "fp32";   // fp32 | bf16 | fp16 (autocast matmuls to that dtype)
   // Dynamic loss scaling, on with fp16 (precision, or an FSDP param/reduce dtype float16):
@@ -248,7 +254,7 @@ class Trainer {
   std::unique_ptr<data::DistributedSampler> sampler_, val_sampler_;
   models::Gpt model_{nullptr};
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
-  std::unique_ptr<CosineSchedule> schedule_;
+  std::unique_ptr<LrSchedule> schedule_;
   std::unique_ptr<DataParallel> ddp_;
   // Expert parallelism: expert gradients averaged over the expert-data-parallel ranks (and,
   // with --fsdp, their own AdamW: experts are split over ep, not sharded over dp).
