@@ -122,7 +122,7 @@ void define(CLI::App& app, Options& o) {
   app.add_option("--moe-aux-coeff", o.moe.aux_loss_coeff, "load-balancing loss coefficient (Switch/GShard)")->group(moe);
   app.add_option("--moe-z-coeff", o.moe.z_loss_coeff, "router z-loss coefficient")->group(moe);
   app.add_option("--moe-bias-rate", o.moe.bias_update_rate, "aux-loss-free balancing: per-expert bias update rate per step (0: off)")->group(moe);
-  app.add_option("--train-data", t.train_data, "glob of training token shards (llm.c format)")->group(data);
+  app.add_option("--train-data", t.train_data, "glob of training token shards (llm.c format), or a blend \"W1 GLOB1 W2 GLOB2 ...\": each batch takes shares W of its samples from the globs (Megatron's --data-path)")->group(data);
   app.add_option("--val-data", t.val_data, "glob of validation token shards (empty: no evaluation)")->group(data);
   app.add_option("--seq-len", t.seq_len, "tokens per sample")->group(data);
   app.add_option("--global-batch", t.global_batch, "samples per optimizer step over all ranks")->group(data);

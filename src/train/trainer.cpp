@@ -602,27 +602,40 @@ void Trainer::load_data() {
   const std::int64_t dp = ctx_->dp_size();
   micro_batch_ = micro_batch_of(o, dp);
   accum_ = o.global_batch / (dp * micro_batch_);
-  auto open = [&](const char* option, const std::string& pattern) {
+  auto open = [&](const char* option, const std::string& value, const std::vector<std::string>& patterns) {
     std::unique_ptr<data::TokenDataset> ds;
     try {
-      ds = std::make_unique<data::TokenDataset>(pattern, o.seq_len);
+      ds = std::make_unique<data::TokenDataset>(patterns, o.seq_len);
     } catch (const InvalidArgument& e) {
-      throw InvalidArgument(detail::str_cat(option, " '", pattern, "': ", e.what()));
+      throw InvalidArgument(detail::str_cat(option, " '", value, "': ", e.what()));
     }
     const int max_token = ds->max_token();
-    DTRAIN_CHECK_ARG(max_token < model_config_.vocab_size, option, " '", pattern,
+    DTRAIN_CHECK_ARG(max_token < model_config_.vocab_size, option, " '", value,
                      "' holds token id ", max_token, " but the model's vocabulary is ",
                      model_config_.vocab_size, " (--vocab-size); allowed: ids below the vocabulary size");
     return ds;
   };
-  train_ = open("--train-data", o.train_data);
-  DTRAIN_CHECK_ARG(o.global_batch <= train_->num_samples(), "--global-batch=", o.global_batch,
-                   " exceeds the ", train_->num_samples(), " samples of --seq-len ", o.seq_len,
-                   " in --train-data '", o.train_data, "'");
-  sampler_ = std::make_unique<data::DistributedSampler>(
-      train_->num_samples(), o.global_batch, ctx_->dp_rank(), static_cast<int>(dp), o.seed);
+  blend_ = data::parse_blend(o.train_data, "--train-data");
+  std::vector<std::string> patterns;
+  std::vector<double> weights;
+  for (const auto& c : blend_) patterns.push_back(c.pattern), weights.push_back(c.weight);
+  train_ = open("--train-data", o.train_data, patterns);
+  if (blend_.size() > 1) {
+    try {
+      sampler_ = std::make_unique<data::BlendedSampler>(*train_, weights, o.global_batch, ctx_->dp_rank(),
+                                                        static_cast<int>(dp), o.seed);
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(detail::str_cat("--train-data '", o.train_data, "': ", e.what()));
+    }
+  } else {
+    DTRAIN_CHECK_ARG(o.global_batch <= train_->num_samples(), "--global-batch=", o.global_batch,
+                     " exceeds the ", train_->num_samples(), " samples of --seq-len ", o.seq_len,
+                     " in --train-data '", o.train_data, "'");
+    sampler_ = std::make_unique<data::DistributedSampler>(
+        train_->num_samples(), o.global_batch, ctx_->dp_rank(), static_cast<int>(dp), o.seed);
+  }
   if (!o.val_data.empty()) {
-    val_ = open("--val-data", o.val_data);
+    val_ = open("--val-data", o.val_data, {o.val_data});
     DTRAIN_CHECK_ARG(o.global_batch <= val_->num_samples(), "--val-data '", o.val_data, "' holds ",
                      val_->num_samples(), " samples of --seq-len ", o.seq_len,
                      "; one eval batch needs --global-batch=", o.global_batch);
@@ -723,6 +736,14 @@ void Trainer::log_summary() const {
   log_info("data: train {} tokens in {} shard(s) ({} samples){}", train_->num_tokens(),
            train_->num_shards(), train_->num_samples(),
            val_ ? format(", val {} tokens", val_->num_tokens()) : std::string(", no val split"));
+  if (blend_.size() > 1) {
+    const auto& blended = static_cast<const data::BlendedSampler&>(*sampler_);
+    for (std::size_t c = 0; c < blend_.size(); ++c) {
+      log_info("data: blend {} of each batch from '{}' ({} samples)",
+               static_cast<double>(blended.period_share(c)) / data::BlendedSampler::kPeriod, blend_[c].pattern,
+               train_->component_samples(c));
+    }
+  }
   log_info("batch: {} samples x {} tokens per step = dp {} x micro-batch {} x accumulation {}; "
            "{} steps, {} steps per epoch",
            o.global_batch, o.seq_len, ctx_->dp_size(), micro_batch_, accum_, o.steps,

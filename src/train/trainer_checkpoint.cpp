@@ -266,6 +266,14 @@ std::shared_ptr<Trainer::PendingSave> Trainer::snapshot(const std::string& root)
     m["sampler"] = {{"step", step_}, {"seed", o.seed}, {"global_batch", o.global_batch},
                     {"seq_len", o.seq_len}, {"num_samples", train_->num_samples()},
                     {"epoch", step_ / sampler_->steps_per_epoch()}};
+    if (blend_.size() > 1) {
+      json blend = json::array();
+      for (std::size_t c = 0; c < blend_.size(); ++c) {
+        blend.push_back({{"weight", blend_[c].weight}, {"pattern", blend_[c].pattern},
+                         {"samples", train_->component_samples(c)}});
+      }
+      m["sampler"]["blend"] = blend;
+    }
     const auto& lr = schedule_->options();
     m["schedule"] = {{"kind", to_string(lr.decay)}, {"lr", lr.lr}, {"min_lr", lr.min_lr},
                      {"warmup_steps", lr.warmup_steps}, {"decay_start", schedule_->decay_start()},

@@ -201,6 +201,12 @@ expect(keep-checkpoints 2 "--keep-checkpoints=-1 must be >= 0" ARGS ${DATA} --gl
 expect(save-at-end 0 "checkpoint: step 3 saved to [^\n]*ck/step_3" ARGS ${DATA} --global-batch 8 --steps 3 --warmup-steps 1 --save-dir "${WORK_DIR}/ck")
 expect(resume-auto 0 "resumed from [^\n]*ck/step_3 at step 3.*step +5/5" ARGS ${DATA} --global-batch 8 --steps 5 --warmup-steps 1 --save-dir "${WORK_DIR}/ck" --resume auto)
 expect(resume-done 0 "nothing to train, the run is at step 5 of --steps 5" ARGS ${DATA} --global-batch 8 --steps 5 --warmup-steps 1 --save-dir "${WORK_DIR}/ck" --resume auto)
+# A data blend (Megatron's --data-path form) trains; a bad weight is named.
+expect(blend 0 "data: blend 0.7 of each batch from '[^']*lic_train_\\*.bin'.*data: blend 0.3 of each batch from '[^']*lic_val_\\*.bin'.*step +2/2"
+       ARGS --train-data "0.7 ${WORK_DIR}/data/lic_train_*.bin 0.3 ${WORK_DIR}/data/lic_val_*.bin" --progress off
+            --global-batch 8 --steps 2 --warmup-steps 1)
+expect(blend-bad-weight 2 "--train-data '[^']*': weight '-1' of '[^']*lic_val_\\*.bin' is not allowed; allowed: a finite number > 0"
+       ARGS --train-data "0.7 ${WORK_DIR}/data/lic_train_*.bin -1 ${WORK_DIR}/data/lic_val_*.bin" --progress off)
 expect(lr-decay-unknown 2 "--lr-decay 'wsd' is not known; allowed: cosine, linear, sqrt, constant" ARGS ${DATA} --global-batch 8 --lr-decay wsd)
 # Warmup-stable-decay as a cooldown branched off a stable run: 3 steps at a constant lr,
 # then a resume that decays linearly to 0 over the last 2 of 5 steps (step 4 at the peak,

@@ -3,7 +3,7 @@
 // whole global batch (run on rank 0, broadcast: train_harness.hpp); after 10 steps losses
 // agree within 1e-5 relative and parameters within 1e-5 (float32). Also: accumulation
 // under DP, --eod-mask-loss, the kernel options, overlap of the bucket all-reduces with
-// backward, and bad input on one rank stops every rank with no hang.
+// backward, a data blend, and bad input on one rank stops every rank with no hang.
 #include <torch/torch.h>
 
 #include "train_harness.hpp"
@@ -19,6 +19,19 @@ TEST_F(TrainTest, DataParallelMatchesSingleProcessForTenSteps) {
   Trainer dp(dp_context(), cfg, o);
   EXPECT_EQ(dp.data_parallel()->stats().buckets > 1, nranks() > 1);
   expect_equivalent_to_single_process(dp, cfg, corpus);
+}
+
+// A data blend (the corpus' train split and its much smaller validation split, 7:3, so
+// that the small one repeats within the run) read by the ranks' shares of each step.
+TEST_F(TrainTest, BlendedDataUnderDataParallelMatchesSingleProcess) {
+  TestCorpus corpus("blend" + std::to_string(rank()));
+  const auto cfg = models::GptConfig::preset("tiny");
+  auto o = options(corpus);
+  o.train_data = format("0.7 {} 0.3 {}", corpus.train(), corpus.val());
+  o.val_data.clear();
+  const auto reference = single_process_reference(cfg, o);
+  Trainer dp(dp_context(), cfg, o);
+  expect_equivalent(dp, reference);
 }
 
 // The llama family (RMSNorm, RoPE, SwiGLU, grouped-query attention, untied head) with

@@ -23,7 +23,7 @@ namespace dtrain::train {
 
 struct TrainOptions {
   // Data: glob patterns of llm.c token shards. val_data may be empty (no evaluation).
-  std::string train_data;
+  std::string train_data;          // a glob of token shards, or a blend "W1 GLOB1 W2 GLOB2 ..."
   std::string val_data;
   std::int64_t seq_len = 64;        // tokens per sample; at most the model's context
   std::int64_t global_batch = 16;   // samples per optimizer step over all ranks
@@ -251,7 +251,9 @@ class Trainer {
   double flops_per_token_ = 0, peak_tflops_ = 0;
   std::string device_name_;
   std::unique_ptr<data::TokenDataset> train_, val_;
-  std::unique_ptr<data::DistributedSampler> sampler_, val_sampler_;
+  std::vector<data::BlendComponent> blend_;  // --train-data's components (one: no blend)
+  std::unique_ptr<data::Sampler> sampler_;
+  std::unique_ptr<data::DistributedSampler> val_sampler_;
   models::Gpt model_{nullptr};
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::unique_ptr<LrSchedule> schedule_;
