@@ -97,16 +97,17 @@ Batch TokenDataset::batch(const std::vector<std::int64_t>& samples) const {
 // ---------------------------------------------------------------------------------------
 // DistributedSampler
 
-SeededPermutations::SeededPermutations(std::int64_t n, std::uint64_t seed, bool shuffle)
-    : n_(n), seed_(seed), shuffle_(shuffle) {}
+SeededPermutations::SeededPermutations(std::int64_t n, std::uint64_t seed, bool shuffle, int keep)
+    : n_(n), seed_(seed), shuffle_(shuffle), epochs_(static_cast<std::size_t>(std::max(1, keep)), -1),
+      perms_(epochs_.size()) {}
 
 const std::vector<std::int64_t>& SeededPermutations::operator()(std::int64_t epoch) const {
-  for (int i : {0, 1}) {
+  for (std::size_t i = 0; i < epochs_.size(); ++i) {
     if (epochs_[i] == epoch) return perms_[i];
   }
   auto& perm = perms_[next_];
   epochs_[next_] = epoch;
-  next_ ^= 1;
+  next_ = (next_ + 1) % epochs_.size();
   perm.resize(static_cast<std::size_t>(n_));
   std::iota(perm.begin(), perm.end(), 0);
   if (shuffle_) {
@@ -183,7 +184,7 @@ BlendedSampler::BlendedSampler(const TokenDataset& data, const std::vector<doubl
     begin_.push_back(data.component_begin(c));
     size_.push_back(data.component_samples(c));
     // Each component's own shuffles, seeded apart from the others'.
-    perms_.emplace_back(size_.back(), seed + 0xD1B54A32D192ED03ull * (c + 1));
+    perms_.emplace_back(size_.back(), seed + 0xD1B54A32D192ED03ull * (c + 1), true, /*keep=*/2);
   }
   // Each position to the component furthest behind its share (ties: the first), exactly
   // share_[c] of them in the period.

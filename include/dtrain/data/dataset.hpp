@@ -74,19 +74,20 @@ class Sampler {
 };
 
 // The seeded shuffle of [0, n) for each epoch (Fisher-Yates over mt19937_64 seeded with
-// seed and epoch: the same order with every standard library), the last two kept.
+// seed and epoch: the same order with every standard library), the last `keep` kept
+// (2 where one batch may span two epochs).
 class SeededPermutations {
  public:
-  SeededPermutations(std::int64_t n, std::uint64_t seed, bool shuffle = true);
+  SeededPermutations(std::int64_t n, std::uint64_t seed, bool shuffle = true, int keep = 1);
   const std::vector<std::int64_t>& operator()(std::int64_t epoch) const;
 
  private:
   std::int64_t n_;
   std::uint64_t seed_;
   bool shuffle_;
-  mutable std::int64_t epochs_[2] = {-1, -1};
-  mutable std::vector<std::int64_t> perms_[2];
-  mutable int next_ = 0;
+  mutable std::vector<std::int64_t> epochs_;
+  mutable std::vector<std::vector<std::int64_t>> perms_;
+  mutable std::size_t next_ = 0;
 };
 
 // Each step takes `global_batch` samples of an epoch's permutation (a seeded shuffle of
