@@ -207,6 +207,8 @@ expect(blend 0 "data: blend 0.7 of each batch from '[^']*lic_train_\\*.bin'.*dat
             --global-batch 8 --steps 2 --warmup-steps 1)
 expect(blend-bad-weight 2 "--train-data '[^']*': weight '-1' of '[^']*lic_val_\\*.bin' is not allowed; allowed: a finite number > 0"
        ARGS --train-data "0.7 ${WORK_DIR}/data/lic_train_*.bin -1 ${WORK_DIR}/data/lic_val_*.bin" --progress off)
+expect(blend-for-val 2 "--val-data '0.5 [^']*' is a blend; allowed: one glob \\(blends are for --train-data\\)"
+       ARGS --train-data "${WORK_DIR}/data/lic_train_*.bin" --val-data "0.5 ${WORK_DIR}/data/lic_val_*.bin 0.5 ${WORK_DIR}/data/lic_val_*.bin" --progress off)
 expect(lr-decay-unknown 2 "--lr-decay 'wsd' is not known; allowed: cosine, linear, sqrt, constant" ARGS ${DATA} --global-batch 8 --lr-decay wsd)
 # Warmup-stable-decay as a cooldown branched off a stable run: 3 steps at a constant lr,
 # then a resume that decays linearly to 0 over the last 2 of 5 steps (step 4 at the peak,
