@@ -95,8 +95,7 @@ void define(CLI::App& app, Options& o) {
   app.add_option("--document-separator", o.document_separator, "packed documents: this token id ends a document, and tokens after it attend only to tokens from there on (Megatron's --reset-attention-mask; GPT-2's <|endoftext|> is 50256, the byte tokenizer's newline 10; -1: none)")->group(model);
   app.add_flag("--reset-position-ids", o.reset_position_ids, "with --document-separator: each document's positions count from 0 (Megatron's --reset-position-ids)")->group(model);
   app.add_option("--dropout", o.dropout, "dropout on embeddings, attention probabilities and residual branches (training only)")->group(model);
-  app.add_option("--activation-checkpointing", o.activation_checkpointing, "none, or full (recompute every block in backward)")
-      ->check(CLI::IsMember({"none", "full"}))->group(model);
+  app.add_option("--activation-checkpointing", o.activation_checkpointing, "none, full (every block recomputes its forward in backward), or N: the first N blocks of the model (of each pipeline chunk)")->group(model);
 
   const char* kernels = "Kernels";
   app.add_option("--attention", o.attention, "sdpa (LibTorch's scaled_dot_product_attention) or flash (dtrain's kernel on CUDA: bf16/fp16, head dims multiples of 8 up to 128, no dropout)")->group(kernels);
@@ -230,6 +229,22 @@ void resolve_kernels(const CLI::App& app, Options& o, bool cuda) {
   o.train.adamw.fused = o.fused_adamw;
 }
 
+// --activation-checkpointing: none (0), full (-1: every block) or a number of blocks.
+std::int64_t recompute_blocks(const std::string& value) {
+  if (value == "none") return 0;
+  if (value == "full") return -1;
+  std::size_t used = 0;
+  std::int64_t n = 0;
+  try {
+    n = std::stoll(value, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  DTRAIN_CHECK_ARG(used == value.size() && n >= 1, "--activation-checkpointing '", value,
+                   "' is not allowed; allowed: none, full, or a number of blocks N >= 1");
+  return n;
+}
+
 dtrain::models::GptConfig model_config(const Options& o) {
   auto c = dtrain::models::GptConfig::preset(o.preset);
   auto set = [](std::int64_t value, std::int64_t& field) {
@@ -250,7 +265,7 @@ dtrain::models::GptConfig model_config(const Options& o) {
                      o.tie_embeddings, "' is not allowed; allowed: true, false");
     c.tie_embeddings = o.tie_embeddings == "true";
   }
-  c.activation_checkpointing = o.activation_checkpointing == "full";
+  c.recompute_blocks = recompute_blocks(o.activation_checkpointing);
   c.attention_window = o.attention_window;
   c.document_separator = o.document_separator;
   c.reset_position_ids = o.reset_position_ids;

@@ -64,6 +64,8 @@ void GptConfig::validate() const {
   DTRAIN_CHECK_ARG(!reset_position_ids || document_separator >= 0, "reset_position_ids (--reset-position-ids) "
                    "restarts positions at each document; allowed only with document_separator >= 0 "
                    "(--document-separator ID)");
+  DTRAIN_CHECK_ARG(recompute_blocks >= -1, "recompute_blocks=", recompute_blocks, " (--activation-checkpointing) is "
+                   "out of range; allowed: -1 (every block), 0 (none) or a number of blocks >= 1");
   DTRAIN_CHECK_ARG(dropout >= 0 && dropout < 1, "dropout=", dropout,
                    " is out of range; allowed: [0, 1)");
   moe.validate();
@@ -672,7 +674,8 @@ torch::Tensor GptImpl::forward_stage(const torch::Tensor& input, const torch::Te
   for (std::size_t i = 0; i < blocks_.size(); ++i) {
     auto& block = blocks_[i];
     if (hooks_ != nullptr) x = hooks_->enter(i, x);
-    if (c.activation_checkpointing && is_training() && torch::GradMode::is_enabled()) {
+    const bool recompute = c.recompute_blocks < 0 || static_cast<std::int64_t>(i) < c.recompute_blocks;
+    if (recompute && is_training() && torch::GradMode::is_enabled()) {
       x = CheckpointBlock::apply(x, rope_cos, rope_sin, BlockDocuments{documents}, block.get());
     } else {
       x = block->forward(x, rope_cos, rope_sin, documents);

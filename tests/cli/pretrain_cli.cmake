@@ -80,7 +80,10 @@ expect(param-dtype-needs-fsdp 2 "--param-dtype / --reduce-dtype other than float
        ARGS ${DATA} --param-dtype bfloat16)
 expect(param-dtype-unknown 2 "--param-dtype 'fp8' is not known; allowed: float32, bfloat16, float16"
        ARGS ${DATA} --fsdp zero1 --param-dtype fp8)
-expect(bad-choice nonzero "--activation-checkpointing" ARGS ${DATA} --activation-checkpointing some)
+expect(bad-choice 2 "--activation-checkpointing 'some' is not allowed; allowed: none, full, or a number of blocks N >= 1"
+       ARGS ${DATA} --activation-checkpointing some)
+expect(recompute-zero-blocks 2 "--activation-checkpointing '0' is not allowed" ARGS ${DATA} --activation-checkpointing 0)
+expect(recompute-one-block 0 "step +2/2" ARGS ${DATA} --global-batch 8 --steps 2 --warmup-steps 1 --activation-checkpointing 1)
 
 # A file that is not a token shard (magic and version errors: unit_train).
 file(WRITE "${WORK_DIR}/text_000000.bin" "plain text, not a token shard\n")

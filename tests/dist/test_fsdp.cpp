@@ -103,7 +103,7 @@ TEST_F(FsdpTest, FullShardingMatchesSingleProcessForTenSteps) {
     TestCorpus corpus("full" + std::to_string(rank()) + (checkpointing ? "c" : ""));
     auto cfg = models::GptConfig::preset("tiny");
     cfg.n_layer = 3;
-    cfg.activation_checkpointing = checkpointing;
+    cfg.recompute_blocks = checkpointing ? -1 : 0;
     auto o = options(corpus);
     o.fsdp = "full";
     o.val_data = corpus.val();

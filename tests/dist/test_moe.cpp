@@ -248,7 +248,7 @@ TEST_F(MoeTrainTest, ComposesWithDataParallelShardingTensorAndPipelineParallelis
   };
   auto gpt2 = cfg;  // GPT-2 family, sigmoid scores, bias balancing, checkpointing
   gpt2.family = "gpt2", gpt2.n_kv_head = gpt2.n_head, gpt2.tie_embeddings = true;
-  gpt2.moe.score = "sigmoid", gpt2.moe.bias_update_rate = 1e-3, gpt2.activation_checkpointing = true;
+  gpt2.moe.score = "sigmoid", gpt2.moe.bias_update_rate = 1e-3, gpt2.recompute_blocks = -1;
   std::vector<Case> cases;
   if (n == 2) {
     cases = {{2, 1, false, 1, "zero2", cfg}, {2, 1, false, 1, "full", gpt2}, {1, 2, true, 1, "none", cfg},

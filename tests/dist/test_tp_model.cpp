@@ -110,7 +110,7 @@ TEST_F(TpModelTest, TpWithFsdpMatchesSingleProcess) {
 TEST_F(TpModelTest, TpWithActivationCheckpointingMatchesSingleProcess) {
   const int n = nranks();
   auto cfg = gpt2(n);
-  cfg.activation_checkpointing = true;
+  cfg.recompute_blocks = -1;
   expect_matches(context(n, true), cfg);
 }
 

@@ -48,7 +48,7 @@ inline std::string describe(const models::GptConfig& c) {
   std::ostringstream s;
   s << std::setprecision(17) << c.family << ' ' << c.vocab_size << ' ' << c.context << ' ' << c.n_layer << ' '
     << c.n_head << ' ' << c.n_kv_head << ' ' << c.d_model << ' ' << c.ffn_hidden << ' ' << c.rope_theta << ' '
-    << c.norm_eps << ' ' << c.init_std << ' ' << c.tie_embeddings << ' ' << c.activation_checkpointing << ' '
+    << c.norm_eps << ' ' << c.init_std << ' ' << c.tie_embeddings << ' ' << c.recompute_blocks << ' '
     << c.attention_window << ' ' << c.document_separator << ' ' << c.reset_position_ids << ' '
     << c.dropout << " moe " << c.moe.experts << ' ' << c.moe.topk << ' ' << c.moe.every << ' ' << c.moe.ffn_hidden
     << ' ' << c.moe.capacity_factor << ' ' << c.moe.score << ' ' << c.moe.aux_loss_coeff << ' '

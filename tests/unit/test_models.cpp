@@ -9,6 +9,7 @@
 
 #include "dtrain/core/error.hpp"
 #include "dtrain/models/gpt.hpp"
+#include "dtrain/train/device_stats.hpp"
 #include "dtrain/optim/optim.hpp"
 
 namespace dtrain::models {
@@ -142,7 +143,7 @@ TEST(Gpt, DocumentSeparatorIsolatesDocuments) {
       Gpt plain(single(), cfg, 3);
       cfg.document_separator = kSep;
       Gpt packed(single(), cfg, 3);  // the same parameters
-      cfg.activation_checkpointing = true;
+      cfg.recompute_blocks = -1;
       Gpt recomputed(single(), cfg, 3);
       const auto l = packed->forward(idx).detach();
       // Batch 0: documents [0, 10], [11, 20], [21, 31]; the middle one's tokens change.
@@ -202,7 +203,7 @@ TEST(Gpt, ResetPositionIdsComputesEachDocumentAlone) {
     for (auto backend : {ops::AttentionBackend::kSdpa, ops::AttentionBackend::kFlash}) {
       for (bool checkpointing : {false, true}) {
         auto cfg = base;
-        cfg.attention = backend, cfg.activation_checkpointing = checkpointing;
+        cfg.attention = backend, cfg.recompute_blocks = checkpointing ? -1 : 0;
         cfg.document_separator = kSep, cfg.reset_position_ids = true;
         SCOPED_TRACE(cfg.family + " " + ops::to_string(backend) + (checkpointing ? " checkpointing" : ""));
         Gpt packed(single(), cfg, 3), alone(single(), cfg, 3);
@@ -237,22 +238,44 @@ TEST(Gpt, ResetPositionIdsComputesEachDocumentAlone) {
   EXPECT_THROW(cfg.validate(), InvalidArgument);
 }
 
-TEST(Gpt, ActivationCheckpointingLeavesGradientsUnchanged) {
+// Recomputing the first N blocks (N = 1, 2, all) changes no gradient, and the peak of
+// live CPU tensors over a forward and backward falls as N grows (each recomputed block
+// keeps only its input).
+TEST(Gpt, ActivationCheckpointingLeavesGradientsUnchangedAndLowersThePeak) {
+  train::enable_cpu_memory_tracking();
+  const c10::Device cpu(c10::kCPU);
   for (auto cfg : {GptConfig::preset("tiny"), tiny_llama()}) {
-    Gpt plain(single(), cfg, 5);
-    cfg.activation_checkpointing = true;
-    Gpt ckpt(single(), cfg, 5);
-    auto idx = torch::randint(0, 256, {2, 16}, torch::kLong);
-    auto tgt = torch::randint(0, 256, {2, 16}, torch::kLong);
-    plain->loss(idx, tgt).backward();
-    ckpt->loss(idx, tgt).backward();
-    auto a = plain->named_parameters(), b = ckpt->named_parameters();
-    for (const auto& item : a) {
-      ASSERT_TRUE(b[item.key()].grad().defined()) << item.key();
-      EXPECT_TRUE(torch::allclose(item.value().grad(), b[item.key()].grad(), 1e-5, 1e-7))
-          << cfg.family << " " << item.key();
+    cfg.n_layer = 4;
+    auto idx = torch::randint(0, 256, {8, 64}, torch::kLong);
+    auto tgt = torch::randint(0, 256, {8, 64}, torch::kLong);
+    std::vector<double> peaks;
+    std::vector<torch::Tensor> reference;
+    for (std::int64_t n : {0, 1, 2, -1}) {
+      cfg.recompute_blocks = n;
+      Gpt model(single(), cfg, 5);
+      ASSERT_TRUE(train::reset_peak_memory(cpu));
+      const double before = train::memory_stats(cpu).current_mib;
+      model->loss(idx, tgt).backward();
+      peaks.push_back(train::memory_stats(cpu).peak_mib - before);
+      const auto params = model->parameter_list();
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        const auto g = params[i].second.grad();
+        ASSERT_TRUE(g.defined()) << params[i].first;
+        if (n == 0) {
+          reference.push_back(g);
+        } else {
+          EXPECT_TRUE(torch::allclose(g, reference[i], 1e-5, 1e-7)) << cfg.family << " " << n << " " << params[i].first;
+        }
+      }
+    }
+    for (std::size_t k = 1; k < peaks.size(); ++k) {
+      EXPECT_LT(peaks[k], peaks[k - 1]) << cfg.family << ": peaks " << peaks[0] << ", " << peaks[1] << ", " << peaks[2]
+                                        << ", " << peaks[3] << " MiB";
     }
   }
+  auto bad = GptConfig::preset("tiny");
+  bad.recompute_blocks = -2;
+  EXPECT_THROW(bad.validate(), InvalidArgument);
 }
 
 // With dropout, the recomputation in backward replays the forward's masks (the RNG
@@ -262,7 +285,7 @@ TEST(Gpt, DropoutMasksReplayUnderActivationCheckpointing) {
   for (auto cfg : {GptConfig::preset("tiny"), tiny_llama()}) {
     cfg.dropout = 0.2;
     Gpt plain(single(), cfg, 5);
-    cfg.activation_checkpointing = true;
+    cfg.recompute_blocks = -1;
     Gpt ckpt(single(), cfg, 5);
     auto idx = torch::randint(0, 256, {2, 16}, torch::kLong);
     auto tgt = torch::randint(0, 256, {2, 16}, torch::kLong);
@@ -280,7 +303,7 @@ TEST(Gpt, DropoutMasksReplayUnderActivationCheckpointing) {
     plain->eval();
     auto no_dropout = cfg;
     no_dropout.dropout = 0;
-    no_dropout.activation_checkpointing = false;
+    no_dropout.recompute_blocks = 0;
     Gpt reference(single(), no_dropout, 5);
     EXPECT_EQ(plain->loss(idx, tgt).item<float>(), reference->loss(idx, tgt).item<float>());
   }

@@ -261,7 +261,7 @@ TEST(MoeModel, ActivationCheckpointingGivesTheSameGradientsAndCountsOnce) {
   const auto idx = torch::randint(0, c.vocab_size, {2, 16}, gen);
   const auto tgt = torch::randint(0, c.vocab_size, {2, 16}, gen);
   models::Gpt plain(ParallelContext::single_process(), c, 1);
-  c.activation_checkpointing = true;
+  c.recompute_blocks = -1;
   models::Gpt ckpt(ParallelContext::single_process(), c, 1);
   plain->loss(idx, tgt).backward();
   ckpt->loss(idx, tgt).backward();

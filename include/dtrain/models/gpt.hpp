@@ -42,7 +42,10 @@ struct GptConfig {
   double norm_eps = 1e-5;
   double init_std = 0.02;
   bool tie_embeddings = true;     // output projection shares the token embedding
-  bool activation_checkpointing = false;  // recompute each block in backward
+  // Activation checkpointing: the first recompute_blocks blocks of the model (of each
+  // pipeline chunk) keep only their input and run their forward again in backward
+  // (Megatron's --recompute-method block); -1: every block; 0: none.
+  std::int64_t recompute_blocks = 0;
   // Sliding-window attention (Mistral's): 0 attends to every earlier token; W > 0 lets each
   // token attend to itself and the W - 1 before it (both attention backends).
   std::int64_t attention_window = 0;
