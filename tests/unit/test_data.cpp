@@ -117,6 +117,18 @@ TEST_F(DataTest, DatasetSamplesAreShiftedWindowsWithinShards) {
   EXPECT_THROW(TokenDataset(path("d_002.bin"), 8), InvalidArgument);
 }
 
+// The ranks' samplers' indices for a step, in rank order (each holding `local`).
+template <typename S>
+std::vector<std::int64_t> joined_indices(const std::vector<S>& ranks, std::int64_t step, std::int64_t local) {
+  std::vector<std::int64_t> joined;
+  for (const auto& s : ranks) {
+    const auto idx = s.indices(step);
+    EXPECT_EQ(static_cast<std::int64_t>(idx.size()), local);
+    joined.insert(joined.end(), idx.begin(), idx.end());
+  }
+  return joined;
+}
+
 TEST(DistributedSampler, RanksAreDisjointAndTogetherFormTheSingleProcessBatch) {
   const std::int64_t n = 103, global = 12;
   for (int dp : {1, 2, 3, 4}) {
@@ -124,12 +136,7 @@ TEST(DistributedSampler, RanksAreDisjointAndTogetherFormTheSingleProcessBatch) {
     std::vector<DistributedSampler> ranks;
     for (int r = 0; r < dp; ++r) ranks.emplace_back(n, global, r, dp, 42);
     for (std::int64_t step = 0; step < 3 * single.steps_per_epoch() + 2; ++step) {
-      std::vector<std::int64_t> joined;
-      for (const auto& s : ranks) {
-        const auto idx = s.indices(step);
-        EXPECT_EQ(static_cast<std::int64_t>(idx.size()), global / dp);
-        joined.insert(joined.end(), idx.begin(), idx.end());
-      }
+      const auto joined = joined_indices(ranks, step, global / dp);
       EXPECT_EQ(joined, single.indices(step)) << "dp " << dp << " step " << step;
       EXPECT_EQ(std::set<std::int64_t>(joined.begin(), joined.end()).size(), joined.size());
     }
@@ -356,13 +363,7 @@ TEST_F(BlendTest, RanksFormTheSingleProcessBatchAndAFreshSamplerResumes) {
     std::vector<BlendedSampler> ranks;
     for (int r = 0; r < dp; ++r) ranks.emplace_back(*data_, std::vector<double>{0.5, 0.2, 0.3}, global, r, dp, 11);
     for (std::int64_t step = 0; step < 30; ++step) {
-      std::vector<std::int64_t> joined;
-      for (const auto& s : ranks) {
-        const auto idx = s.indices(step);
-        EXPECT_EQ(static_cast<std::int64_t>(idx.size()), global / dp);
-        joined.insert(joined.end(), idx.begin(), idx.end());
-      }
-      EXPECT_EQ(joined, single.indices(step)) << "dp " << dp << " step " << step;
+      EXPECT_EQ(joined_indices(ranks, step, global / dp), single.indices(step)) << "dp " << dp << " step " << step;
     }
   }
   // Out of order and fresh: the same steps.
