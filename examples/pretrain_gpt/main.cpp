@@ -2,7 +2,8 @@
 // GPUs over NCCL. Options come from CLI11 flags and an optional JSON config whose keys are
 // the long flag names ({"preset": "tiny", "seq-len": 64}); flags given on the command line
 // override the file. Exit codes: 0 done, 2 bad input (named in the message; an unusable
-// --resume checkpoint too), 1 failure, 75 preempted (SIGTERM/SIGUSR1: saved, then stopped).
+// --resume checkpoint too), 1 failure, 75 preempted (SIGTERM/SIGUSR1 or --exit-duration-mins:
+// saved, then stopped).
 //
 //   mpirun -np 2 build/examples/pretrain_gpt --config examples/configs/tiny.json
 //       --train-data 'data/fortunes/fortunes_train_*.bin' --val-data 'data/fortunes/fortunes_val_*.bin'
@@ -27,7 +28,7 @@ using dtrain::InvalidArgument;
 
 constexpr int kExitBadInput = 2;
 constexpr int kExitFailure = 1;
-constexpr int kExitPreempted = 75;  // EX_TEMPFAIL: stopped by SIGTERM/SIGUSR1 after saving
+constexpr int kExitPreempted = 75;  // EX_TEMPFAIL: stopped after saving (a signal or the time limit)
 
 struct Options {
   std::string config;
@@ -172,6 +173,7 @@ void define(CLI::App& app, Options& o) {
   app.add_option("--resume", t.resume, "auto (newest good checkpoint under --save-dir, if any) or a checkpoint directory; any layout loads into any other")->group(ckpt);
   app.add_option("--export-hf", o.export_hf, "after training, write the whole model under Hugging Face names to this safetensors file")->group(ckpt);
   app.add_option("--init-from", t.init_from, "start from the parameters of a Hugging Face-named safetensors file (fine-tuning; optimizer fresh)")->group(ckpt);
+  app.add_option("--exit-duration-mins", t.exit_duration_mins, "save and stop (exit 75, as on SIGTERM) after the first step that ends this many minutes after start-up; 0: no limit")->group(ckpt);
   app.add_option("--max-skipped-steps", t.max_skipped_steps, "abort after N steps in a row with non-finite gradients (each is skipped)")->group(ckpt);
 }
 

@@ -565,6 +565,10 @@ void Trainer::check_options() const {
   DTRAIN_CHECK_ARG(o.resume != "auto" || !o.save_dir.empty(),
                    "--resume auto needs --save-dir (the directory it searches for checkpoints)");
   DTRAIN_CHECK_ARG(o.max_skipped_steps >= 1, "--max-skipped-steps=", o.max_skipped_steps, " must be >= 1");
+  DTRAIN_CHECK_ARG(o.exit_duration_mins >= 0 && std::isfinite(o.exit_duration_mins), "--exit-duration-mins=",
+                   o.exit_duration_mins, " is not allowed; allowed: minutes >= 0 (0: no limit)");
+  DTRAIN_CHECK_ARG(o.exit_duration_mins == 0 || !o.save_dir.empty(), "--exit-duration-mins ", o.exit_duration_mins,
+                   " saves and stops the run; it needs --save-dir");
   DTRAIN_CHECK_ARG(o.peak_tflops >= 0, "--peak-tflops=", o.peak_tflops, " must be >= 0");
   if (o.fsdp != "none") parse_sharding(o.fsdp);  // raises naming --fsdp
   DTRAIN_CHECK_ARG(o.fsdp_prefetch >= 0 && o.fsdp_prefetch <= 16, "--fsdp-prefetch=",
@@ -1151,7 +1155,8 @@ std::vector<StepMetrics> Trainer::run() {
       rep.draw_bar(step_, o.steps);
     }
     out.push_back(m);
-    const bool stop = stop_requested();
+    const std::string stop_reason = stop_requested();
+    const bool stop = !stop_reason.empty();
     if (pending_) finish_save(/*only_if_written=*/true);
     if (!o.save_dir.empty() && (stop || last || (o.save_every > 0 && step_ % o.save_every == 0))) {
       rep.clear_bar();
@@ -1159,7 +1164,9 @@ std::vector<StepMetrics> Trainer::run() {
     }
     if (stop) {
       preempted_ = true;
-      if (rep.active) log_info("preempted: stopped after step {} with a checkpoint; resume with --resume auto", step_);
+      if (rep.active) {
+        log_info("preempted ({}): stopped after step {} with a checkpoint; resume with --resume auto", stop_reason, step_);
+      }
       break;
     }
   }

@@ -679,11 +679,16 @@ void Trainer::resume() {
   if (!dir.empty()) load_checkpoint(dir);
 }
 
-bool Trainer::stop_requested() {
-  if (options_.save_dir.empty()) return false;
-  auto flag = torch::full({1}, preemption_signalled() ? 1 : 0, torch::TensorOptions().dtype(torch::kInt).device(ctx_->device()));
-  ctx_->world()->all_reduce(flag, {ReduceOp::kMax})->wait();
-  return flag.cpu().item<int>() != 0;
+std::string Trainer::stop_requested() {
+  if (options_.save_dir.empty()) return "";
+  const double minutes = std::chrono::duration<double>(std::chrono::steady_clock::now() - created_).count() / 60;
+  const bool out_of_time = options_.exit_duration_mins > 0 && minutes >= options_.exit_duration_mins;
+  auto flags = torch::tensor({preemption_signalled() ? 1 : 0, out_of_time ? 1 : 0}, torch::kInt).to(ctx_->device());
+  ctx_->world()->all_reduce(flags, {ReduceOp::kMax})->wait();
+  flags = flags.cpu();
+  if (flags[0].item<int>() != 0) return "a preemption signal";
+  if (flags[1].item<int>() != 0) return format("--exit-duration-mins {}", options_.exit_duration_mins);
+  return "";
 }
 
 }  // namespace dtrain::train

@@ -107,7 +107,7 @@ echo rc=$?
   execute_process(COMMAND sh "${WORK_DIR}/preempt.sh" OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 180)
   file(READ "${log}" text)
   file(GLOB saved "${WORK_DIR}/preempt/step_*")
-  if(out MATCHES "rc=75" AND text MATCHES "preempted: stopped after step" AND saved)
+  if(out MATCHES "rc=75" AND text MATCHES "preempted \\(a preemption signal\\): stopped after step" AND saved)
     set(ok TRUE)
   else()
     set(ok FALSE)

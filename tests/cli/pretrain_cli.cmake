@@ -212,6 +212,11 @@ expect(blend-bad-weight 2 "--train-data '[^']*': weight '-1' of '[^']*lic_val_\\
        ARGS --train-data "0.7 ${WORK_DIR}/data/lic_train_*.bin -1 ${WORK_DIR}/data/lic_val_*.bin" --progress off)
 expect(blend-for-val 2 "--val-data '0.5 [^']*' is a blend; allowed: one glob \\(blends are for --train-data\\)"
        ARGS --train-data "${WORK_DIR}/data/lic_train_*.bin" --val-data "0.5 ${WORK_DIR}/data/lic_val_*.bin 0.5 ${WORK_DIR}/data/lic_val_*.bin" --progress off)
+# The wall-clock budget: spent at once, the first step saves and the run exits 75.
+expect(exit-duration 75 "preempted \\(--exit-duration-mins 1e-06\\): stopped after step 1 with a checkpoint"
+       ARGS ${DATA} --global-batch 8 --steps 5 --warmup-steps 1 --exit-duration-mins 0.000001 --save-dir "${WORK_DIR}/ck_time")
+expect(exit-duration-no-save-dir 2 "--exit-duration-mins 30 saves and stops the run; it needs --save-dir"
+       ARGS ${DATA} --exit-duration-mins 30)
 expect(lr-decay-unknown 2 "--lr-decay 'wsd' is not known; allowed: cosine, linear, sqrt, constant" ARGS ${DATA} --global-batch 8 --lr-decay wsd)
 # Warmup-stable-decay as a cooldown branched off a stable run: 3 steps at a constant lr,
 # then a resume that decays linearly to 0 over the last 2 of 5 steps (step 4 at the peak,

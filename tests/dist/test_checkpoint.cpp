@@ -433,6 +433,32 @@ TEST_F(CheckpointTest, SigtermSavesAndStops) {
   EXPECT_EQ(resumed.step(), t.step());
 }
 
+// --exit-duration-mins: the first step that ends past the budget on any rank (here rank
+// 0's budget is spent at once, the others' never) saves and stops every rank together;
+// --resume auto continues from there.
+TEST_F(CheckpointTest, ExitDurationSavesAndStopsEveryRank) {
+  TestCorpus corpus("duration" + std::to_string(rank()));
+  const auto root = shared_dir("duration");
+  const Layout layout{1, 1, 1, false, "zero1"};
+  auto ctx = context(layout);
+  auto o = with(options(corpus), layout, ctx->dp_size());
+  o.save_dir = root;
+  o.steps = 5;
+  o.exit_duration_mins = rank() == 0 ? 1e-9 : 1e9;
+  Trainer t(ctx, models::GptConfig::preset("tiny"), o);
+  const auto metrics = t.run();
+  EXPECT_TRUE(t.preempted());
+  EXPECT_EQ(t.step(), 1);
+  EXPECT_EQ(metrics.size(), 1u);
+  EXPECT_EQ(checkpoint::latest_good(root), checkpoint::step_dir(root, 1));
+  o.resume = "auto";
+  o.exit_duration_mins = 0;
+  Trainer resumed(ctx, models::GptConfig::preset("tiny"), o);
+  EXPECT_EQ(resumed.step(), 1);
+  EXPECT_EQ(resumed.run().size(), 4u);
+  EXPECT_FALSE(resumed.preempted());
+}
+
 // A step with non-finite gradients applies no update and is counted; the next one trains;
 // max_skipped_steps in a row end the run with an error.
 TEST_F(CheckpointTest, NonFiniteStepsAreSkippedThenAbort) {

@@ -137,6 +137,14 @@ TEST(Trainer, BadInputIsRejectedBeforeTrainingWithTheOptionNamed) {
   expect(o, tiny, {"--lr-decay-steps=3", "--lr-decay constant", "allowed: 0"});
 
   o = golden_options(corpus);
+  o.exit_duration_mins = -1;
+  expect(o, tiny, {"--exit-duration-mins=-1", "allowed: minutes >= 0 (0: no limit)"});
+
+  o = golden_options(corpus);
+  o.exit_duration_mins = 30;
+  expect(o, tiny, {"--exit-duration-mins 30", "needs --save-dir"});
+
+  o = golden_options(corpus);
   o.precision = "fp8";
   expect(o, tiny, {"--precision 'fp8'", "allowed: fp32, bf16, fp16"});
 

@@ -4,6 +4,7 @@
 // eval on the val split, logs on rank 0, JSON-lines metrics and a progress bar.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -88,6 +89,10 @@ struct TrainOptions {
   int keep_checkpoints = 0;
   std::string resume;
   bool async_save = false;  // periodic saves write in the background (the last one does not)
+  // Wall-clock budget from the trainer's construction (Megatron's --exit-duration-in-mins):
+  // the first step that ends past it saves and stops the run as a preemption signal does
+  // (needs save_dir; exit code 75 in pretrain_gpt). 0: none.
+  double exit_duration_mins = 0;
   // A Hugging Face safetensors file (export_hf's format) the parameters start from
   // (fine-tuning); a checkpoint found by `resume` takes precedence.
   std::string init_from;
@@ -240,7 +245,10 @@ class Trainer {
   std::string commit(const std::shared_ptr<PendingSave>& p);        // collective
   std::shared_ptr<PendingSave> pending_;  // an async save not yet committed
   SaveTimes last_save_;
-  bool stop_requested();           // a preemption signal reached any rank (collective)
+  // Why the run stops after this step (collective): a preemption signal reached any rank,
+  // or any rank's clock passed exit_duration_mins; neither: "".
+  std::string stop_requested();
+  std::chrono::steady_clock::time_point created_ = std::chrono::steady_clock::now();
 
   ContextPtr ctx_;
   models::GptConfig model_config_;
