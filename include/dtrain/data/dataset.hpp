@@ -119,8 +119,9 @@ class DistributedSampler final : public Sampler {
 // an endless stream are dealt to the components by a fixed pattern of kPeriod positions
 // (each weight rounded to a multiple of 1 / kPeriod, each position going to the component
 // furthest behind its share, as Megatron's blended index does); step s reads positions
-// [s * global_batch, (s + 1) * global_batch), so any window of positions holds each
-// component's share within one sample, and the order does not depend on --steps.
+// [s * global_batch, (s + 1) * global_batch), so every prefix of the stream holds each
+// component's share within one sample (any window: within two), and the order does not
+// depend on --steps.
 class BlendedSampler final : public Sampler {
  public:
   static constexpr std::int64_t kPeriod = 10000;
