@@ -19,6 +19,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <limits>
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -45,6 +46,7 @@ struct Options {
   std::vector<std::string> kernels = {"plain"};
   std::int64_t batch = 4, seq = 64, steps = 6, warmup = 2, rounds = 2, comm_reps = 5;
   std::int64_t attention_window = 0;  // the model's sliding window (0: the preset's, none)
+  std::int64_t recompute_blocks = 0;  // the trainer's activation checkpointing (-1: every block)
   double bucket_mb = 25;
   std::vector<std::string> strategies = {"none"};
 };
@@ -143,6 +145,8 @@ int main(int argc, char** argv) {
   app.add_option("--attention-window", o.attention_window,
                  "the model's sliding window, in both loops (0: none, the presets' own)")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--recompute-blocks", o.recompute_blocks, "the trainer side's activation checkpointing (the plain loop keeps every activation): the first N blocks recompute in backward; -1: every block, 0: none")
+      ->check(CLI::Range(std::int64_t{-1}, std::numeric_limits<std::int64_t>::max()));
   app.add_option("--bucket-mb", o.bucket_mb, "DataParallel bucket size in MiB")->check(CLI::PositiveNumber);
   app.add_option("--backend", o.backend, "auto, mpi or nccl")->check(CLI::IsMember({"auto", "mpi", "nccl"}));
   app.add_option("--fsdp", o.strategies, "strategies to run, each against the plain loop: none (ddp), zero1, zero2, full")
@@ -218,6 +222,7 @@ int main(int argc, char** argv) {
       if (uses("flash")) tcfg.attention = dtrain::ops::AttentionBackend::kFlash;
       tcfg.fused_norm = uses("norm");
       tcfg.fused_ce = uses("ce");
+      tcfg.recompute_blocks = o.recompute_blocks;
       to.adamw.fused = uses("adamw");
       dtrain::train::Trainer trainer(ctx, tcfg, to);
       for (std::int64_t i = 0; i < o.warmup; ++i) trainer.train_step();
@@ -273,10 +278,10 @@ int main(int argc, char** argv) {
       const double tokens = static_cast<double>(o.batch * o.seq * n);
       const double param_bytes = static_cast<double>(cfg.num_parameters()) * 4;
       std::printf("# train_bench: preset %s (%.1fM params), %d rank(s), batch %lld x %lld tokens per rank, "
-                  "window %lld, %lld rounds x %lld steps, %s, %s kernels, device %s\n",
+                  "window %lld, recompute %lld blocks, %lld rounds x %lld steps, %s, %s kernels, device %s\n",
                   o.preset.c_str(), static_cast<double>(cfg.num_parameters()) / 1e6, n,
                   static_cast<long long>(o.batch), static_cast<long long>(o.seq),
-                  static_cast<long long>(o.attention_window),
+                  static_cast<long long>(o.attention_window), static_cast<long long>(o.recompute_blocks),
                   static_cast<long long>(o.rounds), static_cast<long long>(o.steps),
                   o.precision.c_str(), kernels_named.c_str(), dtrain::train::device_name(device).c_str());
       std::printf("# plain: every rank runs the LibTorch loop alone (no communication); ddp: dtrain Trainer"
@@ -312,7 +317,7 @@ int main(int argc, char** argv) {
         nlohmann::json j = {{"strategy", row->strategy}, {"nranks", n},
                             {"preset", o.preset},         {"batch", o.batch},
                             {"seq", o.seq},               {"precision", o.precision}, {"kernels", kernels_named},
-                            {"attention_window", o.attention_window},
+                            {"attention_window", o.attention_window}, {"recompute_blocks", o.recompute_blocks},
                             {"tokens_per_s", tps},
                             {"step_ms", row->step_ms},    {"forward_ms", row->forward_ms},
                             {"backward_ms", row->backward_ms}, {"optimizer_ms", row->optimizer_ms},
