@@ -48,6 +48,7 @@ struct Options {
   bool reset_position_ids = false;
   double bucket_mb = 25;
   std::string export_hf;
+  bool eval_only = false;
   // Kernels (docs/kernels.md): which implementation of attention, norms and the loss.
   std::string attention = "sdpa";
   // The fused norm, loss and optimizer: on by default on CUDA (the faster choice on an H200,
@@ -173,6 +174,7 @@ void define(CLI::App& app, Options& o) {
   app.add_option("--resume", t.resume, "auto (newest good checkpoint under --save-dir, if any) or a checkpoint directory; any layout loads into any other")->group(ckpt);
   app.add_option("--export-hf", o.export_hf, "after training, write the whole model under Hugging Face names to this safetensors file")->group(ckpt);
   app.add_option("--init-from", t.init_from, "start from the parameters of a Hugging Face-named safetensors file (fine-tuning; optimizer fresh)")->group(ckpt);
+  app.add_flag("--eval-only", o.eval_only, "no training: evaluate the model (from --resume or --init-from) on --val-data, log its val loss and exit (then --export-hf, if given)")->group(ckpt);
   app.add_option("--exit-duration-mins", t.exit_duration_mins, "save and stop (exit 75, as on SIGTERM) after the first step that ends this many minutes after start-up; 0: no limit")->group(ckpt);
   app.add_option("--max-skipped-steps", t.max_skipped_steps, "abort after N steps in a row with non-finite gradients (each is skipped)")->group(ckpt);
 }
@@ -319,6 +321,8 @@ int main(int argc, char** argv) {
     }
     const auto model = model_config(o);
     DTRAIN_CHECK_ARG(o.bucket_mb > 0, "--bucket-mb=", o.bucket_mb, " must be positive");
+    DTRAIN_CHECK_ARG(!o.eval_only || !o.train.val_data.empty(), "--eval-only evaluates on the validation data; "
+                     "it needs --val-data");
     o.train.ddp.bucket_bytes = static_cast<std::int64_t>(o.bucket_mb * (1 << 20));
     dtrain::ParallelConfig parallel;
     parallel.dp = o.dp;
@@ -348,6 +352,14 @@ int main(int argc, char** argv) {
     return kExitFailure;
   }
   try {
+    if (o.eval_only) {
+      const double val = trainer->evaluate();
+      char line[96];
+      std::snprintf(line, sizeof(line), "eval: step %lld, val loss %.4f", static_cast<long long>(trainer->step()), val);
+      dtrain::log_info("{}", line);
+      if (!o.export_hf.empty()) trainer->export_hf(o.export_hf);
+      return 0;
+    }
     const auto metrics = trainer->run();
     if (metrics.empty()) {
       dtrain::log_info("done: nothing to train, the run is at step {} of --steps {}", trainer->step(),

@@ -29,6 +29,7 @@ function(expect name code regex)
   execute_process(COMMAND ${cmd} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err
                   TIMEOUT 120)
   set(all "${out}${err}")
+  set(last_output "${all}" PARENT_SCOPE)
   set(ok TRUE)
   if(code STREQUAL "nonzero")
     if(rc EQUAL 0)
@@ -217,6 +218,13 @@ expect(exit-duration 75 "preempted \\(--exit-duration-mins 1e-06\\): stopped aft
        ARGS ${DATA} --global-batch 8 --steps 5 --warmup-steps 1 --exit-duration-mins 0.000001 --save-dir "${WORK_DIR}/ck_time")
 expect(exit-duration-no-save-dir 2 "--exit-duration-mins 30 saves and stops the run; it needs --save-dir"
        ARGS ${DATA} --exit-duration-mins 30)
+# --eval-only: the val loss of a saved checkpoint is the one its run logged at that step.
+expect(eval-train 0 "step +3: val loss [0-9.]+" ARGS ${DATA} --global-batch 8 --steps 3 --warmup-steps 1 --save-dir "${WORK_DIR}/ck_eval")
+string(REGEX MATCH "step +3: val loss ([0-9.]+)" logged "${last_output}")
+expect(eval-only 0 "eval: step 3, val loss ${CMAKE_MATCH_1}\n"
+       ARGS ${DATA} --global-batch 8 --steps 3 --warmup-steps 1 --resume "${WORK_DIR}/ck_eval/step_3" --eval-only)
+expect(eval-only-no-val 2 "--eval-only evaluates on the validation data; it needs --val-data"
+       ARGS --train-data "${WORK_DIR}/data/lic_train_*.bin" --progress off --eval-only)
 expect(lr-decay-unknown 2 "--lr-decay 'wsd' is not known; allowed: cosine, linear, sqrt, constant" ARGS ${DATA} --global-batch 8 --lr-decay wsd)
 # Warmup-stable-decay as a cooldown branched off a stable run: 3 steps at a constant lr,
 # then a resume that decays linearly to 0 over the last 2 of 5 steps (step 4 at the peak,
