@@ -19,6 +19,7 @@
 #include "dtrain/comm/launch_env.hpp"
 #include "dtrain/comm/runtime.hpp"
 #include "dtrain/core/error.hpp"
+#include "dtrain/models/hf_names.hpp"
 #include "dtrain/core/logging.hpp"
 #include "dtrain/train/trainer.hpp"
 
@@ -46,6 +47,7 @@ struct Options {
   std::int64_t attention_window = 0;
   std::int64_t document_separator = -1;
   bool reset_position_ids = false;
+  bool qk_norm = false;
   double bucket_mb = 25;
   std::string export_hf;
   bool eval_only = false;
@@ -96,6 +98,7 @@ void define(CLI::App& app, Options& o) {
   app.add_option("--attention-window", o.attention_window, "sliding-window attention: each token attends to itself and the W - 1 before it (0: all earlier tokens)")->group(model);
   app.add_option("--document-separator", o.document_separator, "packed documents: this token id ends a document, and tokens after it attend only to tokens from there on (Megatron's --reset-attention-mask; GPT-2's <|endoftext|> is 50256, the byte tokenizer's newline 10; -1: none)")->group(model);
   app.add_flag("--reset-position-ids", o.reset_position_ids, "with --document-separator: each document's positions count from 0 (Megatron's --reset-position-ids)")->group(model);
+  app.add_flag("--qk-norm", o.qk_norm, "RMSNorm over each head's query and key before the rotary embedding (Megatron's --qk-layernorm; Qwen3, OLMo 2)")->group(model);
   app.add_option("--dropout", o.dropout, "dropout on embeddings, attention probabilities and residual branches (training only)")->group(model);
   app.add_option("--activation-checkpointing", o.activation_checkpointing, "none, full (every block recomputes its forward in backward), or N: the first N blocks of the model (of each pipeline chunk)")->group(model);
 
@@ -273,6 +276,7 @@ dtrain::models::GptConfig model_config(const Options& o) {
   c.attention_window = o.attention_window;
   c.document_separator = o.document_separator;
   c.reset_position_ids = o.reset_position_ids;
+  c.qk_norm = c.qk_norm || o.qk_norm;
   c.dropout = o.dropout;
   c.attention = dtrain::ops::parse_attention_backend(o.attention);
   c.fused_norm = o.fused_norm;
@@ -321,6 +325,7 @@ int main(int argc, char** argv) {
     }
     const auto model = model_config(o);
     DTRAIN_CHECK_ARG(o.bucket_mb > 0, "--bucket-mb=", o.bucket_mb, " must be positive");
+    if (!o.export_hf.empty()) dtrain::models::check_hf_names(model);  // refused before training, not after
     DTRAIN_CHECK_ARG(!o.eval_only || !o.train.val_data.empty(), "--eval-only evaluates on the validation data; "
                      "it needs --val-data");
     o.train.ddp.bucket_bytes = static_cast<std::int64_t>(o.bucket_mb * (1 << 20));

@@ -96,7 +96,7 @@ std::int64_t GptConfig::num_parameters() const {
   const bool gpt2 = family == "gpt2";
   const std::int64_t hd = head_dim(), h = mlp_hidden();
   const std::int64_t norm = gpt2 ? 2 * d_model : d_model;
-  std::int64_t block = 2 * norm;
+  std::int64_t block = 2 * norm + (qk_norm ? 2 * hd : 0);
   block += d_model * (n_head + 2 * n_kv_head) * hd + (gpt2 ? (n_head + 2 * n_kv_head) * hd : 0);
   block += n_head * hd * d_model + (gpt2 ? d_model : 0);
   block += gpt2 ? (d_model * h + h + h * d_model + d_model) : 3 * d_model * h;
@@ -128,6 +128,10 @@ std::vector<std::pair<std::string, std::vector<std::int64_t>>> GptConfig::parame
       out.push_back({h + "ln1_bias", {d}});
       out.push_back({h + "ln2_bias", {d}});
     }
+    if (qk_norm) {
+      out.push_back({h + "q_norm_weight", {head_dim()}});
+      out.push_back({h + "k_norm_weight", {head_dim()}});
+    }
     out.push_back({h + "attn_qkv.weight", {qkv, d}});
     if (gpt2) out.push_back({h + "attn_qkv.bias", {qkv}});
     out.push_back({h + "attn_proj.weight", {d, n_head * head_dim()}});
@@ -155,6 +159,7 @@ double GptConfig::flops_per_token(std::int64_t seq_len) const {
   const bool gpt2 = family == "gpt2";
   const std::int64_t norm = gpt2 ? 2 * d_model : d_model;
   matmul -= (2 * n_layer + 1) * norm;  // norm weights (and biases)
+  if (qk_norm) matmul -= 2 * n_layer * head_dim();
   if (gpt2) {
     matmul -= context * d_model;  // learned positions: a lookup, no matmul
     matmul -= n_layer * ((n_head + 2 * n_kv_head) * head_dim() + 2 * d_model + mlp_hidden());
@@ -195,6 +200,10 @@ BlockImpl::BlockImpl(const GptConfig& c, TpEnv tp, std::int64_t index) : config_
     ln1_b_ = register_parameter("ln1_bias", torch::zeros({c.d_model}));
     ln2_b_ = register_parameter("ln2_bias", torch::zeros({c.d_model}));
   }
+  if (c.qk_norm) {
+    q_norm_w_ = register_parameter("q_norm_weight", torch::ones({hd}));
+    k_norm_w_ = register_parameter("k_norm_weight", torch::ones({hd}));
+  }
   const std::int64_t kv_local = kv_split() ? c.n_kv_head / tp_.size : c.n_kv_head;
   const std::int64_t qkv_rows = (c.n_head / tp_.size + 2 * kv_local) * hd;
   auto qkv = register_module("attn_qkv", holder());
@@ -229,6 +238,15 @@ torch::Tensor stream_norm(const GptConfig& c, const TpEnv& tp, const torch::Tens
                           const torch::Tensor& w, const torch::Tensor& b) {
   if (!tp.sequence_parallel) return apply_norm(c, x, w, b);
   return apply_norm(c, x, shared(w, tp), shared(b, tp));
+}
+
+// QK-norm: RMSNorm over the last dim (a head's) of q or k [B, T, heads, D]. The weight is
+// replicated and each tp rank norms its own heads: its gradient is summed across tp.
+torch::Tensor head_norm(const GptConfig& c, const TpEnv& tp, const torch::Tensor& x, const torch::Tensor& w) {
+  const auto weight = shared(w, tp);
+  if (c.fused_norm) return ops::rms_norm(x.contiguous(), weight, c.norm_eps);
+  auto xf = x.to(torch::kFloat);
+  return (xf * torch::rsqrt(xf.pow(2).mean(-1, true) + c.norm_eps)).to(x.scalar_type()) * weight;
 }
 
 // The dropout stream of the residual stream: replicated across tp, or split by sequence.
@@ -286,6 +304,10 @@ torch::Tensor BlockImpl::attention(const torch::Tensor& in, const torch::Tensor&
     auto index = torch::tensor(heads, torch::TensorOptions().dtype(torch::kLong).device(in.device()));
     k = kv.slice(2, 0, Hkv * D).view({B, T, Hkv, D}).index_select(2, index);
     v = kv.slice(2, Hkv * D).view({B, T, Hkv, D}).index_select(2, index);
+  }
+  if (config_.qk_norm) {
+    q = head_norm(config_, tp_, q, q_norm_w_);
+    k = head_norm(config_, tp_, k, k_norm_w_);
   }
   q = q.transpose(1, 2), k = k.transpose(1, 2), v = v.transpose(1, 2);
   if (config_.family == "llama") {
@@ -523,7 +545,8 @@ void GptImpl::initialise(std::uint64_t seed) {
   std::size_t filled = 0;
   for (const auto& [name, shape] : c.parameter_shapes()) {
     auto full = torch::empty(shape);
-    if (name.find("ln") != std::string::npos && name.find("weight") != std::string::npos && full.dim() == 1) {
+    const bool norm = name.find("ln") != std::string::npos || name.find("norm") != std::string::npos;
+    if (norm && name.find("weight") != std::string::npos && full.dim() == 1) {  // ln*, q_norm, k_norm
       full.fill_(1.0);
     } else if (full.dim() == 1) {
       full.zero_();

@@ -29,6 +29,8 @@ std::vector<Mapping> mappings(const GptConfig& c) {
   const bool gpt2 = c.family == "gpt2";
   DTRAIN_CHECK_ARG(!(gpt2 && c.moe.enabled()), "the Hugging Face export has no names for GPT-2 with experts; ",
                    "allowed: gpt2 without --moe-experts, or llama (Mixtral names)");
+  DTRAIN_CHECK_ARG(!c.qk_norm, "the Hugging Face export has no names for --qk-norm (GPT-2, Llama and Mixtral have ",
+                   "none); allowed: a model without --qk-norm");
   if (gpt2) {
     m.push_back({"tok_emb.weight", {"wte.weight"}});
     m.push_back({"pos_emb.weight", {"wpe.weight"}});
@@ -83,6 +85,8 @@ std::vector<Mapping> mappings(const GptConfig& c) {
 }
 
 }  // namespace
+
+void check_hf_names(const GptConfig& config) { mappings(config); }
 
 std::vector<std::pair<std::string, at::Tensor>> to_hf(const GptConfig& config, const NamedParameters& full) {
   std::map<std::string, at::Tensor> ours(full.begin(), full.end());

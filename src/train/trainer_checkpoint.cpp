@@ -88,7 +88,7 @@ json architecture(const models::GptConfig& c) {
   return {{"family", c.family},         {"vocab_size", c.vocab_size},
           {"n_layer", c.n_layer},       {"n_head", c.n_head},
           {"n_kv_head", c.n_kv_head},   {"d_model", c.d_model},
-          {"mlp_hidden", c.mlp_hidden()}, {"tie_embeddings", c.tie_embeddings},
+          {"mlp_hidden", c.mlp_hidden()}, {"tie_embeddings", c.tie_embeddings}, {"qk_norm", c.qk_norm},
           {"moe_experts", c.moe.experts}, {"moe_every", c.moe.every},
           {"expert_hidden", c.moe.experts > 0 ? c.expert_hidden() : 0}};
 }
@@ -423,7 +423,8 @@ void Trainer::load_checkpoint(const std::string& dir) {
     }
     const json here = architecture(model_config_);
     for (const auto& [field, value] : here.items()) {
-      const auto there = manifest["model"].value(field, json());
+      // Fields added after the first checkpoints: their value before, where one lacks them.
+      const auto there = manifest["model"].value(field, field == "qk_norm" ? json(false) : json());
       if (there != value) {
         throw CheckpointError("checkpoint '" + dir + "' is from a different model: " + field + " is " + there.dump() +
                               " there, " + value.dump() + " here");

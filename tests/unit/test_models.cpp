@@ -25,6 +25,11 @@ GptConfig tiny_llama() {
   return c;
 }
 
+GptConfig with_qk_norm(GptConfig c) {
+  c.qk_norm = true;
+  return c;
+}
+
 std::int64_t count(Gpt& m) {
   std::int64_t n = 0;
   for (const auto& p : m->parameters()) n += p.numel();
@@ -35,9 +40,10 @@ TEST(GptConfig, PresetsHaveTheKnownParameterCounts) {
   EXPECT_EQ(GptConfig::preset("gpt2-124m").num_parameters(), 124475904);  // llm.c's figure
   EXPECT_EQ(GptConfig::preset("llama-1b").num_parameters(), 1235814400);  // Llama 3.2 1B
   EXPECT_GT(GptConfig::preset("gpt2-350m").num_parameters(), 350'000'000);
-  for (const auto& c : {GptConfig::preset("tiny"), tiny_llama()}) {
+  for (const auto& c : {GptConfig::preset("tiny"), tiny_llama(), with_qk_norm(GptConfig::preset("tiny")),
+                        with_qk_norm(tiny_llama())}) {
     Gpt m(single(), c, 1);
-    EXPECT_EQ(count(m), c.num_parameters()) << c.family;
+    EXPECT_EQ(count(m), c.num_parameters()) << c.family << (c.qk_norm ? " qk-norm" : "");
   }
   try {
     GptConfig::preset("gpt5");
@@ -309,10 +315,56 @@ TEST(Gpt, DropoutMasksReplayUnderActivationCheckpointing) {
   }
 }
 
+// QK-norm: the attention sees each head's query and key normed, so scaling the query (or
+// key) rows of attn_qkv changes nothing with it and everything without it; its weights
+// learn (non-zero gradients, and scaling them does change the output); the fused norm's
+// reference path agrees with the plain one.
+TEST(Gpt, QkNormMakesAttentionBlindToTheScaleOfQueriesAndKeys) {
+  torch::manual_seed(3);
+  const auto idx = torch::randint(0, 256, {2, 24}, torch::kLong), tgt = torch::randint(0, 256, {2, 24}, torch::kLong);
+  for (const auto& base : {GptConfig::preset("tiny"), tiny_llama()}) {
+    const auto D = base.head_dim(), H = base.n_head, Hkv = base.n_kv_head;
+    for (bool qk : {false, true}) {
+      auto cfg = base;
+      cfg.qk_norm = qk;
+      SCOPED_TRACE(cfg.family + (qk ? " qk-norm" : ""));
+      Gpt m(single(), cfg, 4);
+      torch::NoGradGuard no_grad;
+      const auto before = m->forward(idx);
+      auto params = m->named_parameters();
+      for (auto [from, rows] : {std::pair{std::int64_t{0}, H * D}, std::pair{H * D, Hkv * D}}) {  // q rows, k rows
+        for (const char* name : {"h.0.attn_qkv.weight", "h.1.attn_qkv.weight", "h.0.attn_qkv.bias", "h.1.attn_qkv.bias"}) {
+          if (params.contains(name)) params[name].narrow(0, from, rows).mul_(3.0);
+        }
+      }
+      const auto after = m->forward(idx);
+      EXPECT_EQ(torch::allclose(before, after, 1e-4, 1e-4), qk);
+      if (!qk) continue;
+      EXPECT_TRUE(torch::equal(params["h.1.k_norm_weight"], torch::ones({D}))) << "initialised to ones";
+      params["h.0.q_norm_weight"].mul_(2.0);
+      EXPECT_FALSE(torch::allclose(after, m->forward(idx), 1e-4, 1e-4)) << "the weight is used";
+    }
+    auto cfg = with_qk_norm(base);
+    Gpt plain(single(), cfg, 4);
+    cfg.fused_norm = true;
+    Gpt fused(single(), cfg, 4);
+    const auto lp = plain->loss(idx, tgt), lf = fused->loss(idx, tgt);
+    EXPECT_NEAR(lp.item<double>(), lf.item<double>(), 1e-5);
+    lp.backward();
+    lf.backward();
+    auto pp = plain->named_parameters(), pf = fused->named_parameters();
+    for (const char* name : {"h.0.q_norm_weight", "h.0.k_norm_weight", "h.1.k_norm_weight"}) {
+      EXPECT_GT(pp[name].grad().abs().sum().item<double>(), 0) << name;
+      EXPECT_TRUE(torch::allclose(pp[name].grad(), pf[name].grad(), 1e-4, 1e-6)) << name;
+    }
+  }
+}
+
 TEST(GptConfig, ParameterShapesListTheModelsParametersInOrder) {
   auto tied = tiny_llama();
   tied.tie_embeddings = true;
-  for (const auto& cfg : {GptConfig::preset("tiny"), tiny_llama(), tied}) {
+  for (const auto& cfg : {GptConfig::preset("tiny"), tiny_llama(), tied, with_qk_norm(GptConfig::preset("tiny")),
+                          with_qk_norm(tiny_llama())}) {
     Gpt m(single(), cfg, 1);
     const auto params = m->parameter_list();
     const auto shapes = cfg.parameter_shapes();
@@ -414,6 +466,10 @@ TEST(GptConfig, FlopsPerTokenCountsMatmulWeightsAndAttention) {
   // biases (82,944) leave 123,568,128 matmul weights; attention adds 12*12*768*T.
   const auto c = GptConfig::preset("gpt2-124m");
   EXPECT_DOUBLE_EQ(c.flops_per_token(1024), 6.0 * 123568128 + 12.0 * 12 * 768 * 1024);
+  auto qk = c;
+  qk.qk_norm = true;  // more (norm) parameters, no more matmul
+  EXPECT_GT(qk.num_parameters(), c.num_parameters());
+  EXPECT_DOUBLE_EQ(qk.flops_per_token(1024), c.flops_per_token(1024));
   // llama-1b: no biases or positions; 33 RMSNorm weights of 2048.
   const auto l = GptConfig::preset("llama-1b");
   EXPECT_DOUBLE_EQ(l.flops_per_token(2048),

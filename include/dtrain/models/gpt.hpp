@@ -42,6 +42,9 @@ struct GptConfig {
   double norm_eps = 1e-5;
   double init_std = 0.02;
   bool tie_embeddings = true;     // output projection shares the token embedding
+  // QK-norm (Megatron's --qk-layernorm; Qwen3, OLMo 2): an RMSNorm over each head's query
+  // and key before the rotary embedding, weights [head_dim] shared by the heads.
+  bool qk_norm = false;
   // Activation checkpointing: the first recompute_blocks blocks of the model (of each
   // pipeline chunk) keep only their input and run their forward again in backward
   // (Megatron's --recompute-method block); -1: every block; 0: none.
@@ -142,6 +145,7 @@ class BlockImpl : public torch::nn::Module {
   TpEnv tp_;
   tp::ParallelLinearOptions column_, row_;
   torch::Tensor ln1_w_, ln1_b_, ln2_w_, ln2_b_;
+  torch::Tensor q_norm_w_, k_norm_w_;                       // qk_norm: [head_dim], replicated
   torch::Tensor qkv_w_, qkv_b_;                             // attn_qkv: this rank's q, k, v rows
   tp::RowParallelLinear proj_{nullptr}, down_{nullptr};     // attention out, MLP out
   tp::ColumnParallelLinear fc_{nullptr}, gate_{nullptr};    // MLP in (gate: llama)

@@ -16,6 +16,10 @@
 
 namespace dtrain::models {
 
+// InvalidArgument when config has no Hugging Face names (GPT-2 with experts, QK-norm):
+// what to_hf would raise, before any training.
+void check_hf_names(const GptConfig& config);
+
 // config's single-process parameters (all of parameter_shapes(), by name) as Hugging Face
 // tensors in their layout; InvalidArgument for a configuration without such names (GPT-2
 // with experts) or a missing parameter.
