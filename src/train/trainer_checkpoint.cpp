@@ -83,6 +83,13 @@ void agree(Communicator& comm, const std::string& error, at::Device device) {
   }
 }
 
+// Architecture fields added after the first checkpoints, with the value every model had
+// before them: what a checkpoint that lacks one was saved with.
+const json& later_fields() {
+  static const json fields = {{"qk_norm", false}};
+  return fields;
+}
+
 // The architecture fields a checkpoint must share with the model that loads it.
 json architecture(const models::GptConfig& c) {
   return {{"family", c.family},         {"vocab_size", c.vocab_size},
@@ -423,8 +430,7 @@ void Trainer::load_checkpoint(const std::string& dir) {
     }
     const json here = architecture(model_config_);
     for (const auto& [field, value] : here.items()) {
-      // Fields added after the first checkpoints: their value before, where one lacks them.
-      const auto there = manifest["model"].value(field, field == "qk_norm" ? json(false) : json());
+      const auto there = manifest["model"].value(field, later_fields().value(field, json()));
       if (there != value) {
         throw CheckpointError("checkpoint '" + dir + "' is from a different model: " + field + " is " + there.dump() +
                               " there, " + value.dump() + " here");
