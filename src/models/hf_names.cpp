@@ -29,8 +29,10 @@ std::vector<Mapping> mappings(const GptConfig& c) {
   const bool gpt2 = c.family == "gpt2";
   DTRAIN_CHECK_ARG(!(gpt2 && c.moe.enabled()), "the Hugging Face export has no names for GPT-2 with experts; ",
                    "allowed: gpt2 without --moe-experts, or llama (Mixtral names)");
-  DTRAIN_CHECK_ARG(!c.qk_norm, "the Hugging Face export has no names for --qk-norm (GPT-2, Llama and Mixtral have ",
-                   "none); allowed: a model without --qk-norm");
+  DTRAIN_CHECK_ARG(!(gpt2 && c.qk_norm), "the Hugging Face export has no names for GPT-2 with --qk-norm; ",
+                   "allowed: gpt2 without it, or llama (Qwen3 names)");
+  DTRAIN_CHECK_ARG(!(c.qk_norm && c.moe.enabled()), "the Hugging Face export has no names for --qk-norm with ",
+                   "experts; allowed: one of them (Qwen3 or Mixtral names)");
   if (gpt2) {
     m.push_back({"tok_emb.weight", {"wte.weight"}});
     m.push_back({"pos_emb.weight", {"wpe.weight"}});
@@ -66,6 +68,10 @@ std::vector<Mapping> mappings(const GptConfig& c) {
                  {p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"},
                  {q, kv, kv}});
     m.push_back({h + "attn_proj.weight", {p + "self_attn.o_proj.weight"}});
+    if (c.qk_norm) {  // Qwen3's names (Qwen3ForCausalLM: Llama's and these two)
+      m.push_back({h + "q_norm_weight", {p + "self_attn.q_norm.weight"}});
+      m.push_back({h + "k_norm_weight", {p + "self_attn.k_norm.weight"}});
+    }
     if (c.moe.is_moe_block(i)) {
       m.push_back({h + "moe.router.weight", {p + "block_sparse_moe.gate.weight"}});
       for (std::int64_t e = 0; e < c.moe.experts; ++e) {

@@ -1,7 +1,8 @@
 # The --export-hf file is what Hugging Face transformers expects: pretrain_gpt trains a tiny
-# GPT-2 and a tiny Llama (GQA, untied head), exports, and transformers' GPT2LMHeadModel /
-# LlamaForCausalLM, loaded with the file's names, give the same val loss as dtrain's
-# evaluation (within 1e-3). Skipped when python3 cannot import transformers (scripts/setup.sh
+# GPT-2, a tiny Llama (GQA, untied head) and a tiny Llama with QK-norm (tied head), exports,
+# and transformers' GPT2LMHeadModel / LlamaForCausalLM / Qwen3ForCausalLM, loaded with the
+# file's names, give the same val loss as dtrain's
+# evaluation (within 5e-5). Skipped when python3 cannot import transformers (scripts/setup.sh
 # installs it).
 #   -DPRETRAIN=<pretrain_gpt> -DPREPARE=<prepare_data> -DPYTHON=<python3> -DSOURCE_DIR=<repo> -DWORK_DIR=<dir>
 file(REMOVE_RECURSE "${WORK_DIR}")
@@ -15,11 +16,15 @@ endif()
 execute_process(COMMAND "${PREPARE}" --input "${SOURCE_DIR}/LICENSE" --output-dir "${WORK_DIR}/data" --name lic
                 RESULT_VARIABLE rc OUTPUT_QUIET)
 set(failures 0)
-foreach(family gpt2 llama)
+foreach(family gpt2 llama qwen3)
   set(extra)
   set(kv 4)
   if(family STREQUAL "llama")
     set(extra --family llama --n-kv-head 2 --tie-embeddings false)
+    set(kv 2)
+  elseif(family STREQUAL "qwen3")  # Llama with QK-norm, tied head; a high lr moves the norm
+    # weights well away from 1 (with uniform weights, norming after RoPE would agree too)
+    set(extra --family llama --n-kv-head 2 --qk-norm --lr 0.02)
     set(kv 2)
   endif()
   execute_process(COMMAND "${PRETRAIN}" --train-data "${WORK_DIR}/data/lic_train_*.bin"

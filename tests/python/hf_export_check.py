@@ -1,8 +1,10 @@
-"""Loads a dtrain --export-hf file into Hugging Face transformers (GPT2LMHeadModel or
-LlamaForCausalLM) and prints the mean loss over the first BATCHES val batches the way
+"""Loads a dtrain --export-hf file into Hugging Face transformers (GPT2LMHeadModel,
+LlamaForCausalLM, or Qwen3ForCausalLM for FAMILY qwen3: Llama with QK-norm) and prints the mean loss over the first BATCHES val batches the way
 dtrain's evaluation forms them (non-shuffled samples of SEQ+1 tokens, GLOBAL per batch);
-with EXPECT (dtrain's own val loss), exits 1 unless the two agree within 1e-3 (the same
-float32 means over the same tokens; a wrong name or layout moves the loss by far more).
+with EXPECT (dtrain's own val loss, printed to 5 decimals), exits 1 unless the two agree
+within 5e-5 (the same float32 means over the same tokens agree within about 5e-6, the
+printing's rounding; a wrong name or layout moves the loss by far more, and QK-norm after
+the rotary embedding instead of before it by 2e-4).
 Exit 77 (skipped) when transformers is not installed.
 
   python3 hf_export_check.py FILE FAMILY VAL_SHARD SEQ GLOBAL BATCHES D_MODEL N_LAYER N_HEAD N_KV CONTEXT [EXPECT]
@@ -31,6 +33,18 @@ if family == "gpt2":
     missing, unexpected = model.transformer.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("attn.bias") and not k.endswith("masked_bias")]
     model.tie_weights()
+elif family == "qwen3":
+    cfg = tf.Qwen3Config(vocab_size=vocab, hidden_size=d, intermediate_size=state["model.layers.0.mlp.up_proj.weight"].shape[0],
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                         head_dim=d // heads, max_position_embeddings=context, rms_norm_eps=1e-5,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                         tie_word_embeddings="lm_head.weight" not in state, attention_bias=False,
+                         use_sliding_window=False, bos_token_id=None, eos_token_id=None)
+    model = tf.Qwen3ForCausalLM(cfg)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if cfg.tie_word_embeddings:
+        missing = [k for k in missing if k != "lm_head.weight"]
+        model.tie_weights()
 else:
     cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=state["model.layers.0.mlp.up_proj.weight"].shape[0],
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
@@ -56,6 +70,6 @@ loss = sum(losses) / len(losses)
 print("hf val loss %.6f" % loss)
 if len(sys.argv) > 12:
     expect = float(sys.argv[12])
-    if not abs(loss - expect) <= 1e-3:
+    if not abs(loss - expect) <= 5e-5:
         print("mismatch: dtrain's val loss is %.6f, transformers' %.6f" % (expect, loss))
         sys.exit(1)

@@ -2,7 +2,8 @@
 // export and for initialising a run from a released model: GPT-2 as transformers'
 // GPT2Model ("h.0.attn.c_attn.weight", Conv1D weights stored [in, out]), Llama as
 // LlamaForCausalLM ("model.layers.0.self_attn.q_proj.weight", q/k/v split; MoE blocks as
-// Mixtral's "block_sparse_moe.gate" and "experts.<e>.w1/w2/w3").
+// Mixtral's "block_sparse_moe.gate" and "experts.<e>.w1/w2/w3"; QK-norm as Qwen3's
+// "self_attn.q_norm.weight" and "k_norm.weight").
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -16,7 +17,8 @@
 
 namespace dtrain::models {
 
-// InvalidArgument when config has no Hugging Face names (GPT-2 with experts, QK-norm):
+// InvalidArgument when config has no Hugging Face names (GPT-2 with experts or QK-norm,
+// QK-norm with experts):
 // what to_hf would raise, before any training.
 void check_hf_names(const GptConfig& config);
 
