@@ -639,8 +639,13 @@ void Trainer::load_data() {
         train_->num_samples(), o.global_batch, ctx_->dp_rank(), static_cast<int>(dp), o.seed);
   }
   if (!o.val_data.empty()) {
-    DTRAIN_CHECK_ARG(data::parse_blend(o.val_data, "--val-data").size() == 1, "--val-data '", o.val_data,
-                     "' is a blend; allowed: one glob (blends are for --train-data)");
+    bool blend = false;
+    try {
+      blend = data::parse_blend(o.val_data, "--val-data").size() > 1;
+    } catch (const InvalidArgument&) {
+      blend = true;  // a malformed blend ("0.5 a b") is still not one glob
+    }
+    DTRAIN_CHECK_ARG(!blend, "--val-data '", o.val_data, "' is a blend; allowed: one glob (blends are for --train-data)");
     val_ = open("--val-data", o.val_data, {o.val_data});
     DTRAIN_CHECK_ARG(o.global_batch <= val_->num_samples(), "--val-data '", o.val_data, "' holds ",
                      val_->num_samples(), " samples of --seq-len ", o.seq_len,

@@ -213,6 +213,8 @@ expect(blend-bad-weight 2 "--train-data '[^']*': weight '-1' of '[^']*lic_val_\\
        ARGS --train-data "0.7 ${WORK_DIR}/data/lic_train_*.bin -1 ${WORK_DIR}/data/lic_val_*.bin" --progress off)
 expect(blend-for-val 2 "--val-data '0.5 [^']*' is a blend; allowed: one glob \\(blends are for --train-data\\)"
        ARGS --train-data "${WORK_DIR}/data/lic_train_*.bin" --val-data "0.5 ${WORK_DIR}/data/lic_val_*.bin 0.5 ${WORK_DIR}/data/lic_val_*.bin" --progress off)
+expect(blend-for-val-odd 2 "--val-data '0.5 [^']*' is a blend; allowed: one glob \\(blends are for --train-data\\)"
+       ARGS --train-data "${WORK_DIR}/data/lic_train_*.bin" --val-data "0.5 ${WORK_DIR}/data/lic_val_*.bin 0.5" --progress off)
 # The wall-clock budget: spent at once, the first step saves and the run exits 75.
 expect(exit-duration 75 "preempted \\(--exit-duration-mins 1e-06\\): stopped after step 1 with a checkpoint"
        ARGS ${DATA} --global-batch 8 --steps 5 --warmup-steps 1 --exit-duration-mins 0.000001 --save-dir "${WORK_DIR}/ck_time")
