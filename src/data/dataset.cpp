@@ -19,16 +19,31 @@ namespace dtrain::data {
 // ---------------------------------------------------------------------------------------
 // TokenDataset
 
-std::vector<BlendComponent> parse_blend(const std::string& value, const std::string& option) {
+namespace {
+
+std::vector<std::string> words_of(const std::string& value) {
   std::istringstream in(value);
-  std::vector<std::string> words{std::istream_iterator<std::string>(in), std::istream_iterator<std::string>()};
-  auto number = [](const std::string& w, double& out) {
-    char* end = nullptr;
-    out = std::strtod(w.c_str(), &end);
-    return end != w.c_str() && *end == '\0';
-  };
+  return {std::istream_iterator<std::string>(in), std::istream_iterator<std::string>()};
+}
+
+// True when w is a whole number (strtod's form); its value in out.
+bool number(const std::string& w, double& out) {
+  char* end = nullptr;
+  out = std::strtod(w.c_str(), &end);
+  return end != w.c_str() && *end == '\0';
+}
+
+}  // namespace
+
+bool is_blend(const std::string& value) {
+  const auto words = words_of(value);
   double first = 0;
-  if (words.size() < 2 || !number(words[0], first)) return {{1.0, value}};
+  return words.size() >= 2 && number(words[0], first);
+}
+
+std::vector<BlendComponent> parse_blend(const std::string& value, const std::string& option) {
+  if (!is_blend(value)) return {{1.0, value}};
+  const auto words = words_of(value);
   DTRAIN_CHECK_ARG(words.size() % 2 == 0, option, " '", value, "' is not a blend: ", words.size(),
                    " words; allowed: one glob, or pairs of WEIGHT GLOB");
   std::vector<BlendComponent> out;

@@ -625,12 +625,18 @@ void Trainer::load_data() {
   for (const auto& c : blend_) patterns.push_back(c.pattern), weights.push_back(c.weight);
   train_ = open("--train-data", o.train_data, patterns);
   if (blend_.size() > 1) {
+    std::unique_ptr<data::BlendedSampler> blended;
     try {
-      sampler_ = std::make_unique<data::BlendedSampler>(*train_, weights, o.global_batch, ctx_->dp_rank(),
-                                                        static_cast<int>(dp), o.seed);
+      blended = std::make_unique<data::BlendedSampler>(*train_, weights, o.global_batch, ctx_->dp_rank(),
+                                                       static_cast<int>(dp), o.seed);
     } catch (const InvalidArgument& e) {
       throw InvalidArgument(detail::str_cat("--train-data '", o.train_data, "': ", e.what()));
     }
+    // The shares the sampler deals (the weights rounded in its period), for the log and manifest.
+    for (std::size_t c = 0; c < blend_.size(); ++c) {
+      blend_[c].weight = static_cast<double>(blended->period_share(c)) / data::BlendedSampler::kPeriod;
+    }
+    sampler_ = std::move(blended);
   } else {
     DTRAIN_CHECK_ARG(o.global_batch <= train_->num_samples(), "--global-batch=", o.global_batch,
                      " exceeds the ", train_->num_samples(), " samples of --seq-len ", o.seq_len,
@@ -639,13 +645,8 @@ void Trainer::load_data() {
         train_->num_samples(), o.global_batch, ctx_->dp_rank(), static_cast<int>(dp), o.seed);
   }
   if (!o.val_data.empty()) {
-    bool blend = false;
-    try {
-      blend = data::parse_blend(o.val_data, "--val-data").size() > 1;
-    } catch (const InvalidArgument&) {
-      blend = true;  // a malformed blend ("0.5 a b") is still not one glob
-    }
-    DTRAIN_CHECK_ARG(!blend, "--val-data '", o.val_data, "' is a blend; allowed: one glob (blends are for --train-data)");
+    DTRAIN_CHECK_ARG(!data::is_blend(o.val_data), "--val-data '", o.val_data,
+                     "' is a blend; allowed: one glob (blends are for --train-data)");
     val_ = open("--val-data", o.val_data, {o.val_data});
     DTRAIN_CHECK_ARG(o.global_batch <= val_->num_samples(), "--val-data '", o.val_data, "' holds ",
                      val_->num_samples(), " samples of --seq-len ", o.seq_len,
@@ -747,13 +748,9 @@ void Trainer::log_summary() const {
   log_info("data: train {} tokens in {} shard(s) ({} samples){}", train_->num_tokens(),
            train_->num_shards(), train_->num_samples(),
            val_ ? format(", val {} tokens", val_->num_tokens()) : std::string(", no val split"));
-  if (blend_.size() > 1) {
-    const auto& blended = static_cast<const data::BlendedSampler&>(*sampler_);
-    for (std::size_t c = 0; c < blend_.size(); ++c) {
-      log_info("data: blend {} of each batch from '{}' ({} samples)",
-               static_cast<double>(blended.period_share(c)) / data::BlendedSampler::kPeriod, blend_[c].pattern,
-               train_->component_samples(c));
-    }
+  for (std::size_t c = 0; blend_.size() > 1 && c < blend_.size(); ++c) {
+    log_info("data: blend {} of each batch from '{}' ({} samples)", blend_[c].weight, blend_[c].pattern,
+             train_->component_samples(c));
   }
   log_info("batch: {} samples x {} tokens per step = dp {} x micro-batch {} x accumulation {}; "
            "{} steps, {} steps per epoch",

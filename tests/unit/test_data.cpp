@@ -189,6 +189,9 @@ TEST(Blend, ParsesOneGlobOrWeightedPairs) {
   one = parse_blend("my data/web_*.bin", "--train-data");  // not a number first: one glob
   ASSERT_EQ(one.size(), 1u);
   EXPECT_EQ(one[0].pattern, "my data/web_*.bin");
+  EXPECT_FALSE(is_blend("my data/web_*.bin"));
+  EXPECT_FALSE(is_blend("0.5"));
+  for (const char* b : {"0.5 a.bin", "1 a.bin 2 b.bin", "0.5 a.bin 0.5"}) EXPECT_TRUE(is_blend(b)) << b;
   const auto two = parse_blend("  3 web_*.bin\t1  code_*.bin ", "--train-data");
   ASSERT_EQ(two.size(), 2u);
   EXPECT_EQ(two[0].pattern, "web_*.bin");

@@ -31,6 +31,9 @@ struct BlendComponent {
 // (weights > 0, normalised to sum to 1; globs without spaces). A value whose first word
 // is not a number is one glob, spaces and all. InvalidArgument names `option`.
 std::vector<BlendComponent> parse_blend(const std::string& value, const std::string& option);
+// True when value has the blend form parse_blend reads as WEIGHT GLOB pairs: two words or
+// more, the first a number (well formed or not).
+bool is_blend(const std::string& value);
 
 // Sample i covers tokens [i*seq_len, i*seq_len + seq_len + 1) of one shard (samples never
 // cross shards); shards are taken in sorted path order, each component's after the

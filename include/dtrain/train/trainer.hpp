@@ -259,7 +259,7 @@ class Trainer {
   double flops_per_token_ = 0, peak_tflops_ = 0;
   std::string device_name_;
   std::unique_ptr<data::TokenDataset> train_, val_;
-  std::vector<data::BlendComponent> blend_;  // --train-data's components (one: no blend)
+  std::vector<data::BlendComponent> blend_;  // --train-data's components (one: no blend), shares as dealt
   std::unique_ptr<data::Sampler> sampler_;
   std::unique_ptr<data::DistributedSampler> val_sampler_;
   models::Gpt model_{nullptr};
