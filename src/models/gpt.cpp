@@ -224,13 +224,18 @@ BlockImpl::BlockImpl(const GptConfig& c, TpEnv tp, std::int64_t index) : config_
 }
 
 namespace {
-// The family's norm: LayerNorm (weight, bias) for gpt2, RMSNorm (weight) in float32 for llama.
-torch::Tensor apply_norm(const GptConfig& c, const torch::Tensor& x, const torch::Tensor& w,
-                         const torch::Tensor& b) {
-  if (c.fused_norm) return c.family == "gpt2" ? ops::layer_norm(x, w, b, c.norm_eps) : ops::rms_norm(x, w, c.norm_eps);
-  if (c.family == "gpt2") return torch::layer_norm(x, {c.d_model}, w, b, c.norm_eps);
+// RMSNorm over the last dim, in float32: the fused op, or ATen.
+torch::Tensor rms_norm(const GptConfig& c, const torch::Tensor& x, const torch::Tensor& w) {
+  if (c.fused_norm) return ops::rms_norm(x.contiguous(), w, c.norm_eps);
   auto xf = x.to(torch::kFloat);
   return (xf * torch::rsqrt(xf.pow(2).mean(-1, true) + c.norm_eps)).to(x.scalar_type()) * w;
+}
+
+// The family's norm: LayerNorm (weight, bias) for gpt2, RMSNorm (weight) for llama.
+torch::Tensor apply_norm(const GptConfig& c, const torch::Tensor& x, const torch::Tensor& w,
+                         const torch::Tensor& b) {
+  if (c.family != "gpt2") return rms_norm(c, x, w);
+  return c.fused_norm ? ops::layer_norm(x, w, b, c.norm_eps) : torch::layer_norm(x, {c.d_model}, w, b, c.norm_eps);
 }
 
 // A norm over the residual stream: on sequence shards its weights' gradients are partial.
@@ -243,10 +248,7 @@ torch::Tensor stream_norm(const GptConfig& c, const TpEnv& tp, const torch::Tens
 // QK-norm: RMSNorm over the last dim (a head's) of q or k [B, T, heads, D]. The weight is
 // replicated and each tp rank norms its own heads: its gradient is summed across tp.
 torch::Tensor head_norm(const GptConfig& c, const TpEnv& tp, const torch::Tensor& x, const torch::Tensor& w) {
-  const auto weight = shared(w, tp);
-  if (c.fused_norm) return ops::rms_norm(x.contiguous(), weight, c.norm_eps);
-  auto xf = x.to(torch::kFloat);
-  return (xf * torch::rsqrt(xf.pow(2).mean(-1, true) + c.norm_eps)).to(x.scalar_type()) * weight;
+  return rms_norm(c, x, shared(w, tp));
 }
 
 // The dropout stream of the residual stream: replicated across tp, or split by sequence.
