@@ -26,6 +26,7 @@
 #include "dtrain/optim/loss_scaler.hpp"
 #include "dtrain/optim/optim.hpp"
 #include "dtrain/parallel/context.hpp"
+#include "dtrain/parallel/context_parallel.hpp"
 #include "dtrain/parallel/data_parallel.hpp"
 #include "dtrain/parallel/expert_parallel.hpp"
 #include "dtrain/parallel/fsdp.hpp"

@@ -12,6 +12,7 @@
 #include "dtrain/ops/attention.hpp"
 #include "dtrain/ops/cross_entropy.hpp"
 #include "dtrain/ops/norm.hpp"
+#include "dtrain/parallel/context_parallel.hpp"
 
 namespace dtrain::models {
 
@@ -318,7 +319,9 @@ torch::Tensor BlockImpl::attention(const torch::Tensor& in, const torch::Tensor&
   }
   const double p = is_training() ? config_.dropout : 0.0;
   torch::Tensor y;
-  if (p > 0) {  // heads differ across tp: the split stream
+  if (tp_.cp && tp_.cp->size() > 1) {  // no dropout, sdpa: the Gpt constructor checks
+    y = cp::attention(q, k, v, tp_.cp, 0.0, config_.attention_window, documents);
+  } else if (p > 0) {  // heads differ across tp: the split stream
     const auto fork = tp_.rng->fork(tp::RngTracker::Stream::kSplit);
     y = ops::attention(q, k, v, /*causal=*/true, p, ops::AttentionBackend::kSdpa, config_.attention_window,
                        documents);
@@ -482,6 +485,18 @@ GptImpl::GptImpl(ContextPtr ctx, const GptConfig& config, std::uint64_t seed, Gp
   tp_.rng = std::make_shared<tp::RngTracker>(seed, tp_.rank, ctx_->device());
   c.moe.validate_ep(ctx_->ep_size());
   tp_.ep = ctx_->ep_comm();
+  tp_.cp = ctx_->cp_comm();
+  if (ctx_->cp_size() > 1) {
+    const auto cp = ctx_->cp_size();
+    DTRAIN_CHECK_ARG(c.attention == ops::AttentionBackend::kSdpa, "--attention ", ops::to_string(c.attention),
+                     " with --cp=", cp, " is not available (the flash kernel has no query offset yet); allowed: "
+                     "--attention sdpa");
+    DTRAIN_CHECK_ARG(c.dropout == 0, "--dropout=", c.dropout, " with --cp=", cp,
+                     " is not available; allowed: --dropout 0");
+    DTRAIN_CHECK_ARG(!c.moe.enabled(), "mixture-of-experts layers (--moe-experts ", c.moe.experts, ") with --cp=",
+                     cp, " are not available (their load-balancing losses would see one rank's positions); "
+                     "allowed: --cp 1, or a dense model");
+  }
   // Registration order is parameter_shapes() order (own parameters first).
   if (stage_.head) {
     norm_weight_ = register_parameter("ln_f_weight", torch::ones({c.d_model}));
@@ -637,6 +652,7 @@ bool GptImpl::is_whole() const {
 
 std::pair<torch::Tensor, torch::Tensor> GptImpl::rope_angles(const torch::Tensor& positions) const {
   if (!positions.defined() || rope_cos_.numel() == 0) return {rope_cos_, rope_sin_};
+  if (positions.dim() == 1) return {rope_cos_.index_select(0, positions), rope_sin_.index_select(0, positions)};
   auto per_token = [&](const torch::Tensor& table) {
     return table.index_select(0, positions.reshape({-1})).view({positions.size(0), 1, positions.size(1), -1});
   };
@@ -665,15 +681,28 @@ torch::Tensor GptImpl::forward_stage(const torch::Tensor& input, const torch::Te
       positions = t - std::get<0>(starts.cummax(1));
     }
   }
+  // Context parallelism: this rank's positions of the whole sequence (documents stay whole:
+  // the attention reads them for every key).
+  const int cp = ctx_->cp_size();
+  if (cp > 1) {
+    const auto& whole = stage_.embedding ? input : tokens;
+    DTRAIN_CHECK_ARG(whole.defined() && whole.dim() == 2 && whole.size(1) <= c.context,
+                     "context parallelism: every stage needs the micro-batch's token ids [batch, time <= ", c.context,
+                     "]; got ", whole.defined() ? whole.sizes() : torch::IntArrayRef{});
+    cp::check_sequence(whole.size(1), cp, "the sequence length (--seq-len)");
+    positions = positions.defined() ? cp::take_local(positions, 1, cp, ctx_->cp_rank())
+                                    : cp::local_positions(whole.size(1), cp, ctx_->cp_rank(), whole.device());
+  }
   torch::Tensor x;
   if (stage_.embedding) {
-    const auto& idx = input;
-    DTRAIN_CHECK_ARG(idx.dim() == 2 && idx.size(1) <= c.context, "model input must be [batch, time] with time <= context ",
-                     c.context, "; got ", idx.sizes());
-    const std::int64_t T = idx.size(1);
+    const auto idx = cp::take_local(input, 1, cp, ctx_->cp_rank());
+    DTRAIN_CHECK_ARG(idx.dim() == 2 && input.size(1) <= c.context, "model input must be [batch, time] with time <= context ",
+                     c.context, "; got ", input.sizes());
+    const std::int64_t T = idx.size(1);  // this rank's positions
     DTRAIN_CHECK_ARG(!tp_.sequence_parallel || T % tp_.size == 0, "sequence parallelism splits the ",
-                     T, " positions of the input across tp=", tp_.size,
-                     "; allowed: a sequence length divisible by tp");
+                     T, " positions of the input", cp > 1 ? " this context-parallel rank holds" : "",
+                     " across tp=", tp_.size, "; allowed: a sequence length divisible by tp",
+                     cp > 1 ? " x cp" : "");
     if (hooks_ != nullptr) hooks_->enter_embedding();
     x = tok_emb_->forward(idx);  // [B, T / tp, d] with sequence parallelism
     if (pos_emb_) {
@@ -722,7 +751,7 @@ torch::Tensor GptImpl::local_logits(const torch::Tensor& h) {
 
 torch::Tensor GptImpl::forward(const torch::Tensor& idx) {
   DTRAIN_CHECK_ARG(is_whole(), "Gpt::forward needs the whole model; a pipeline stage runs forward_stage");
-  auto logits = local_logits(forward_stage(idx));
+  auto logits = cp::gather_sequence(local_logits(forward_stage(idx)), 1, tp_.cp);
   if (tp_.size == 1) return logits;
   return tp::gather_from_region(logits, tp_.comm).narrow(-1, 0, config_.vocab_size);
 }
@@ -732,9 +761,10 @@ torch::Tensor GptImpl::loss(const torch::Tensor& idx, const torch::Tensor& targe
   return loss_from_hidden(forward_stage(idx), targets);
 }
 
-torch::Tensor GptImpl::loss_from_hidden(const torch::Tensor& hidden, const torch::Tensor& targets) {
+torch::Tensor GptImpl::loss_from_hidden(const torch::Tensor& hidden, const torch::Tensor& whole_targets) {
   DTRAIN_CHECK_ARG(stage_.head, "loss_from_hidden needs the stage that holds the head (the last)");
   auto logits = local_logits(hidden);
+  const auto targets = cp::take_local(whole_targets, 1, ctx_->cp_size(), ctx_->cp_rank());
   if (config_.fused_ce) {
     // The logits are this call's own: their gradient may take their place.
     ops::CrossEntropyOptions o;

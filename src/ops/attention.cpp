@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <limits>
+#include <list>
 #include <optional>
 
 #include "dtrain/core/env.hpp"
@@ -64,21 +65,25 @@ at::ScalarType sdpa_dtype(const at::Tensor& q) {
   return at::autocast::get_autocast_dtype(type);
 }
 
-// Both backends' rule for packed documents: integer [batch, time] over one sequence (q's
-// and k's), on q's device, causal only.
+// Both backends' rule for packed documents: integer [batch, time] on q's device, causal
+// only. The keys are the sequence's first tokens and the queries tokens [query_offset,
+// query_offset + queries) of it; exact (the kernel's rule): both are the whole sequence.
 void check_documents(const char* op, const at::Tensor& q, const at::Tensor& k, bool causal,
-                     const Documents& docs) {
+                     const Documents& docs, bool exact, std::int64_t query_offset = 0) {
   if (!docs.defined()) return;
   const auto& documents = docs.ids();
   DTRAIN_OP_CHECK(causal, op, "documents without causal are not allowed; allowed: causal attention");
-  DTRAIN_OP_CHECK(q.size(2) == k.size(2), op, "documents need one sequence for queries and keys; got ", q.size(2),
-                  " queries and ", k.size(2), " keys");
-  DTRAIN_OP_CHECK(documents.dim() == 2 && documents.size(0) == q.size(0) && documents.size(1) == q.size(2), op,
-                  "documents must be [batch, time] = [", q.size(0), ", ", q.size(2), "]; got ", documents.sizes());
+  DTRAIN_OP_CHECK(!exact || q.size(2) == k.size(2), op, "documents need one sequence for queries and keys; got ",
+                  q.size(2), " queries and ", k.size(2), " keys");
+  const auto need = std::max(k.size(2), query_offset + q.size(2));
+  DTRAIN_OP_CHECK(documents.dim() == 2 && documents.size(0) == q.size(0) &&
+                      (exact ? documents.size(1) == need : documents.size(1) >= need),
+                  op, "documents must be [batch, time] = [", q.size(0), ", ", exact ? "" : ">= ", need, "]; got ",
+                  documents.sizes());
   DTRAIN_OP_CHECK(at::isIntegralType(documents.scalar_type(), /*includeBool=*/false), op, "documents are ",
                   detail::dtype_name(documents), "; allowed: an integer dtype (a document number per token)");
   DTRAIN_OP_CHECK(documents.device() == q.device(), op, "documents are on ", documents.device(), ", q on ",
-                  q.device(), "; they must be on one device");
+      q.device(), "; they must be on one device");
 }
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, std::int64_t window) {
@@ -358,11 +363,17 @@ class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
 }  // namespace
 
 struct Documents::Derived {
+  struct Mask {
+    at::Tensor mask;
+    std::int64_t window, first_query, seq_q, seq_k;
+    at::ScalarType dtype;
+    c10::Device device;
+  };
+  // A context-parallel rank's layers ask for two masks in turn (one per chunk of queries),
+  // so a few are kept; a list, so that a kept mask stays where it is.
+  static constexpr std::size_t kMasks = 4;
   std::pair<at::Tensor, at::Tensor> bounds;
-  at::Tensor mask;
-  std::int64_t mask_window = -1, mask_seq_q = -1, mask_seq_k = -1;
-  at::ScalarType mask_dtype = at::kBool;
-  c10::Device mask_device{c10::kCPU};
+  std::list<Mask> masks;
 };
 
 Documents::Documents() : derived_(std::make_shared<Derived>()) {}
@@ -376,35 +387,41 @@ const std::pair<at::Tensor, at::Tensor>& Documents::bounds() const {
 }
 
 const at::Tensor& Documents::sdpa_mask(std::int64_t window, at::ScalarType dtype, std::int64_t seq_q,
-                                       std::int64_t seq_k, c10::Device device) const {
-  DTRAIN_CHECK(defined() || window > 0, "internal: an sdpa mask without documents or a window");
-  DTRAIN_CHECK(!defined() || (seq_q == ids_.size(1) && seq_k == seq_q && device == ids_.device()),
+                                       std::int64_t seq_k, c10::Device device, std::int64_t first_query) const {
+  DTRAIN_CHECK(defined() || window > 0 || first_query > 0,
+               "internal: an sdpa mask without documents, a window or a query offset");
+  DTRAIN_CHECK(first_query >= 0 && (!defined() || (first_query + seq_q <= ids_.size(1) &&
+                                                    seq_k <= ids_.size(1) && device == ids_.device())),
                "internal: a document mask for other sequences than the documents'");
   auto& d = *derived_;
-  if (d.mask_window != window || d.mask_dtype != dtype || d.mask_seq_q != seq_q || d.mask_seq_k != seq_k ||
-      d.mask_device != device) {
-    // Rows padded to 16 elements, as the memory-efficient backend wants its bias (else it
-    // pads a copy in every call).
-    const auto padded = (seq_k + 15) / 16 * 16;
-    const auto options = at::TensorOptions().device(device);
-    if (defined()) {
-      d.mask = at::zeros({ids_.size(0), 1, seq_q, padded}, options.dtype(dtype)).narrow(3, 0, seq_k);
-    } else {
-      d.mask = at::zeros({seq_q, padded}, options.dtype(dtype)).narrow(1, 0, seq_k);
+  for (const auto& m : d.masks) {
+    if (m.window == window && m.dtype == dtype && m.first_query == first_query && m.seq_q == seq_q &&
+        m.seq_k == seq_k && m.device == device) {
+      return m.mask;
     }
-    d.mask.masked_fill_(hidden_keys(0, seq_q, seq_k, /*causal=*/true, window,
-                                    defined() ? bounds().first : at::Tensor(), options),
-                        -std::numeric_limits<double>::infinity());
-    d.mask_window = window, d.mask_dtype = dtype, d.mask_seq_q = seq_q, d.mask_seq_k = seq_k;
-    d.mask_device = device;
   }
-  return d.mask;
+  // Rows padded to 16 elements, as the memory-efficient backend wants its bias (else it
+  // pads a copy in every call).
+  const auto padded = (seq_k + 15) / 16 * 16;
+  const auto options = at::TensorOptions().device(device);
+  at::Tensor mask;
+  if (defined()) {
+    mask = at::zeros({ids_.size(0), 1, seq_q, padded}, options.dtype(dtype)).narrow(3, 0, seq_k);
+  } else {
+    mask = at::zeros({seq_q, padded}, options.dtype(dtype)).narrow(1, 0, seq_k);
+  }
+  mask.masked_fill_(hidden_keys(first_query, seq_q, seq_k, /*causal=*/true, window,
+                                defined() ? bounds().first : at::Tensor(), options),
+                    -std::numeric_limits<double>::infinity());
+  if (d.masks.size() == Derived::kMasks) d.masks.pop_front();
+  d.masks.push_back({std::move(mask), window, first_query, seq_q, seq_k, dtype, device});
+  return d.masks.back().mask;
 }
 
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                            double scale, std::int64_t window, const Documents& documents) {
   check_inputs(q, k, v, causal, window);
-  check_documents(kOp, q, k, causal, documents);
+  check_documents(kOp, q, k, causal, documents, /*exact=*/true);
   if (scale <= 0) scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
   DocumentBounds docs;
   if (documents.defined()) std::tie(docs.start, docs.end) = documents.bounds();
@@ -412,10 +429,13 @@ at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                     double dropout_p, AttentionBackend backend, std::int64_t window, const Documents& documents) {
+                     double dropout_p, AttentionBackend backend, std::int64_t window, const Documents& documents,
+                     std::int64_t query_offset) {
   if (backend == AttentionBackend::kFlash) {
     DTRAIN_CHECK_ARG(dropout_p == 0.0, "attention: the flash backend has no dropout (dropout_p=", dropout_p,
                      "); use the sdpa backend");
+    DTRAIN_CHECK_ARG(query_offset == 0, "attention: the flash backend has no query offset (query_offset=",
+                     query_offset, "); allowed: 0, or the sdpa backend");
     return flash_attention(q, k, v, causal, 0.0, window, documents);
   }
   check_window("attention", causal, window);
@@ -425,14 +445,20 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const auto h = q.size(1), hkv = k.size(1);
   DTRAIN_CHECK_ARG(hkv >= 1 && h % hkv == 0, "attention: ", h, " query heads are not a multiple of ",
                    hkv, " key/value heads");
-  check_documents("attention", q, k, causal, documents);
-  // An explicit mask of the keys each query sees (sdpa has no window and no documents),
-  // made once for all the calls that share `documents`, additive in the dtype sdpa
-  // computes in, so that sdpa uses it (and saves it for the backward) as it is: one per
-  // forward, where a boolean mask became such a bias, saved, in every layer.
+  DTRAIN_CHECK_ARG(query_offset >= 0 && (query_offset == 0 || (causal && query_offset + q.size(2) <= k.size(2))),
+                   "attention: query_offset=", query_offset, " with ", q.size(2), " queries and ", k.size(2),
+                   " keys", causal ? "" : " without causal", " is not allowed; allowed: 0, or with causal an offset ",
+                   "that keeps the queries among the keys (offset + queries <= keys)");
+  check_documents("attention", q, k, causal, documents, /*exact=*/false, query_offset);
+  // An explicit mask of the keys each query sees (sdpa has no window, no documents and no
+  // query offset), made once for all the calls that share `documents`, additive in the
+  // dtype sdpa computes in, so that sdpa uses it (and saves it for the backward) as it is:
+  // one per forward, where a boolean mask became such a bias, saved, in every layer.
   const auto dtype = sdpa_dtype(q);
   std::optional<at::Tensor> mask;
-  if (documents.defined() || window > 0) mask = documents.sdpa_mask(window, dtype, q.size(2), k.size(2), q.device());
+  if (documents.defined() || window > 0 || query_offset > 0) {
+    mask = documents.sdpa_mask(window, dtype, q.size(2), k.size(2), q.device(), query_offset);
+  }
   const bool is_causal = causal && !mask.has_value();
   if (hkv == h) return at::scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal);
   // Grouped-query attention: sdpa's own (no copy of k and v per query head, none saved for

@@ -70,10 +70,9 @@ ParallelContext::ParallelContext(CommPtr world, ParallelConfig config, c10::Devi
     : config_(resolved(config, world->size())),
       device_(device),
       mesh_(world, config_.mesh_axes(world->size())) {
-  // Each strategy lifts its own restriction as it lands (see docs/parallelism.md).
-  DTRAIN_CHECK_ARG(config_.cp == 1, "--cp=", config_.cp,
-                   " is not available in this build yet; allowed: 1 (data, tensor, pipeline "
-                   "and expert parallelism over --dp, --tp, --pp and --ep are implemented)");
+  DTRAIN_CHECK_ARG(config_.cp == 1 || config_.ep == 1, "--cp=", config_.cp, " with --ep=", config_.ep,
+                   " is not available; allowed: --cp 1, or --ep 1 (context parallelism with expert "
+                   "parallelism is not implemented)");
   DTRAIN_CHECK_ARG(!config_.sequence_parallel || config_.tp > 1,
                    "--sequence-parallel needs --tp > 1 (got --tp ", config_.tp, ")");
 }
@@ -88,8 +87,15 @@ int ParallelContext::dp_rank() const {
   return mesh_.coord("dp_replicate") * config_.dp_shard + mesh_.coord("dp_shard");
 }
 
+CommPtr ParallelContext::dp_cp_comm() {
+  if (config_.cp == 1) return dp_comm();  // the same group: no second communicator
+  if (config_.dp_shard > 0) return mesh_.comm({"dp_replicate", "dp_shard", "cp"});
+  return mesh_.comm({"dp", "cp"});  // ep is 1 with cp > 1
+}
+
 CommPtr ParallelContext::shard_comm() {
-  return config_.dp_shard > 0 ? mesh_.comm("dp_shard") : dp_comm();
+  if (config_.dp_shard == 0) return dp_cp_comm();
+  return config_.cp == 1 ? mesh_.comm("dp_shard") : mesh_.comm({"dp_shard", "cp"});
 }
 
 CommPtr ParallelContext::replicate_comm() {

@@ -22,6 +22,7 @@
 #include "dtrain/core/fs.hpp"
 #include "dtrain/core/logging.hpp"
 #include "dtrain/data/dataset.hpp"
+#include "dtrain/parallel/context_parallel.hpp"
 #include "dtrain/parallel/pipeline.hpp"
 #include "dtrain/parallel/pipeline_partition.hpp"
 #include "dtrain/train/autocast.hpp"
@@ -275,11 +276,11 @@ Trainer::Trainer(ContextPtr ctx, models::GptConfig model, TrainOptions options)
   if (options_.fsdp == "none") {
     optimizer_ = make_adamw(params, options_.adamw);
     if (!pipeline_) {
-      ddp_ = std::make_unique<DataParallel>(dense, ctx_->dp_comm(), options_.ddp);
-    } else if (ctx_->dp_size() > 1) {
+      ddp_ = std::make_unique<DataParallel>(dense, ctx_->dp_cp_comm(), options_.ddp);
+    } else if (ctx_->dp_cp_comm()->size() > 1) {
       for (auto& chunk : pipeline_->chunks) {
         pipeline_->ddp.push_back(std::make_unique<DataParallel>(
-            split_experts(chunk->parameter_list(), ep).first, ctx_->dp_comm(), options_.ddp));
+            split_experts(chunk->parameter_list(), ep).first, ctx_->dp_cp_comm(), options_.ddp));
       }
     }
   } else {
@@ -303,7 +304,7 @@ Trainer::Trainer(ContextPtr ctx, models::GptConfig model, TrainOptions options)
       sdp_ = std::make_unique<ShardedDataParallel>(dense, ctx_->shard_comm(), fo,
                                                    ctx_->replicate_comm());
     } else {
-      sdp_ = std::make_unique<ShardedDataParallel>(dense, ctx_->dp_comm(), fo);
+      sdp_ = std::make_unique<ShardedDataParallel>(dense, ctx_->dp_cp_comm(), fo);
     }
     if (!experts.empty()) expert_optimizer_ = make_adamw(experts, options_.adamw);
     // Full sharding: gather around blocks.
@@ -378,8 +379,10 @@ void Trainer::build_pipeline() {
   po.schedule = pp::parse_schedule(o.pp_schedule);
   po.shape = {p, static_cast<int>(accum_), v};
   po.trace = trace_.get();
-  // Sequence parallelism: each tp rank passes its part of the sequence.
-  po.activation_shape = {micro_batch_, ctx_->sequence_parallel() ? o.seq_len / ctx_->tp_size() : o.seq_len,
+  // Context and sequence parallelism: each cp rank passes its positions, each tp rank its
+  // part of them.
+  const auto positions = o.seq_len / ctx_->cp_size();
+  po.activation_shape = {micro_batch_, ctx_->sequence_parallel() ? positions / ctx_->tp_size() : positions,
                          model_config_.d_model};
   pl.runtime = std::make_unique<pp::PipelineRuntime>(std::move(chunks), ctx_->pp_comm(), po);
   if (model_config_.tie_embeddings) {
@@ -393,9 +396,12 @@ Trainer::StepBatch Trainer::step_batch(data::TokenDataset& data, const std::vect
   if (!options_.eod_mask_loss) return out;
   auto& [inputs, targets] = out.batch;
   targets.masked_fill_(inputs.eq(model_config_.document_separator), models::kIgnoreTarget);
-  const auto counts = targets.ne(models::kIgnoreTarget).view({accum_, -1}).sum(1);
+  // Each micro-batch weighs by its share of the loss tokens of the step, counted over the
+  // positions this rank's loss covers (under cp: its own).
+  const auto mine = cp::take_local(targets, 1, ctx_->cp_size(), ctx_->cp_rank());
+  const auto counts = mine.ne(models::kIgnoreTarget).view({accum_, -1}).sum(1);
   auto total = counts.sum().to(torch::kDouble).reshape({1}).to(ctx_->device());
-  const auto& dp = ctx_->dp_comm();
+  const auto& dp = ctx_->dp_cp_comm();
   dp->all_reduce(total)->wait();
   const double n = total.cpu().item<double>(), share = n > 0 ? dp->size() / n : 0.0;
   for (std::int64_t k = 0; k < accum_; ++k) {
@@ -408,7 +414,7 @@ double Trainer::pipeline_loss(double local) {
   auto t = torch::full({1}, std::isnan(local) ? 0.0 : local,
                        torch::TensorOptions().dtype(torch::kDouble).device(ctx_->device()));
   ctx_->pp_comm()->broadcast(t, {pipeline_->runtime->loss_rank()})->wait();
-  ctx_->dp_comm()->all_reduce(t, {ReduceOp::kAvg})->wait();
+  ctx_->dp_cp_comm()->all_reduce(t, {ReduceOp::kAvg})->wait();
   return t.cpu().item<double>();
 }
 
@@ -495,9 +501,12 @@ void Trainer::check_options() const {
   DTRAIN_CHECK_ARG(o.seq_len >= 1 && o.seq_len <= model_config_.context, "--seq-len=", o.seq_len,
                    " is not allowed: the model context is ", model_config_.context,
                    " (--context); allowed: 1..", model_config_.context);
-  DTRAIN_CHECK_ARG(!ctx_->sequence_parallel() || o.seq_len % ctx_->tp_size() == 0, "--seq-len=",
+  if (ctx_->cp_size() > 1) cp::check_sequence(o.seq_len, ctx_->cp_size());
+  DTRAIN_CHECK_ARG(!ctx_->sequence_parallel() || o.seq_len % (ctx_->cp_size() * ctx_->tp_size()) == 0, "--seq-len=",
                    o.seq_len, " is not divisible by --tp=", ctx_->tp_size(),
-                   "; --sequence-parallel splits every sequence across the tp ranks");
+                   ctx_->cp_size() > 1 ? format(" x --cp={}", ctx_->cp_size()) : std::string(),
+                   "; --sequence-parallel splits every sequence across the tp ranks",
+                   ctx_->cp_size() > 1 ? " (each context-parallel rank's part of it)" : "");
   DTRAIN_CHECK_ARG(o.steps >= 1, "--steps=", o.steps, " must be at least 1");
   DTRAIN_CHECK_ARG(o.global_batch >= 1, "--global-batch=", o.global_batch, " must be at least 1");
   DTRAIN_CHECK_ARG(o.micro_batch >= 0, "--micro-batch=", o.micro_batch,
@@ -764,6 +773,12 @@ void Trainer::log_summary() const {
                         ? std::to_string(model_config_.n_kv_head / ctx_->tp_size())
                         : std::to_string(model_config_.n_kv_head) + " (replicated)"));
   }
+  if (ctx_->cp_size() > 1) {
+    log_info("context parallel: {} ranks split each sequence, {} positions per rank (2 chunks of {}); keys and "
+             "values all-gathered per layer; gradients averaged over dp x cp = {} rank(s)",
+             ctx_->cp_size(), o.seq_len / ctx_->cp_size(), o.seq_len / (2 * ctx_->cp_size()),
+             ctx_->dp_cp_comm()->size());
+  }
   if (model_config_.moe.enabled()) {
     const auto& moe = model_config_.moe;
     std::int64_t layers = 0;
@@ -784,18 +799,18 @@ void Trainer::log_summary() const {
              "virtual stage {}; gradients reduced over {} data-parallel rank(s) (replicated: during each "
              "chunk's last backward; FSDP: after the pipeline)",
              ctx_->pp_size(), options_.virtual_stages, options_.pp_schedule, accum_, micro_batch_,
-             blocks, ctx_->dp_size());
+             blocks, ctx_->dp_cp_comm()->size());
   }
   if (sdp_) {
     log_info("sharding: {} over {} rank(s){}, {} unit(s), {} parameter elements per rank",
-             to_string(sdp_->strategy()), ctx_->dp_size(),
+             to_string(sdp_->strategy()), ctx_->dp_cp_comm()->size(),
              ctx_->config().dp_shard > 0
                  ? format(" ({} replicas x {} shards)", ctx_->dp_size() / ctx_->config().dp_shard,
-                          ctx_->config().dp_shard)
+                          ctx_->shard_comm()->size())
                  : std::string(),
              sdp_->stats().units, sdp_->stats().shard_numel);
   } else if (ddp_) {
-    log_info("data parallel: replicated over {} rank(s), {} gradient bucket(s)", ctx_->dp_size(),
+    log_info("data parallel: replicated over {} rank(s), {} gradient bucket(s)", ctx_->dp_cp_comm()->size(),
              ddp_->stats().buckets);
   }
   if (expert_ddp_) {
@@ -928,7 +943,7 @@ StepMetrics Trainer::train_step() {
   if (pipeline_) {
     m.loss = pipeline_mean;
   } else {
-    ctx_->dp_comm()->all_reduce(loss_sum, {ReduceOp::kAvg})->wait();
+    ctx_->dp_cp_comm()->all_reduce(loss_sum, {ReduceOp::kAvg})->wait();
     m.loss = loss_sum.item<double>();
   }
   if (model_config_.moe.enabled()) collect_moe(m.moe);
@@ -1057,7 +1072,7 @@ double Trainer::evaluate() {
   }
   model_->train();
   auto mean = sum / static_cast<double>(batches);
-  ctx_->dp_comm()->all_reduce(mean, {ReduceOp::kAvg})->wait();
+  ctx_->dp_cp_comm()->all_reduce(mean, {ReduceOp::kAvg})->wait();
   return mean.item<double>();
 }
 

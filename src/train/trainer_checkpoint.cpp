@@ -141,7 +141,7 @@ std::vector<Trainer::StateTensor> Trainer::state_tensors(const ShardedState* fsd
   std::vector<StateTensor> out;
   const bool ep = ctx_->ep_size() > 1;
   const int tp_rank = ctx_->tp_rank();
-  const bool first_dp = ctx_->dp_comm()->rank() == 0;
+  const bool first_dp = ctx_->dp_cp_comm()->rank() == 0;  // cp ranks hold the same parameters too
   auto add = [&](const std::string& kind, const std::string& name, const at::Tensor& values, const Runs& load,
                  const Runs& save) {
     out.push_back({kind + "/" + name, maps.at(name).shape, values.reshape({-1}), load, save});
@@ -160,7 +160,7 @@ std::vector<Trainer::StateTensor> Trainer::state_tensors(const ShardedState* fsd
                       : checkpoint::slice_runs(m.shape, spec.dim, spec.ranges);
       const bool copy = name == "tok_emb.weight" && !chunk->stage().embedding;
       const bool sharded = sdp_ && !(ep && expert);
-      // The rank that writes among the replicas: dp (or expert-dp) rank 0, the first FSDP
+      // The rank that writes among the replicas: dp x cp (or expert-dp) rank 0, the first FSDP
       // replica, tp rank 0 for the elements every tp rank holds.
       const bool writer = expert && ep ? ctx_->expert_dp_comm()->rank() == 0
                                        : (sharded ? sdp_->primary_replica() : first_dp);
@@ -257,7 +257,8 @@ std::shared_ptr<Trainer::PendingSave> Trainer::snapshot(const std::string& root)
     m["model"] = architecture(model_config_);
     m["parallel"] = {{"world", world.size()},   {"pp", ctx_->pp_size()},
                      {"dp", ctx_->dp_size()},   {"ep", ctx_->ep_size()},
-                     {"tp", ctx_->tp_size()},   {"dp_shard", pc.dp_shard},
+                     {"tp", ctx_->tp_size()},   {"cp", ctx_->cp_size()},
+                     {"dp_shard", pc.dp_shard},
                      {"sequence_parallel", ctx_->sequence_parallel()},
                      {"virtual_stages", o.virtual_stages}, {"fsdp", o.fsdp}};
     std::int64_t adam_steps = 0;
@@ -309,7 +310,8 @@ void Trainer::write_rank_file(PendingSave& p, int rank) {
     p.result = {{"file", name},
                 {"bytes", file_size(path)},
                 {"checksum", checksum},
-                {"mesh", {{"pp", ctx_->pp_rank()}, {"dp", ctx_->dp_rank()}, {"ep", ctx_->ep_rank()}, {"tp", ctx_->tp_rank()}}},
+                {"mesh", {{"pp", ctx_->pp_rank()}, {"dp", ctx_->dp_rank()}, {"ep", ctx_->ep_rank()}, {"cp", ctx_->cp_rank()},
+                          {"tp", ctx_->tp_rank()}}},
                 {"tensors", tensors}};
   } catch (const std::exception& e) {
     p.result = {{"error", e.what()}};
@@ -506,7 +508,8 @@ void Trainer::load_checkpoint(const std::string& dir) {
     const auto par = manifest.value("parallel", json::object());
     same_layout = par.value("world", -1) == world.size() && par.value("pp", -1) == ctx_->pp_size() &&
                   par.value("tp", -1) == ctx_->tp_size() && par.value("ep", -1) == ctx_->ep_size() &&
-                  par.value("dp", -1) == ctx_->dp_size() && par.value("virtual_stages", -1) == options_.virtual_stages;
+                  par.value("dp", -1) == ctx_->dp_size() && par.value("cp", 1) == ctx_->cp_size() &&
+                  par.value("virtual_stages", -1) == options_.virtual_stages;
     if (same_layout) {
       const auto file = rank_file(world.rank());
       std::vector<std::string> names{"rng/cpu", "rng/device"};

@@ -132,6 +132,13 @@ if(MPIEXEC)
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --tp 3)
   expect(np2-sp-seq 2 "--seq-len=31 is not divisible by --tp=2"
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --tp 2 --sequence-parallel --seq-len 31)
+  # Context parallelism: both ranks read the same samples and split each sequence.
+  expect(np2-cp 0 "batch: 4 samples x 32 tokens per step = dp 1 .*context parallel: 2 ranks split each sequence, 16 positions per rank \\(2 chunks of 8\\).*gradients averaged over dp x cp = 2 rank\\(s\\).*val loss"
+         NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --cp 2 --document-separator 10 --eod-mask-loss)
+  expect(np2-cp-seq 2 "--seq-len=30 cannot be split across --cp=2 .*allowed: a multiple of 4"
+         NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --cp 2 --seq-len 30)
+  expect(np2-cp-flash 2 "--attention flash with --cp=2 is not available.*allowed: --attention sdpa"
+         NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --cp 2 --attention flash)
   expect(np2-pp-documents 0 "documents end at token 10.*pipeline: 2 stages x 1 chunk.*val loss"
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --pp 2 --microbatches 2 --document-separator 10
          --eod-mask-loss)

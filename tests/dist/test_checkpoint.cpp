@@ -22,14 +22,17 @@ struct Layout {
   int tp = 1, pp = 1, ep = 1;
   bool sp = false;
   std::string fsdp = "none";
-  std::string text() const { return format("tp={} pp={} ep={}{} fsdp={}", tp, pp, ep, sp ? " sp" : "", fsdp); }
+  int cp = 1;
+  std::string text() const {
+    return format("tp={} pp={} ep={}{} fsdp={} cp={}", tp, pp, ep, sp ? " sp" : "", fsdp, cp);
+  }
 };
 
 class CheckpointTest : public TrainTest {
  protected:
   ContextPtr context(const Layout& l, CommPtr comm = nullptr) {
     ParallelConfig c;
-    c.tp = l.tp, c.pp = l.pp, c.ep = l.ep, c.sequence_parallel = l.sp;
+    c.tp = l.tp, c.pp = l.pp, c.ep = l.ep, c.cp = l.cp, c.sequence_parallel = l.sp;
     return std::make_shared<ParallelContext>(comm ? comm : world(), c);
   }
   // A fresh directory every rank names the same (rank 0's pid), removed at the end.
@@ -67,11 +70,6 @@ class CheckpointTest : public TrainTest {
   }
   std::vector<std::string> dirs_;
 };
-
-// Every part appears in text.
-void expect_has(const std::string& text, std::initializer_list<std::string> parts) {
-  for (const auto& part : parts) EXPECT_NE(text.find(part), std::string::npos) << "'" << text << "' lacks '" << part << "'";
-}
 
 void expect_bitwise(Trainer& a, Trainer& b) {
   const auto pa = a.full_parameters(), pb = b.full_parameters();
@@ -158,9 +156,9 @@ TEST_F(CheckpointTest, AsyncSavesWriteWhatSyncSavesWrite) {
   }
 }
 
-// Saved in one layout after 5 steps, loaded into others (another world size too), 5 more
-// steps: losses and parameters as the single process's 10 uninterrupted steps, within the
-// equivalence harness's tolerances (see train_harness.hpp).
+// Saved in one layout after 5 steps, loaded into others (another world size, and context
+// parallelism, too), 5 more steps: losses and parameters as the single process's 10
+// uninterrupted steps, within the equivalence harness's tolerances (see train_harness.hpp).
 TEST_F(CheckpointTest, LoadsIntoAnyLayoutAndContinuesAsTheUninterruptedRun) {
   const int n = nranks();
   TestCorpus corpus("reshard" + std::to_string(rank()));
@@ -174,13 +172,16 @@ TEST_F(CheckpointTest, LoadsIntoAnyLayoutAndContinuesAsTheUninterruptedRun) {
   std::vector<Case> cases;
   if (n == 1) cases.push_back({llama(), Layout{1, 1, 1, false, "full"}, {}, 5e-5});
   if (n == 2) {
-    cases.push_back({llama(), Layout{1, 1, 1, false, "full"}, {Layout{2, 1, 1, true}, Layout{1, 2}}, 5e-5});
+    cases.push_back({llama(), Layout{1, 1, 1, false, "full"},
+                     {Layout{2, 1, 1, true}, Layout{1, 2}, Layout{1, 1, 1, false, "zero2", 2}}, 5e-5});
+    cases.push_back({llama(), Layout{1, 1, 1, false, "full", 2}, {Layout{2, 1, 1, true}}, 5e-5});
     cases.push_back({moe(), Layout{1, 1, 2, false, "none"}, {Layout{2, 1, 1, false, "zero1"}}, 2e-4});
   }
   if (n == 3) cases.push_back({models::GptConfig::preset("tiny"), Layout{1, 1, 1, false, "zero1"}, {Layout{1, 1, 1, false, "full"}}, 5e-5});
   if (n == 4) {
     cases.push_back({llama(), Layout{1, 1, 1, false, "full"},
-                     {Layout{2, 1, 1, false, "none"}, Layout{1, 2, 1, false, "zero1"}, Layout{4, 1, 1, true, "none"}}, 5e-5});
+                     {Layout{2, 1, 1, false, "none"}, Layout{1, 2, 1, false, "zero1"}, Layout{4, 1, 1, true, "none"},
+                      Layout{2, 1, 1, true, "none", 2}}, 5e-5});
     cases.push_back({moe(), Layout{2, 1, 2, false, "zero2"}, {Layout{1, 1, 4}, Layout{1, 2, 2}}, 2e-4});
   }
   int k = 0;

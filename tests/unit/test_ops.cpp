@@ -26,13 +26,10 @@ namespace dtrain {
 namespace {
 
 using testing::error_message;
+using testing::expect_has;
 
 double max_abs(const at::Tensor& a, const at::Tensor& b) {
   return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
-}
-
-void expect_has(const std::string& msg, const std::vector<std::string>& parts) {
-  for (const auto& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
 }
 
 // ---- attention ---------------------------------------------------------------------------
@@ -216,6 +213,67 @@ TEST(FlashAttentionReference, WindowMaskIsMadeOnce) {
   EXPECT_LT(max_abs(ops::attention(q, k, v, true, 0.0, ops::AttentionBackend::kSdpa, 5),
                     at::scaled_dot_product_attention(q, k, v, window_mask(20, 20, 5), 0.0, false)),
             1e-5);
+}
+
+// Queries at an offset into the keys' sequence (a context-parallel rank's chunk): the rows
+// of the whole sequence's attention, forward and backward (the keys past the chunk get no
+// gradient from it), with grouped-query heads, a window and documents of the whole
+// sequence; the masks of several chunks are kept side by side. Offsets the keys cannot
+// hold, and offsets on the flash backend, are refused by name.
+TEST(SdpaAttention, QueryOffsetGivesTheRowsOfTheWholeSequence) {
+  torch::manual_seed(8);
+  const std::int64_t T = 20;
+  const auto f64 = torch::TensorOptions().dtype(torch::kDouble);
+  const auto q = torch::randn({2, 4, T, 8}, f64), k = torch::randn({2, 2, T, 8}, f64);
+  const auto v = torch::randn({2, 2, T, 8}, f64), dy = torch::randn({2, 4, T, 8}, f64);
+  const ops::Documents documents((torch::rand({2, T}) < 0.25).to(torch::kLong).cumsum(1));
+  struct Chunk {
+    std::int64_t offset, queries, keys;
+  };
+  for (const bool docs : {false, true}) {
+    for (const std::int64_t window : {0, 6}) {
+      const auto& d = docs ? documents : ops::Documents();
+      auto qw = q.clone().requires_grad_(), kw = k.clone().requires_grad_(), vw = v.clone().requires_grad_();
+      const auto whole = ops::attention(qw, kw, vw, true, 0.0, ops::AttentionBackend::kSdpa, window, d);
+      for (const auto& c : {Chunk{0, 5, 5}, Chunk{7, 6, 13}, Chunk{15, 5, 20}, Chunk{3, 4, 12}}) {
+        SCOPED_TRACE(::testing::Message() << "documents " << docs << " window " << window << " offset " << c.offset
+                                        << " queries " << c.queries << " keys " << c.keys);
+        auto qc = q.narrow(2, c.offset, c.queries).clone().requires_grad_();
+        auto kc = k.narrow(2, 0, c.keys).clone().requires_grad_(), vc = v.narrow(2, 0, c.keys).clone().requires_grad_();
+        const auto rows = dy.narrow(2, c.offset, c.queries);
+        const auto got = ops::attention(qc, kc, vc, true, 0.0, ops::AttentionBackend::kSdpa, window, d, c.offset);
+        (got * rows).sum().backward();
+        EXPECT_LT(max_abs(got, whole.narrow(2, c.offset, c.queries)), 1e-12);
+        for (auto* t : {&qw, &kw, &vw}) t->mutable_grad() = at::Tensor();
+        (whole.narrow(2, c.offset, c.queries) * rows).sum().backward({}, /*retain_graph=*/true);
+        EXPECT_LT(max_abs(qc.grad(), qw.grad().narrow(2, c.offset, c.queries)), 1e-12);
+        EXPECT_LT(max_abs(kc.grad(), kw.grad().narrow(2, 0, c.keys)), 1e-12);
+        EXPECT_LT(max_abs(vc.grad(), vw.grad().narrow(2, 0, c.keys)), 1e-12);
+        if (c.keys < T) EXPECT_EQ(kw.grad().narrow(2, c.keys, T - c.keys).abs().max().item<double>(), 0.0);
+      }
+    }
+  }
+  // Two chunks' masks, asked in turn, are each made once.
+  const auto& first = documents.sdpa_mask(0, at::kDouble, 5, 5, at::kCPU, 0);
+  const auto& second = documents.sdpa_mask(0, at::kDouble, 5, 20, at::kCPU, 15);
+  EXPECT_TRUE(documents.sdpa_mask(0, at::kDouble, 5, 5, at::kCPU, 0).is_same(first));
+  EXPECT_TRUE(documents.sdpa_mask(0, at::kDouble, 5, 20, at::kCPU, 15).is_same(second));
+  EXPECT_TRUE(torch::equal(second, documents.sdpa_mask(0, at::kDouble, T, T, at::kCPU).narrow(2, 15, 5)));
+
+  expect_has(error_message([&] { ops::attention(q, k, v, false, 0.0, ops::AttentionBackend::kSdpa, 0, {}, 2); }),
+             {"query_offset=2", "without causal", "allowed: 0"});
+  expect_has(error_message([&] {
+               ops::attention(q.narrow(2, 0, 8), k.narrow(2, 0, 10), v.narrow(2, 0, 10), true, 0.0,
+                              ops::AttentionBackend::kSdpa, 0, {}, 3);
+             }),
+             {"query_offset=3 with 8 queries and 10 keys", "offset + queries <= keys"});
+  expect_has(error_message([&] { ops::attention(q, k, v, true, 0.0, ops::AttentionBackend::kFlash, 0, {}, 0 + 1); }),
+             {"flash backend has no query offset", "query_offset=1"});
+  expect_has(error_message([&] {
+               ops::attention(q.narrow(2, 0, 4), k.narrow(2, 0, 12), v.narrow(2, 0, 12), true, 0.0,
+                              ops::AttentionBackend::kSdpa, 0, ops::Documents(torch::zeros({2, 10}, torch::kLong)), 3);
+             }),
+             {"documents must be [batch, time] = [2, >= 12]", "[2, 10]"});
 }
 
 // Under autocast, sdpa computes in autocast's dtype, and the documents' mask is made in it

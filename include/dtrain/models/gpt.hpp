@@ -121,6 +121,7 @@ struct TpEnv {
   bool sequence_parallel = false;
   std::shared_ptr<tp::RngTracker> rng;
   CommPtr ep;  // the expert-parallel group (MoE blocks)
+  CommPtr cp;  // the context-parallel group (attention over the whole sequence); null: none
 };
 
 // One transformer block (pre-norm attention + MLP with residuals): attention heads and the
@@ -176,6 +177,10 @@ struct GptStage {
 // Expert parallelism (ctx ep > 1): each rank holds experts expert_rows() of every MoE
 // layer. MoE auxiliary losses are not part of loss(): their gradients enter in backward,
 // scaled by set_loss_grad_scale.
+// Context parallelism (ctx cp > 1): every cp rank is given the whole micro-batch (token
+// ids, targets) and computes its cp::take_local share of the positions; attention gathers
+// the keys and values of the whole sequence (cp::attention). forward() gathers the logits
+// of every position; loss() is the mean over this rank's positions (the trainer weighs it).
 class GptImpl : public torch::nn::Module {
  public:
   // Raises InvalidArgument for an invalid config (see GptConfig::validate) or stage.
@@ -184,7 +189,7 @@ class GptImpl : public torch::nn::Module {
   // The whole model only (forward_stage for a pipeline stage).
   torch::Tensor forward(const torch::Tensor& idx);
   // Mean cross-entropy of the next-token predictions over the targets that are not
-  // kIgnoreTarget (the whole model only).
+  // kIgnoreTarget (the whole model only; under cp, over this rank's positions).
   torch::Tensor loss(const torch::Tensor& idx, const torch::Tensor& targets);
   // This stage on `input` (token ids [B, T] when it holds the embeddings, else the previous
   // stage's output): the output the next stage receives, or, on the last stage, the final
@@ -241,7 +246,7 @@ class GptImpl : public torch::nn::Module {
   tp::ColumnParallelLinear lm_head_{nullptr};  // only without tied embeddings (padded vocab)
   torch::Tensor rope_cos_, rope_sin_;       // llama only: [context, head_dim / 2]
   // cos and sin for the blocks' rope: rope_cos_/rope_sin_ as they are, or, with positions
-  // [B, T], theirs per token [B, 1, T, head_dim / 2].
+  // [B, T], theirs per token [B, 1, T, head_dim / 2], or with positions [T] their rows.
   std::pair<torch::Tensor, torch::Tensor> rope_angles(const torch::Tensor& positions) const;
   std::vector<std::pair<std::string, TpShard>> shards_;
 };

@@ -29,12 +29,14 @@ class Documents {
   // Each token's document [start, end): int32 [B, T] each, contiguous, on the ids' device.
   const std::pair<at::Tensor, at::Tensor>& bounds() const;
   // The keys each of seq_q queries sees among seq_k keys in causal attention with this
-  // window (0: none; > 0 without documents), as sdpa's additive mask in `dtype` on
-  // `device`: 0 where seen, -inf elsewhere, rows padded to 16 elements; [B, 1, T, T] with
-  // documents (seq_q = seq_k = T, the ids' device), else [seq_q, seq_k]. Kept for the last
-  // arguments asked.
+  // window (0: none), the queries being tokens [first_query, first_query + seq_q) of the
+  // sequence whose first seq_k tokens are the keys, as sdpa's additive mask in `dtype` on
+  // `device`: 0 where seen, -inf elsewhere, rows padded to 16 elements; [B, 1, seq_q,
+  // seq_k] with documents (both within their T tokens, on the ids' device), else [seq_q,
+  // seq_k]. The last four asked for are kept (a returned reference stays valid until four
+  // others were made).
   const at::Tensor& sdpa_mask(std::int64_t window, at::ScalarType dtype, std::int64_t seq_q, std::int64_t seq_k,
-                              c10::Device device) const;
+                              c10::Device device, std::int64_t first_query = 0) const;
 
  private:
   struct Derived;
@@ -51,11 +53,15 @@ const char* to_string(AttentionBackend backend);
 // dropout_p: dropout on the attention probabilities, drawn from the default generator
 // (sdpa only: flash raises InvalidArgument for dropout_p > 0). window, documents: as
 // flash_attention's (sdpa takes them as documents.sdpa_mask, made once for the calls that
-// share `documents`). Grouped-query attention on sdpa: its own (enable_gqa) wherever a
-// backend other than math takes the call, else k and v repeated per query head.
+// share `documents`). query_offset (sdpa only, causal): the queries are tokens
+// [query_offset, query_offset + T_q) of the keys' sequence, so query i sees keys j <=
+// query_offset + i (a context-parallel rank's chunk of queries against the keys before
+// and at it); the documents (sdpa) may then cover a longer sequence whose first T_k tokens
+// are the keys. Grouped-query attention on sdpa: its own (enable_gqa) wherever a backend
+// other than math takes the call, else k and v repeated per query head.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                      double dropout_p = 0.0, AttentionBackend backend = AttentionBackend::kSdpa,
-                     std::int64_t window = 0, const Documents& documents = {});
+                     std::int64_t window = 0, const Documents& documents = {}, std::int64_t query_offset = 0);
 
 // Flash attention with autograd: softmax(q k^T scale) v, causal masks top-left aligned as
 // in sdpa (query i sees keys j <= i); scale <= 0 means 1 / sqrt(D). window W > 0 (causal

@@ -20,7 +20,7 @@ struct ParallelConfig {
   // Expert parallel: splits the dp ranks into groups of ep that each hold E / ep of every
   // MoE layer's experts and exchange tokens (must divide dp; does not add ranks).
   int ep = 1;
-  int cp = 1;  // context (sequence) parallel
+  int cp = 1;  // context parallel: each sequence split across cp ranks (parallel/context_parallel.hpp)
   // Hybrid sharding (HSDP): the dp ranks form dp / dp_shard replicas of dp_shard ranks
   // each (mesh axes dp_replicate x dp_shard); 0: no such split (axis dp).
   int dp_shard = 0;
@@ -42,8 +42,8 @@ using ContextPtr = std::shared_ptr<ParallelContext>;
 // collective over `world` only when an axis has size > 1 and its communicator is asked for.
 class ParallelContext {
  public:
-  // Raises InvalidArgument for degrees that do not fit the world, and for strategies this
-  // build does not implement yet (cp > 1), naming the option.
+  // Raises InvalidArgument for degrees that do not fit the world, and for combinations this
+  // build does not implement (cp > 1 with ep > 1), naming the options.
   ParallelContext(CommPtr world, ParallelConfig config, c10::Device device = c10::kCPU);
   // One process, every degree 1, on `device`.
   static ContextPtr single_process(c10::Device device = c10::kCPU);
@@ -54,15 +54,24 @@ class ParallelContext {
   const CommPtr& world() const { return mesh_.world(); }
   int rank() const { return world()->rank(); }
   int world_size() const { return world()->size(); }
-  // The data-parallel group: gradients are averaged over it and it splits the batch
-  // (with dp_shard: the dp_replicate x dp_shard ranks together).
+  // The data-parallel group: it splits the batch (with dp_shard: the dp_replicate x
+  // dp_shard ranks together). Its ranks' cp groups hold the same samples.
   CommPtr dp_comm();
   int dp_rank() const;
   int dp_size() const { return config_.dp; }
-  // Hybrid sharding: the ranks that share one model's shards, and the ranks that hold the
-  // same shard (one per replica). Without dp_shard: dp_comm(), and a Self communicator.
+  // The ranks that hold the same parameters and average their gradients (and shard them
+  // under ZeRO/FSDP): the data-parallel ranks with their context-parallel ones, dp x cp.
+  // dp_comm() at cp = 1.
+  CommPtr dp_cp_comm();
+  // Hybrid sharding: the ranks that share one model's shards (dp_shard x cp), and the ranks
+  // that hold the same shard (one per replica). Without dp_shard: dp_cp_comm(), and a Self
+  // communicator.
   CommPtr shard_comm();
   CommPtr replicate_comm();
+  // Context parallelism: the ranks that split each sample's sequence (cp::take_local).
+  CommPtr cp_comm() { return mesh_.comm("cp"); }
+  int cp_rank() const { return mesh_.coord("cp"); }
+  int cp_size() const { return config_.cp; }
   // The tensor-parallel group (adjacent ranks; a Self communicator at tp = 1).
   CommPtr tp_comm() { return mesh_.comm("tp"); }
   int tp_rank() const { return mesh_.coord("tp"); }

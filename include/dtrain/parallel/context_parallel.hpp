@@ -1,0 +1,47 @@
+// Context parallelism: the sequence split across the cp ranks, each holding two of its
+// 2 x cp equal chunks (rank r: chunks r and 2 cp - 1 - r, so that every rank has the same
+// share of causal attention's work), and attention over the whole sequence from there: keys
+// and values all-gathered across cp, their gradients reduce-scattered back (Llama 3's
+// all-gather context parallelism). Everything else in a transformer is per token. The
+// collectives are tp's sequence functions over the cp group (counted in tp::comm_stats()).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+
+#include "dtrain/comm/communicator.hpp"
+
+namespace dtrain::ops {
+class Documents;
+}
+
+namespace dtrain::cp {
+
+// Raises InvalidArgument naming `option` when a sequence of seq_len tokens cannot be split
+// into 2 x cp equal chunks (seq_len % (2 cp) != 0).
+void check_sequence(std::int64_t seq_len, int cp, const std::string& option = "--seq-len");
+
+// The positions in the whole sequence of the seq_len / cp tokens that rank `rank` of `cp`
+// holds, in the order it holds them: int64 [seq_len / cp], on `device`.
+at::Tensor local_positions(std::int64_t seq_len, int cp, int rank, c10::Device device = c10::kCPU);
+
+// This rank's tokens of a whole sequence laid along `dim` (no communication).
+at::Tensor take_local(const at::Tensor& x, std::int64_t dim, int cp, int rank);
+
+// The whole sequence along `dim` from every rank's take_local slice, in sequence order: an
+// all-gather across `cp`, whose gradient is summed over the ranks and handed back
+// (reduce-scatter). The identity at cp = 1.
+at::Tensor gather_sequence(const at::Tensor& x, std::int64_t dim, const CommPtr& cp);
+
+// Causal attention of this rank's queries over the whole sequence: q [B, H, T / cp, D],
+// k and v [B, Hkv, T / cp, D] in take_local order; returns [B, H, T / cp, D] in that order.
+// Keys and values are gathered in one all-gather; each of the two local chunks of queries
+// attends to the keys up to its own end (ops::attention with the chunk's query offset,
+// LibTorch's sdpa). window and documents ([B, T], the whole sequence's) as ops::attention's.
+// At cp = 1: ops::attention.
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const CommPtr& cp,
+                     double dropout_p, std::int64_t window, const ops::Documents& documents);
+
+}  // namespace dtrain::cp

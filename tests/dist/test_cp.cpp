@@ -1,0 +1,181 @@
+// Context parallelism against the whole sequence in one process: the attention of each
+// rank's chunks over the gathered keys (outputs and gradients, with grouped-query heads, a
+// sliding window and packed documents) at cp = world size (1-4), and training: 10 steps of
+// the train harness at cp = world size, and composed with data parallelism, FSDP, tensor
+// and sequence parallelism and pipelines, each against the single-process run with the
+// harness's tolerances (losses rtol 1e-5, gradient norms 1e-4, parameters rtol 1e-5 /
+// atol 5e-5). Also the errors for what cannot be split.
+#include <torch/torch.h>
+
+#include "dtrain/parallel/context_parallel.hpp"
+#include "train_harness.hpp"
+
+namespace dtrain::testing {
+namespace {
+
+class CpTest : public TrainTest {
+ protected:
+  ContextPtr context(int cp, int tp = 1, int pp = 1, bool sequence_parallel = false) {
+    ParallelConfig c;
+    c.cp = cp, c.tp = tp, c.pp = pp, c.sequence_parallel = sequence_parallel;
+    return std::make_shared<ParallelContext>(world(), c);
+  }
+  // Packed documents (each line of the text one, positions restarting, no loss at the
+  // separators) and a sliding window shorter than the sequence.
+  static models::GptConfig llama() {
+    auto c = tiny_llama();
+    c.ffn_hidden = 96;  // divisible by the tp of the composed runs
+    c.document_separator = 10, c.reset_position_ids = true;
+    c.attention_window = 20;
+    return c;
+  }
+  // 48 tokens: 2 x cp chunks for every cp in 1..4 (and 6 at cp 3).
+  static TrainOptions cp_options(const TestCorpus& corpus, bool eod_mask_loss) {
+    auto o = options(corpus);
+    o.seq_len = 48;
+    o.eod_mask_loss = eod_mask_loss;
+    return o;
+  }
+  void expect_matches(const ContextPtr& ctx, const models::GptConfig& cfg, TrainOptions o) {
+    const auto ref_o = o;
+    if (ctx->pp_size() > 1) o.micro_batch = 1;
+    Trainer parallel(ctx, cfg, o);
+    expect_equivalent(parallel, single_process_reference(cfg, ref_o));
+  }
+};
+
+TEST_F(CpTest, LayoutBalancesTheChunksAndGatherRestoresTheSequence) {
+  // Rank r of cp holds chunks r and 2 cp - 1 - r of 2 cp.
+  EXPECT_TRUE(torch::equal(cp::local_positions(12, 3, 0), torch::tensor({0, 1, 10, 11}, torch::kLong)));
+  EXPECT_TRUE(torch::equal(cp::local_positions(12, 3, 1), torch::tensor({2, 3, 8, 9}, torch::kLong)));
+  EXPECT_TRUE(torch::equal(cp::local_positions(12, 3, 2), torch::tensor({4, 5, 6, 7}, torch::kLong)));
+  EXPECT_TRUE(torch::equal(cp::local_positions(8, 1, 0), torch::arange(8, torch::kLong)));
+  expect_has(error_message([] { cp::check_sequence(30, 4); }), {"--seq-len=30", "--cp=4", "multiple of 8"});
+  expect_has(error_message([] { cp::local_positions(12, 3, 3); }), {"rank 3", "[0, 3)"});
+
+  const int n = nranks();
+  auto ctx = context(n);
+  const auto x = torch::randn({2, 3, 24, 5}, torch::TensorOptions().dtype(torch::kDouble));
+  world()->broadcast(x)->wait();
+  auto mine = cp::take_local(x, 2, n, ctx->cp_rank()).clone().requires_grad_();  // cp 1: x itself
+  const auto whole = cp::gather_sequence(mine, 2, ctx->cp_comm());
+  EXPECT_TRUE(torch::equal(whole, x));
+  // The gradient of the gathered sequence comes back summed over the ranks: each rank
+  // weighs it by its rank + 1.
+  (whole * x * static_cast<double>(rank() + 1)).sum().backward();
+  EXPECT_TRUE(torch::allclose(mine.grad(), cp::take_local(x, 2, n, ctx->cp_rank()) * (n * (n + 1) / 2.0)));
+}
+
+TEST_F(CpTest, AttentionMatchesTheWholeSequence) {
+  const int n = nranks();
+  auto ctx = context(n);
+  const int r = ctx->cp_rank();
+  const std::int64_t B = 2, H = 4, T = 24, D = 8;
+  const auto f64 = torch::TensorOptions().dtype(torch::kDouble);
+  struct Case {
+    std::int64_t kv_heads, window;
+    bool documents;
+  };
+  for (const auto& c : {Case{4, 0, false}, Case{2, 0, true}, Case{2, 7, false}, Case{4, 5, true}}) {
+    SCOPED_TRACE(format("kv heads {}, window {}, documents {}", c.kv_heads, c.window, c.documents));
+    auto q = torch::randn({B, H, T, D}, f64), k = torch::randn({B, c.kv_heads, T, D}, f64);
+    auto v = torch::randn({B, c.kv_heads, T, D}, f64), dy = torch::randn({B, H, T, D}, f64);
+    // Documents of 1 to 9 tokens, numbered by their first token.
+    auto ids = (torch::rand({B, T}, f64) < 0.2).to(torch::kLong).cumsum(1);
+    for (auto* t : {&q, &k, &v, &dy, &ids}) world()->broadcast(*t)->wait();
+    const ops::Documents documents = c.documents ? ops::Documents(ids) : ops::Documents();
+
+    auto qw = q.clone().requires_grad_(), kw = k.clone().requires_grad_(), vw = v.clone().requires_grad_();
+    const auto want = ops::attention(qw, kw, vw, true, 0.0, ops::AttentionBackend::kSdpa, c.window, documents);
+    (want * dy).sum().backward();
+
+    auto local = [&](const torch::Tensor& t) { return cp::take_local(t.detach(), 2, n, r).clone(); };
+    auto ql = local(q).requires_grad_(), kl = local(k).requires_grad_(), vl = local(v).requires_grad_();
+    const auto got = cp::attention(ql, kl, vl, ctx->cp_comm(), 0.0, c.window, documents);
+    (got * local(dy)).sum().backward();
+    EXPECT_TRUE(torch::allclose(got, local(want), 1e-10, 1e-12)) << (got - local(want)).abs().max().item<double>();
+    EXPECT_TRUE(torch::allclose(ql.grad(), local(qw.grad()), 1e-10, 1e-12));
+    EXPECT_TRUE(torch::allclose(kl.grad(), local(kw.grad()), 1e-10, 1e-12))
+        << (kl.grad() - local(kw.grad())).abs().max().item<double>();
+    EXPECT_TRUE(torch::allclose(vl.grad(), local(vw.grad()), 1e-10, 1e-12));
+  }
+}
+
+// cp = world size: Llama with packed documents and a window, GPT-2 with learned positions
+// and tied embeddings.
+TEST_F(CpTest, TrainingMatchesSingleProcess) {
+  const int n = nranks();
+  TestCorpus corpus("cp" + std::to_string(rank()));
+  {
+    SCOPED_TRACE("llama, documents, window");
+    expect_matches(context(n), llama(), cp_options(corpus, /*eod_mask_loss=*/true));
+  }
+  {
+    SCOPED_TRACE("gpt2");
+    expect_matches(context(n), models::GptConfig::preset("tiny"), cp_options(corpus, false));
+  }
+}
+
+// With the other strategies: cp 2 with ZeRO-2 over dp x cp (2 ranks), cp 3 with full
+// sharding and recomputed blocks (3), and at 4 ranks cp 2 with dp 2 under full sharding,
+// with tp 2 and sequence parallelism, and with two pipeline stages.
+TEST_F(CpTest, ComposesWithTheOtherStrategies) {
+  const int n = nranks();
+  if (n == 1) GTEST_SKIP() << "nothing to compose on one rank";
+  TestCorpus corpus("cpx" + std::to_string(rank()));
+  const auto o = cp_options(corpus, /*eod_mask_loss=*/true);
+  auto sharded = [&](const std::string& fsdp) {
+    auto s = o;
+    s.fsdp = fsdp;
+    return s;
+  };
+  if (n == 2) {
+    SCOPED_TRACE("cp 2, zero2");
+    expect_matches(context(2), llama(), sharded("zero2"));
+  }
+  if (n == 3) {
+    SCOPED_TRACE("cp 3, full sharding, recompute");
+    auto cfg = llama();
+    cfg.recompute_blocks = -1;
+    expect_matches(context(3), cfg, sharded("full"));
+  }
+  if (n == 4) {
+    {
+      SCOPED_TRACE("dp 2 x cp 2, full sharding");
+      expect_matches(context(2), llama(), sharded("full"));
+    }
+    {
+      SCOPED_TRACE("cp 2 x tp 2, sequence parallel");
+      expect_matches(context(2, 2, 1, true), llama(), o);
+    }
+    {
+      SCOPED_TRACE("pp 2 x cp 2");
+      expect_matches(context(2, 1, 2), llama(), o);
+    }
+  }
+}
+
+TEST_F(CpTest, RefusesWhatItCannotSplit) {
+  const int n = nranks();
+  if (n == 1) GTEST_SKIP() << "cp 1 splits nothing";
+  TestCorpus corpus("cperr" + std::to_string(rank()));
+  auto o = cp_options(corpus, false);
+  o.seq_len = 2 * n + 1;
+  expect_has(error_message([&] { Trainer(context(n), llama(), o); }),
+             {format("--seq-len={}", 2 * n + 1), format("--cp={}", n), format("multiple of {}", 2 * n)});
+  o = cp_options(corpus, false);
+  auto cfg = llama();
+  cfg.attention = ops::AttentionBackend::kFlash;
+  expect_has(error_message([&] { Trainer(context(n), cfg, o); }), {"--attention flash", "--attention sdpa"});
+  cfg = llama();
+  cfg.dropout = 0.1;
+  expect_has(error_message([&] { Trainer(context(n), cfg, o); }), {"--dropout=0.1", "allowed: --dropout 0"});
+  if (n == 4) {  // dp 2 x cp 2, the dp ranks split by ep 2
+    ParallelConfig c;
+    c.cp = 2, c.ep = 2;
+    expect_has(error_message([&] { ParallelContext(world(), c); }), {"--cp=2 with --ep=2", "allowed: --cp 1"});
+  }
+}
+
+}  // namespace
+}  // namespace dtrain::testing
