@@ -35,6 +35,7 @@ struct Options {
   std::string config;
   std::string backend = "auto";
   int dp = 0, dp_shard = 0, tp = 1, pp = 1, ep = 1, cp = 1;
+  std::string cp_comm = "all_gather";
   dtrain::ep::MoeOptions moe;
   bool moe_dropless = false;
   bool sequence_parallel = false;
@@ -73,6 +74,7 @@ void define(CLI::App& app, Options& o) {
   app.add_option("--tp", o.tp, "tensor-parallel degree (adjacent ranks; heads, MLP width and vocabulary split)")->group(run);
   app.add_flag("--sequence-parallel", o.sequence_parallel, "with --tp: split the activations between tensor-parallel layers along the sequence")->group(run);
   app.add_option("--cp", o.cp, "context-parallel degree (each sequence split across cp ranks; --seq-len a multiple of 2 x cp)")->group(run);
+  app.add_option("--cp-comm", o.cp_comm, "with --cp: all_gather (keys and values gathered; sdpa) or a2a (heads exchanged for positions; any --attention, heads divisible by cp)")->check(CLI::IsMember({"all_gather", "a2a"}))->group(run);
   app.add_option("--ep", o.ep, "expert-parallel degree (splits the dp ranks; each holds experts / ep of every MoE layer)")->group(run);
   app.add_option("--pp", o.pp, "pipeline stages (outermost axis; blocks cut into consecutive stages)")->group(run);
   app.add_option("--pp-schedule", t.pp_schedule, "with --pp: gpipe, 1f1b, interleaved or zb (zero bubble, ZB-H1)")->group(run);
@@ -337,6 +339,7 @@ int main(int argc, char** argv) {
     parallel.pp = o.pp;
     parallel.ep = o.ep;
     parallel.cp = o.cp;
+    parallel.cp_comm = dtrain::parse_cp_comm(o.cp_comm);
     parallel.sequence_parallel = o.sequence_parallel;
     auto ctx = std::make_shared<dtrain::ParallelContext>(runtime->world(), parallel, runtime->device());
     trainer = std::make_unique<dtrain::train::Trainer>(ctx, model, o.train);

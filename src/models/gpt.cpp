@@ -319,8 +319,8 @@ torch::Tensor BlockImpl::attention(const torch::Tensor& in, const torch::Tensor&
   }
   const double p = is_training() ? config_.dropout : 0.0;
   torch::Tensor y;
-  if (tp_.cp && tp_.cp->size() > 1) {  // no dropout, sdpa: the Gpt constructor checks
-    y = cp::attention(q, k, v, tp_.cp, 0.0, config_.attention_window, documents);
+  if (tp_.cp && tp_.cp->size() > 1) {  // no dropout: the Gpt constructor checks
+    y = cp::attention(q, k, v, tp_.cp, tp_.cp_comm, config_.attention, 0.0, config_.attention_window, documents);
   } else if (p > 0) {  // heads differ across tp: the split stream
     const auto fork = tp_.rng->fork(tp::RngTracker::Stream::kSplit);
     y = ops::attention(q, k, v, /*causal=*/true, p, ops::AttentionBackend::kSdpa, config_.attention_window,
@@ -486,11 +486,18 @@ GptImpl::GptImpl(ContextPtr ctx, const GptConfig& config, std::uint64_t seed, Gp
   c.moe.validate_ep(ctx_->ep_size());
   tp_.ep = ctx_->ep_comm();
   tp_.cp = ctx_->cp_comm();
+  tp_.cp_comm = ctx_->config().cp_comm;
   if (ctx_->cp_size() > 1) {
     const auto cp = ctx_->cp_size();
-    DTRAIN_CHECK_ARG(c.attention == ops::AttentionBackend::kSdpa, "--attention ", ops::to_string(c.attention),
-                     " with --cp=", cp, " is not available (the flash kernel has no query offset yet); allowed: "
-                     "--attention sdpa");
+    if (tp_.cp_comm == CpComm::kAllGather) {
+      DTRAIN_CHECK_ARG(c.attention == ops::AttentionBackend::kSdpa, "--attention ", ops::to_string(c.attention),
+                       " with --cp=", cp, " --cp-comm all_gather is not available (the flash kernel has no query "
+                       "offset yet); allowed: --attention sdpa, or --cp-comm a2a");
+    } else {
+      DTRAIN_CHECK_ARG((c.n_head / tp_.size) % cp == 0, "n_head=", c.n_head, " (--n-head) over --tp=", tp_.size,
+                       " leaves ", c.n_head / tp_.size, " heads per rank, which --cp=", cp, " --cp-comm a2a cannot ",
+                       "split; allowed: a --cp that divides them, or --cp-comm all_gather");
+    }
     DTRAIN_CHECK_ARG(c.dropout == 0, "--dropout=", c.dropout, " with --cp=", cp,
                      " is not available; allowed: --dropout 0");
     DTRAIN_CHECK_ARG(!c.moe.enabled(), "mixture-of-experts layers (--moe-experts ", c.moe.experts, ") with --cp=",

@@ -5,6 +5,15 @@
 
 namespace dtrain {
 
+CpComm parse_cp_comm(const std::string& name, const char* option) {
+  if (name == "all_gather") return CpComm::kAllGather;
+  if (name == "a2a") return CpComm::kAllToAll;
+  DTRAIN_CHECK_ARG(false, option, "=", name, " is not a context-parallel communication; allowed: all_gather, a2a");
+  return CpComm::kAllGather;
+}
+
+const char* to_string(CpComm comm) { return comm == CpComm::kAllToAll ? "a2a" : "all_gather"; }
+
 MeshAxes ParallelConfig::mesh_axes(int world_size) const {
   DTRAIN_CHECK_ARG(tp >= 1 && pp >= 1 && ep >= 1 && cp >= 1 && dp >= 0 && dp_shard >= 0,
                    "parallel degrees must be positive (dp may be 0 for automatic); got ",
@@ -52,7 +61,7 @@ std::string ParallelConfig::describe(int world_size) const {
   return detail::str_cat("dp=", d == 0 ? std::string("auto") : std::to_string(d),
                          dp_shard > 0 ? " (dp_shard=" + std::to_string(dp_shard) + ")" : "",
                          " tp=", tp, sequence_parallel ? " (sequence parallel)" : "", " pp=", pp,
-                         " ep=", ep, " cp=", cp);
+                         " ep=", ep, " cp=", cp, cp > 1 ? std::string(" (") + to_string(cp_comm) + ")" : "");
 }
 
 namespace {

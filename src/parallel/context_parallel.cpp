@@ -1,19 +1,119 @@
-// Context parallelism: the load-balanced chunk layout and attention over gathered keys.
+// Context parallelism: the load-balanced chunk layout, and attention over the whole
+// sequence by gathered keys or by heads exchanged for positions.
 #include "dtrain/parallel/context_parallel.hpp"
 
-#include <ATen/ATen.h>
+#include <torch/torch.h>
 
 #include <vector>
 
 #include "dtrain/core/error.hpp"
-#include "dtrain/ops/attention.hpp"
 #include "dtrain/parallel/tensor_parallel.hpp"
 
 namespace dtrain::cp {
 
 namespace {
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
 // The chunk (of 2 cp) that rank r holds in its slot s (0, 1).
 std::int64_t chunk_of(int cp, int r, int s) { return s == 0 ? r : 2 * cp - 1 - r; }
+
+// Positions laid out in rank order (rank r's two chunks at slots 2r, 2r + 1, as an
+// all-gather or all-to-all delivers them) put in sequence order along dim, or back.
+at::Tensor reorder(const at::Tensor& x, std::int64_t dim, int cp, bool to_sequence) {
+  const auto L = x.size(dim) / (2 * cp);
+  std::vector<std::int64_t> source(static_cast<std::size_t>(2 * cp));  // per destination chunk
+  for (int r = 0; r < cp; ++r) {
+    for (int s = 0; s < 2; ++s) {
+      const std::int64_t chunk = chunk_of(cp, r, s), slot = 2 * r + s;
+      source[static_cast<std::size_t>(to_sequence ? chunk : slot)] = to_sequence ? slot : chunk;
+    }
+  }
+  std::vector<at::Tensor> index;
+  const auto opts = at::TensorOptions().dtype(at::kLong).device(x.device());
+  for (auto from : source) index.push_back(at::arange(from * L, (from + 1) * L, opts));
+  return x.index_select(dim, at::cat(index));
+}
+
+// Heads for positions: x [B, cp, G, Tl, D] (G heads for each rank, this rank's Tl
+// positions) -> [B, G, cp Tl, D] (this rank's G heads, every rank's positions in rank
+// order); and its inverse. One all-to-all each.
+at::Tensor heads_from_positions(const at::Tensor& x, Communicator& c) {
+  const auto B = x.size(0), N = x.size(1), G = x.size(2), Tl = x.size(3), D = x.size(4);
+  const auto in = x.transpose(0, 1).contiguous();  // [cp, B, G, Tl, D]: row j goes to rank j
+  auto out = at::empty_like(in);                   // row i: rank i's positions
+  c.all_to_all(out, in)->wait();
+  return out.permute({1, 2, 0, 3, 4}).reshape({B, G, N * Tl, D});
+}
+at::Tensor positions_from_heads(const at::Tensor& y, Communicator& c) {
+  const auto B = y.size(0), G = y.size(1), N = static_cast<std::int64_t>(c.size()), D = y.size(3);
+  const auto Tl = y.size(2) / N;
+  const auto in = y.reshape({B, G, N, Tl, D}).permute({2, 0, 1, 3, 4}).contiguous();  // row i: rank i's positions
+  auto out = at::empty_like(in);  // row j: rank j's heads
+  c.all_to_all(out, in)->wait();
+  return out.transpose(0, 1).contiguous();  // [B, cp, G, Tl, D]
+}
+
+// The exchange with autograd: the gradient goes back by the inverse exchange.
+struct HeadExchange : public torch::autograd::Function<HeadExchange> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, std::int64_t comm, bool to_heads) {
+    ctx->saved_data["comm"] = comm;
+    ctx->saved_data["to_heads"] = to_heads;
+    auto& c = *reinterpret_cast<Communicator*>(comm);
+    return to_heads ? heads_from_positions(x, c) : positions_from_heads(x, c);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto& c = *reinterpret_cast<Communicator*>(ctx->saved_data["comm"].toInt());
+    const bool to_heads = ctx->saved_data["to_heads"].toBool();
+    return {to_heads ? positions_from_heads(grads[0], c) : heads_from_positions(grads[0], c), at::Tensor(),
+            at::Tensor()};
+  }
+};
+at::Tensor exchange(const at::Tensor& x, const CommPtr& cp, bool to_heads) {
+  return HeadExchange::apply(x, reinterpret_cast<std::int64_t>(cp.get()), to_heads);
+}
+
+at::Tensor all_gather_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const CommPtr& cp,
+                                ops::AttentionBackend backend, double dropout_p, std::int64_t window,
+                                const ops::Documents& documents) {
+  DTRAIN_CHECK_ARG(backend == ops::AttentionBackend::kSdpa, "context parallel attention: --cp-comm all_gather ",
+                   "runs sdpa (each query chunk at its offset into the keys); got --attention ",
+                   ops::to_string(backend), "; allowed: --attention sdpa, or --cp-comm a2a");
+  const int n = cp->size();
+  const auto hkv = k.size(1), L = q.size(2) / 2;
+  // One all-gather for keys and values together.
+  const auto kv = gather_sequence(at::cat({k, v}, 1), 2, cp);
+  const auto keys = kv.narrow(1, 0, hkv), values = kv.narrow(1, hkv, hkv);
+  std::vector<at::Tensor> out;
+  for (int s = 0; s < 2; ++s) {
+    const auto g = chunk_of(n, cp->rank(), s);
+    const auto seen = (g + 1) * L;  // the keys up to the chunk's end
+    out.push_back(ops::attention(q.narrow(2, s * L, L), keys.narrow(2, 0, seen), values.narrow(2, 0, seen),
+                                 /*causal=*/true, dropout_p, backend, window, documents, g * L));
+  }
+  return at::cat(out, 2);
+}
+
+at::Tensor all_to_all_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const CommPtr& cp,
+                                ops::AttentionBackend backend, double dropout_p, std::int64_t window,
+                                const ops::Documents& documents) {
+  const std::int64_t n = cp->size(), B = q.size(0), H = q.size(1), Tl = q.size(2), D = q.size(3);
+  DTRAIN_CHECK_ARG(H % n == 0, "context parallel attention: --cp-comm a2a splits the ", H,
+                   " query heads (of this tensor-parallel rank) across --cp=", n,
+                   "; allowed: a --cp that divides them, or --cp-comm all_gather");
+  // Key/value heads split as the query heads that read them, or repeated per query head.
+  const bool repeat = k.size(1) % n != 0;
+  const auto keys = repeat ? k.repeat_interleave(H / k.size(1), 1) : k;
+  const auto values = repeat ? v.repeat_interleave(H / v.size(1), 1) : v;
+  const auto h = H / n, hkv = keys.size(1) / n;
+  auto per_rank = [&](const at::Tensor& t) { return t.reshape({B, n, t.size(1) / n, Tl, D}); };
+  // One all-to-all for q, k and v: [B, h + 2 hkv, T, D] in sequence order.
+  const auto whole =
+      reorder(exchange(at::cat({per_rank(q), per_rank(keys), per_rank(values)}, 2), cp, true), 2, n, true);
+  const auto y = ops::attention(whole.narrow(1, 0, h), whole.narrow(1, h, hkv), whole.narrow(1, h + hkv, hkv),
+                                /*causal=*/true, dropout_p, backend, window, documents);
+  return exchange(reorder(y, 2, n, false), cp, false).reshape({B, H, Tl, D});
+}
 }  // namespace
 
 void check_sequence(std::int64_t seq_len, int cp, const std::string& option) {
@@ -45,40 +145,21 @@ at::Tensor gather_sequence(const at::Tensor& x, std::int64_t dim, const CommPtr&
   dim = dim < 0 ? dim + x.dim() : dim;
   DTRAIN_CHECK_ARG(dim >= 0 && dim < x.dim() && x.size(dim) % 2 == 0, "context parallel: dimension ", dim,
                    " of ", x.sizes(), " is not a rank's two chunks of the sequence");
-  // Gathered in rank order: rank r's chunks (r, 2n - 1 - r) at slots 2r, 2r + 1.
-  const auto gathered = tp::gather_from_sequence(x, cp, dim);
-  const auto L = x.size(dim) / 2;
-  std::vector<std::int64_t> slot_of(static_cast<std::size_t>(2 * n));
-  for (int r = 0; r < n; ++r) {
-    for (int s = 0; s < 2; ++s) slot_of[static_cast<std::size_t>(chunk_of(n, r, s))] = 2 * r + s;
-  }
-  std::vector<at::Tensor> index;
-  const auto opts = at::TensorOptions().dtype(at::kLong).device(x.device());
-  for (auto slot : slot_of) index.push_back(at::arange(slot * L, (slot + 1) * L, opts));
-  return gathered.index_select(dim, at::cat(index));
+  return reorder(tp::gather_from_sequence(x, cp, dim), dim, n, /*to_sequence=*/true);
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const CommPtr& cp,
-                     double dropout_p, std::int64_t window, const ops::Documents& documents) {
+                     CpComm method, ops::AttentionBackend backend, double dropout_p, std::int64_t window,
+                     const ops::Documents& documents) {
   DTRAIN_CHECK_ARG(cp != nullptr, "context parallel: no cp communicator");
-  const int n = cp->size();
-  if (n == 1) return ops::attention(q, k, v, /*causal=*/true, dropout_p, ops::AttentionBackend::kSdpa, window, documents);
+  if (cp->size() == 1) return ops::attention(q, k, v, /*causal=*/true, dropout_p, backend, window, documents);
   DTRAIN_CHECK_ARG(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes() &&
-                       q.size(2) == k.size(2) && q.size(2) % 2 == 0,
+                       q.size(2) == k.size(2) && q.size(2) % 2 == 0 && q.size(1) % k.size(1) == 0,
                    "context parallel attention: q, k, v must be [batch, heads, 2 chunks of time, head_dim] with k "
-                   "and v alike; got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
-  const auto hkv = k.size(1), L = q.size(2) / 2;
-  // One all-gather for keys and values together.
-  const auto kv = gather_sequence(at::cat({k, v}, 1), 2, cp);
-  const auto keys = kv.narrow(1, 0, hkv), values = kv.narrow(1, hkv, hkv);
-  std::vector<at::Tensor> out;
-  for (int s = 0; s < 2; ++s) {
-    const auto g = chunk_of(n, cp->rank(), s);
-    const auto seen = (g + 1) * L;  // the keys up to the chunk's end
-    out.push_back(ops::attention(q.narrow(2, s * L, L), keys.narrow(2, 0, seen), values.narrow(2, 0, seen),
-                                 /*causal=*/true, dropout_p, ops::AttentionBackend::kSdpa, window, documents, g * L));
-  }
-  return at::cat(out, 2);
+                   "and v alike and a multiple of their heads in q; got ", q.sizes(), ", ", k.sizes(), ", ",
+                   v.sizes());
+  return method == CpComm::kAllToAll ? all_to_all_attention(q, k, v, cp, backend, dropout_p, window, documents)
+                                     : all_gather_attention(q, k, v, cp, backend, dropout_p, window, documents);
 }
 
 }  // namespace dtrain::cp

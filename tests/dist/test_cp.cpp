@@ -1,10 +1,11 @@
-// Context parallelism against the whole sequence in one process: the attention of each
-// rank's chunks over the gathered keys (outputs and gradients, with grouped-query heads, a
-// sliding window and packed documents) at cp = world size (1-4), and training: 10 steps of
-// the train harness at cp = world size, and composed with data parallelism, FSDP, tensor
-// and sequence parallelism and pipelines, each against the single-process run with the
-// harness's tolerances (losses rtol 1e-5, gradient norms 1e-4, parameters rtol 1e-5 /
-// atol 5e-5). Also the errors for what cannot be split.
+// Context parallelism against the whole sequence in one process, in both forms (keys and
+// values all-gathered; heads exchanged for positions by all-to-all): the attention of each
+// rank's chunks (outputs and gradients, with grouped-query heads, a sliding window and
+// packed documents) at cp = world size (1-4), and training: 10 steps of the train harness
+// at cp = world size, and composed with data parallelism, FSDP, tensor and sequence
+// parallelism and pipelines, each against the single-process run with the harness's
+// tolerances (losses rtol 1e-5, gradient norms 1e-4, parameters rtol 1e-5 / atol 5e-5).
+// Also the errors for what cannot be split.
 #include <torch/torch.h>
 
 #include "dtrain/parallel/context_parallel.hpp"
@@ -15,15 +16,18 @@ namespace {
 
 class CpTest : public TrainTest {
  protected:
-  ContextPtr context(int cp, int tp = 1, int pp = 1, bool sequence_parallel = false) {
+  ContextPtr context(int cp, CpComm comm = CpComm::kAllGather, int tp = 1, int pp = 1,
+                     bool sequence_parallel = false) {
     ParallelConfig c;
-    c.cp = cp, c.tp = tp, c.pp = pp, c.sequence_parallel = sequence_parallel;
+    c.cp = cp, c.cp_comm = comm, c.tp = tp, c.pp = pp, c.sequence_parallel = sequence_parallel;
     return std::make_shared<ParallelContext>(world(), c);
   }
-  // Packed documents (each line of the text one, positions restarting, no loss at the
-  // separators) and a sliding window shorter than the sequence.
+  // 12 heads over 2 key/value heads (a2a splits both at cp 2 and repeats the kv heads per
+  // query head at 3 and 4), packed documents (each line of the text one, positions
+  // restarting, no loss at the separators) and a sliding window shorter than the sequence.
   static models::GptConfig llama() {
     auto c = tiny_llama();
+    c.d_model = 96, c.n_head = 12;
     c.ffn_hidden = 96;  // divisible by the tp of the composed runs
     c.document_separator = 10, c.reset_position_ids = true;
     c.attention_window = 20;
@@ -70,14 +74,21 @@ TEST_F(CpTest, AttentionMatchesTheWholeSequence) {
   const int n = nranks();
   auto ctx = context(n);
   const int r = ctx->cp_rank();
-  const std::int64_t B = 2, H = 4, T = 24, D = 8;
+  const std::int64_t B = 2, H = 12, T = 24, D = 8;
   const auto f64 = torch::TensorOptions().dtype(torch::kDouble);
   struct Case {
+    CpComm comm;
     std::int64_t kv_heads, window;
     bool documents;
+    ops::AttentionBackend backend = ops::AttentionBackend::kSdpa;
   };
-  for (const auto& c : {Case{4, 0, false}, Case{2, 0, true}, Case{2, 7, false}, Case{4, 5, true}}) {
-    SCOPED_TRACE(format("kv heads {}, window {}, documents {}", c.kv_heads, c.window, c.documents));
+  const auto a2a = CpComm::kAllToAll, gather = CpComm::kAllGather;
+  const auto flash = ops::AttentionBackend::kFlash;  // its reference path on the CPU
+  for (const auto& c : {Case{gather, 12, 0, false}, Case{gather, 2, 0, true}, Case{gather, 4, 7, false},
+                        Case{gather, 12, 5, true}, Case{a2a, 12, 0, false}, Case{a2a, 2, 0, true},
+                        Case{a2a, 4, 7, false}, Case{a2a, 12, 5, true}, Case{a2a, 2, 5, true, flash}}) {
+    SCOPED_TRACE(format("{}, kv heads {}, window {}, documents {}, {}", to_string(c.comm), c.kv_heads, c.window,
+                        c.documents, ops::to_string(c.backend)));
     auto q = torch::randn({B, H, T, D}, f64), k = torch::randn({B, c.kv_heads, T, D}, f64);
     auto v = torch::randn({B, c.kv_heads, T, D}, f64), dy = torch::randn({B, H, T, D}, f64);
     // Documents of 1 to 9 tokens, numbered by their first token.
@@ -86,12 +97,12 @@ TEST_F(CpTest, AttentionMatchesTheWholeSequence) {
     const ops::Documents documents = c.documents ? ops::Documents(ids) : ops::Documents();
 
     auto qw = q.clone().requires_grad_(), kw = k.clone().requires_grad_(), vw = v.clone().requires_grad_();
-    const auto want = ops::attention(qw, kw, vw, true, 0.0, ops::AttentionBackend::kSdpa, c.window, documents);
+    const auto want = ops::attention(qw, kw, vw, true, 0.0, c.backend, c.window, documents);
     (want * dy).sum().backward();
 
     auto local = [&](const torch::Tensor& t) { return cp::take_local(t.detach(), 2, n, r).clone(); };
     auto ql = local(q).requires_grad_(), kl = local(k).requires_grad_(), vl = local(v).requires_grad_();
-    const auto got = cp::attention(ql, kl, vl, ctx->cp_comm(), 0.0, c.window, documents);
+    const auto got = cp::attention(ql, kl, vl, ctx->cp_comm(), c.comm, c.backend, 0.0, c.window, documents);
     (got * local(dy)).sum().backward();
     EXPECT_TRUE(torch::allclose(got, local(want), 1e-10, 1e-12)) << (got - local(want)).abs().max().item<double>();
     EXPECT_TRUE(torch::allclose(ql.grad(), local(qw.grad()), 1e-10, 1e-12));
@@ -101,14 +112,20 @@ TEST_F(CpTest, AttentionMatchesTheWholeSequence) {
   }
 }
 
-// cp = world size: Llama with packed documents and a window, GPT-2 with learned positions
-// and tied embeddings.
+// cp = world size: Llama with packed documents and a window in both forms (and a2a with
+// the flash backend), GPT-2 with learned positions and tied embeddings.
 TEST_F(CpTest, TrainingMatchesSingleProcess) {
   const int n = nranks();
   TestCorpus corpus("cp" + std::to_string(rank()));
+  for (const auto comm : {CpComm::kAllGather, CpComm::kAllToAll}) {
+    SCOPED_TRACE(format("llama, documents, window, {}", to_string(comm)));
+    expect_matches(context(n, comm), llama(), cp_options(corpus, /*eod_mask_loss=*/true));
+  }
   {
-    SCOPED_TRACE("llama, documents, window");
-    expect_matches(context(n), llama(), cp_options(corpus, /*eod_mask_loss=*/true));
+    SCOPED_TRACE("llama, a2a, flash attention");
+    auto cfg = llama();
+    cfg.attention = ops::AttentionBackend::kFlash;
+    expect_matches(context(n, CpComm::kAllToAll), cfg, cp_options(corpus, true));
   }
   {
     SCOPED_TRACE("gpt2");
@@ -116,9 +133,35 @@ TEST_F(CpTest, TrainingMatchesSingleProcess) {
   }
 }
 
-// With the other strategies: cp 2 with ZeRO-2 over dp x cp (2 ranks), cp 3 with full
+// The whole model's logits (gathered from every rank's positions) and the validation loss
+// (averaged over dp x cp) of the initial model equal the single process's, in both forms.
+TEST_F(CpTest, LogitsAndValidationLossMatchSingleProcess) {
+  const int n = nranks();
+  TestCorpus corpus("cpval" + std::to_string(rank()));
+  auto o = cp_options(corpus, /*eod_mask_loss=*/true);
+  o.val_data = corpus.val();
+  o.eval_batches = 2;
+  o.global_batch = 4;  // the validation split holds 11 samples of 48 tokens
+  const auto cfg = llama();
+  auto idx = torch::randint(0, cfg.vocab_size, {2, 48}, torch::kLong);
+  using torch::indexing::None, torch::indexing::Slice;
+  idx.index_put_({Slice(), Slice(None, None, 7)}, cfg.document_separator);  // documents of 7 tokens
+  world()->broadcast(idx)->wait();
+  Trainer single(ParallelContext::single_process(), cfg, o);
+  const auto want_logits = single.model()->forward(idx);
+  const double want_val = single.evaluate();
+  for (const auto comm : {CpComm::kAllGather, CpComm::kAllToAll}) {
+    SCOPED_TRACE(to_string(comm));
+    Trainer t(context(n, comm), cfg, o);
+    const auto logits = t.model()->forward(idx);
+    EXPECT_TRUE(torch::allclose(logits, want_logits, 1e-5, 1e-5)) << (logits - want_logits).abs().max().item<float>();
+    EXPECT_NEAR(t.evaluate(), want_val, 1e-5 * want_val);
+  }
+}
+
+// With the other strategies: cp 2 with ZeRO-2 over dp x cp (2 ranks), cp 3 (a2a) with full
 // sharding and recomputed blocks (3), and at 4 ranks cp 2 with dp 2 under full sharding,
-// with tp 2 and sequence parallelism, and with two pipeline stages.
+// with tp 2 and sequence parallelism (both forms), and with two pipeline stages.
 TEST_F(CpTest, ComposesWithTheOtherStrategies) {
   const int n = nranks();
   if (n == 1) GTEST_SKIP() << "nothing to compose on one rank";
@@ -134,23 +177,23 @@ TEST_F(CpTest, ComposesWithTheOtherStrategies) {
     expect_matches(context(2), llama(), sharded("zero2"));
   }
   if (n == 3) {
-    SCOPED_TRACE("cp 3, full sharding, recompute");
+    SCOPED_TRACE("cp 3 a2a, full sharding, recompute");
     auto cfg = llama();
     cfg.recompute_blocks = -1;
-    expect_matches(context(3), cfg, sharded("full"));
+    expect_matches(context(3, CpComm::kAllToAll), cfg, sharded("full"));
   }
   if (n == 4) {
     {
       SCOPED_TRACE("dp 2 x cp 2, full sharding");
       expect_matches(context(2), llama(), sharded("full"));
     }
-    {
-      SCOPED_TRACE("cp 2 x tp 2, sequence parallel");
-      expect_matches(context(2, 2, 1, true), llama(), o);
+    for (const auto comm : {CpComm::kAllGather, CpComm::kAllToAll}) {
+      SCOPED_TRACE(format("cp 2 x tp 2, sequence parallel, {}", to_string(comm)));
+      expect_matches(context(2, comm, 2, 1, true), llama(), o);
     }
     {
       SCOPED_TRACE("pp 2 x cp 2");
-      expect_matches(context(2, 1, 2), llama(), o);
+      expect_matches(context(2, CpComm::kAllGather, 1, 2), llama(), o);
     }
   }
 }
@@ -166,7 +209,14 @@ TEST_F(CpTest, RefusesWhatItCannotSplit) {
   o = cp_options(corpus, false);
   auto cfg = llama();
   cfg.attention = ops::AttentionBackend::kFlash;
-  expect_has(error_message([&] { Trainer(context(n), cfg, o); }), {"--attention flash", "--attention sdpa"});
+  expect_has(error_message([&] { Trainer(context(n), cfg, o); }),
+             {"--attention flash", "--cp-comm all_gather", "allowed: --attention sdpa, or --cp-comm a2a"});
+  // a2a splits the heads: 5 heads over 2, 3 or 4 ranks cannot be.
+  auto five = models::GptConfig::preset("tiny");
+  five.n_head = five.n_kv_head = 5, five.d_model = 80;
+  expect_has(error_message([&] { Trainer(context(n, CpComm::kAllToAll), five, o); }),
+             {"n_head=5", format("--cp={} --cp-comm a2a cannot split", n), "or --cp-comm all_gather"});
+  expect_has(error_message([&] { parse_cp_comm("ring"); }), {"--cp-comm=ring", "all_gather, a2a"});
   cfg = llama();
   cfg.dropout = 0.1;
   expect_has(error_message([&] { Trainer(context(n), cfg, o); }), {"--dropout=0.1", "allowed: --dropout 0"});

@@ -122,6 +122,7 @@ struct TpEnv {
   std::shared_ptr<tp::RngTracker> rng;
   CommPtr ep;  // the expert-parallel group (MoE blocks)
   CommPtr cp;  // the context-parallel group (attention over the whole sequence); null: none
+  CpComm cp_comm = CpComm::kAllGather;
 };
 
 // One transformer block (pre-norm attention + MLP with residuals): attention heads and the
@@ -178,8 +179,8 @@ struct GptStage {
 // layer. MoE auxiliary losses are not part of loss(): their gradients enter in backward,
 // scaled by set_loss_grad_scale.
 // Context parallelism (ctx cp > 1): every cp rank is given the whole micro-batch (token
-// ids, targets) and computes its cp::take_local share of the positions; attention gathers
-// the keys and values of the whole sequence (cp::attention). forward() gathers the logits
+// ids, targets) and computes its cp::take_local share of the positions; attention sees
+// the whole sequence through cp::attention (ctx's cp_comm). forward() gathers the logits
 // of every position; loss() is the mean over this rank's positions (the trainer weighs it).
 class GptImpl : public torch::nn::Module {
  public:

@@ -13,6 +13,16 @@
 
 namespace dtrain {
 
+// How attention crosses the context-parallel ranks (--cp-comm): kAllGather gathers every
+// rank's keys and values (Llama 3's form: any head count, sdpa only); kAllToAll exchanges
+// heads for positions around attention (DeepSpeed-Ulysses: each rank attends over the
+// whole sequence with n_head / cp of the heads, on any attention backend).
+enum class CpComm { kAllGather, kAllToAll };
+// "all_gather" | "a2a" (Megatron-Core's names); InvalidArgument naming `option`, the value
+// and the allowed ones.
+CpComm parse_cp_comm(const std::string& name, const char* option = "--cp-comm");
+const char* to_string(CpComm comm);
+
 struct ParallelConfig {
   int dp = 0;  // data-parallel degree; 0: whatever the world size leaves after the others
   int tp = 1;  // tensor parallel (innermost axis)
@@ -21,6 +31,7 @@ struct ParallelConfig {
   // MoE layer's experts and exchange tokens (must divide dp; does not add ranks).
   int ep = 1;
   int cp = 1;  // context parallel: each sequence split across cp ranks (parallel/context_parallel.hpp)
+  CpComm cp_comm = CpComm::kAllGather;
   // Hybrid sharding (HSDP): the dp ranks form dp / dp_shard replicas of dp_shard ranks
   // each (mesh axes dp_replicate x dp_shard); 0: no such split (axis dp).
   int dp_shard = 0;

@@ -1,9 +1,10 @@
 // Context parallelism: the sequence split across the cp ranks, each holding two of its
 // 2 x cp equal chunks (rank r: chunks r and 2 cp - 1 - r, so that every rank has the same
-// share of causal attention's work), and attention over the whole sequence from there: keys
-// and values all-gathered across cp, their gradients reduce-scattered back (Llama 3's
-// all-gather context parallelism). Everything else in a transformer is per token. The
-// collectives are tp's sequence functions over the cp group (counted in tp::comm_stats()).
+// share of causal attention's work), and attention over the whole sequence from there,
+// in one of two forms (CpComm): keys and values all-gathered across cp, their gradients
+// reduce-scattered back (Llama 3's), or heads exchanged for positions by all-to-all
+// (DeepSpeed-Ulysses). Everything else in a transformer is per token. The all-gather form
+// uses tp's sequence functions over the cp group (counted in tp::comm_stats()).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -12,10 +13,8 @@
 #include <string>
 
 #include "dtrain/comm/communicator.hpp"
-
-namespace dtrain::ops {
-class Documents;
-}
+#include "dtrain/ops/attention.hpp"
+#include "dtrain/parallel/context.hpp"
 
 namespace dtrain::cp {
 
@@ -37,11 +36,17 @@ at::Tensor gather_sequence(const at::Tensor& x, std::int64_t dim, const CommPtr&
 
 // Causal attention of this rank's queries over the whole sequence: q [B, H, T / cp, D],
 // k and v [B, Hkv, T / cp, D] in take_local order; returns [B, H, T / cp, D] in that order.
-// Keys and values are gathered in one all-gather; each of the two local chunks of queries
-// attends to the keys up to its own end (ops::attention with the chunk's query offset,
-// LibTorch's sdpa). window and documents ([B, T], the whole sequence's) as ops::attention's.
-// At cp = 1: ops::attention.
+// window and documents ([B, T], the whole sequence's) as ops::attention's. At cp = 1:
+// ops::attention.
+// - kAllGather: keys and values gathered in one all-gather; each of the two local chunks
+//   of queries attends to the keys up to its own end (ops::attention with the chunk's
+//   query offset). sdpa only: InvalidArgument for the flash backend.
+// - kAllToAll: one all-to-all gives each rank H / cp query heads (and their key/value
+//   heads; repeated per query head when cp does not divide Hkv) over the whole sequence,
+//   ordinary causal attention on `backend` runs there, and a second all-to-all returns the
+//   output's positions. InvalidArgument when cp does not divide H.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const CommPtr& cp,
-                     double dropout_p, std::int64_t window, const ops::Documents& documents);
+                     CpComm method, ops::AttentionBackend backend, double dropout_p, std::int64_t window,
+                     const ops::Documents& documents);
 
 }  // namespace dtrain::cp
