@@ -244,8 +244,8 @@ Trainer::Trainer(ContextPtr ctx, models::GptConfig model, TrainOptions options)
   torch::manual_seed(options_.seed + 1000003ULL * static_cast<std::uint64_t>(ctx_->rank()));
   if (!options_.trace_path.empty()) {
     trace_ = std::make_unique<trace::Recorder>(
-        ctx_->rank(), format("rank {} (pp {}, dp {}, tp {})", ctx_->rank(), ctx_->pp_rank(),
-                             ctx_->dp_rank(), ctx_->tp_rank()));
+        ctx_->rank(), format("rank {} (pp {}, dp {}, cp {}, tp {})", ctx_->rank(), ctx_->pp_rank(),
+                             ctx_->dp_rank(), ctx_->cp_rank(), ctx_->tp_rank()));
     if (!ctx_->device().is_cpu()) {
       const auto device = ctx_->device();
       trace_->set_end_hook([device] { synchronize(device); });

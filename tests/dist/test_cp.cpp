@@ -41,7 +41,8 @@ class CpTest : public TrainTest {
     return o;
   }
   void expect_matches(const ContextPtr& ctx, const models::GptConfig& cfg, TrainOptions o) {
-    const auto ref_o = o;
+    auto ref_o = o;
+    ref_o.fsdp = "none";  // the plain single-process run (hybrid sharding needs ranks)
     if (ctx->pp_size() > 1) o.micro_batch = 1;
     Trainer parallel(ctx, cfg, o);
     expect_equivalent(parallel, single_process_reference(cfg, ref_o));
@@ -161,7 +162,8 @@ TEST_F(CpTest, LogitsAndValidationLossMatchSingleProcess) {
 
 // With the other strategies: cp 2 with ZeRO-2 over dp x cp (2 ranks), cp 3 (a2a) with full
 // sharding and recomputed blocks (3), and at 4 ranks cp 2 with dp 2 under full sharding,
-// with tp 2 and sequence parallelism (both forms), and with two pipeline stages.
+// with tp 2 and sequence parallelism (both forms), under hybrid sharding (the shards over
+// cp, replicas over dp), and with two pipeline stages.
 TEST_F(CpTest, ComposesWithTheOtherStrategies) {
   const int n = nranks();
   if (n == 1) GTEST_SKIP() << "nothing to compose on one rank";
@@ -190,6 +192,12 @@ TEST_F(CpTest, ComposesWithTheOtherStrategies) {
     for (const auto comm : {CpComm::kAllGather, CpComm::kAllToAll}) {
       SCOPED_TRACE(format("cp 2 x tp 2, sequence parallel, {}", to_string(comm)));
       expect_matches(context(2, comm, 2, 1, true), llama(), o);
+    }
+    {
+      SCOPED_TRACE("hybrid sharding: 2 replicas x (1 dp shard x cp 2)");
+      ParallelConfig c;
+      c.cp = 2, c.dp_shard = 1;
+      expect_matches(std::make_shared<ParallelContext>(world(), c), llama(), sharded("hybrid"));
     }
     {
       SCOPED_TRACE("pp 2 x cp 2");
