@@ -1,5 +1,6 @@
-// What the benchmark programs share: the median of timings, and a synthetic token shard
-// (random ids; contents do not change timing) for runs through the Trainer.
+// What the benchmark programs share: the median of timings, the largest of a figure over
+// the ranks, and a synthetic token shard (random ids; contents do not change timing) for
+// runs through the Trainer.
 #pragma once
 
 #include <torch/torch.h>
@@ -9,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "dtrain/comm/communicator.hpp"
 #include "dtrain/core/fs.hpp"
 #include "dtrain/data/token_shard.hpp"
 
@@ -19,6 +21,13 @@ inline double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const std::size_t n = v.size();
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// The largest v over the ranks of world (a collective), through a tensor on `device`.
+inline double max_over_ranks(const CommPtr& world, c10::Device device, double v) {
+  auto t = torch::full({1}, v, torch::kDouble).to(device);
+  world->all_reduce(t, {ReduceOp::kMax})->synchronize();
+  return t.cpu().item<double>();
 }
 
 // Writes `count` random token ids below vocab_size (a fixed seed) as one shard in dir

@@ -1,16 +1,19 @@
 // cp_bench: what context parallelism costs and saves. On N ranks it trains one model on the
 // same global batch of N samples of --seq tokens in each layout: pure data parallelism (each
 // rank one whole sample a step: the baseline), and for each c in --cp, c context-parallel
-// ranks per sample (dp = N / c) in both --cp-comm forms, with micro-batches of one sample,
+// ranks per sample (dp = N / c) in each --cp-comm form the attention backend allows
+// (--attention sdpa: all_gather and a2a; flash: a2a and p2p), with micro-batches of one sample,
 // so that a rank holds seq / c of the positions at a time. Per layout: the median step
 // time and its ratio to the baseline, the peak memory a rank allocates during a step above
 // what it held before it (CPU: live tensors, tracked; CUDA: the caching allocator) and its
 // ratio to the baseline, and the bytes a rank sends per step in context-parallel
 // collectives against the analytical count of docs/parallelism.md (measured for
-// all_gather, which runs tp's sequence functions; a2a's all-to-alls are not counted).
+// all_gather, which runs tp's sequence functions; a2a's all-to-alls and p2p's sends are
+// not counted).
 //
 //   mpirun -np 2 build/benchmarks/cp_bench --seq 1024
 //   mpirun -np 4 build/benchmarks/cp_bench --cp 2,4 --family llama --n-kv-head 2 --seq 2048
+//   mpirun -np 2 build/benchmarks/cp_bench --attention flash --seq 1024
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -29,7 +32,7 @@
 namespace {
 
 struct Options {
-  std::string preset = "tiny", json, backend = "auto", family;
+  std::string preset = "tiny", json, backend = "auto", family, attention = "sdpa";
   std::int64_t n_kv_head = 0, n_layer = 0, context = 0, seq = 1024, steps = 3, warmup = 1;
   std::vector<int> cp = {2};
 };
@@ -40,16 +43,22 @@ struct Options {
 //   all_gather  (c - 1) 2 b (T/c) Hkv hd e             (an all-gather, then a reduce-scatter)
 //   a2a         (c - 1)/c (2 H + 2 Hkv') b (T/c) hd e   (two all-to-alls; Hkv' = Hkv, or H
 //                                                        when c does not divide Hkv)
+//   p2p         (c - 1) 2 b (T/c) Hkv hd e forward; backward that again and c hops of the
+//               keys' float32 gradients, c 2 b (T/c) Hkv hd 4
 double theory_bytes(const dtrain::models::GptConfig& m, dtrain::CpComm comm, int c, std::int64_t seq,
                     std::int64_t micro_batches) {
   if (c == 1) return 0;
   const double e = 4, local = static_cast<double>(seq / c), hd = static_cast<double>(m.head_dim());
   const double H = static_cast<double>(m.n_head);
   const double hkv = static_cast<double>(m.n_kv_head % c == 0 ? m.n_kv_head : m.n_head);
-  const double per_layer = comm == dtrain::CpComm::kAllGather
-                               ? (c - 1) * 2.0 * local * static_cast<double>(m.n_kv_head) * hd * e
-                               : (c - 1.0) / c * (2 * H + 2 * hkv) * local * hd * e;
-  return 2 * per_layer * static_cast<double>(m.n_layer * micro_batches);
+  const double kv = 2.0 * local * static_cast<double>(m.n_kv_head) * hd;  // one rank's keys and values
+  double per_layer = 0;
+  switch (comm) {
+    case dtrain::CpComm::kAllGather: per_layer = 2 * (c - 1) * kv * e; break;
+    case dtrain::CpComm::kAllToAll: per_layer = 2 * (c - 1.0) / c * (2 * H + 2 * hkv) * local * hd * e; break;
+    case dtrain::CpComm::kRing: per_layer = 2 * (c - 1) * kv * e + c * kv * 4; break;
+  }
+  return per_layer * static_cast<double>(m.n_layer * micro_batches);
 }
 
 struct Row {
@@ -72,6 +81,8 @@ int main(int argc, char** argv) {
   app.add_option("--steps", o.steps, "timed steps per layout")->check(CLI::PositiveNumber);
   app.add_option("--warmup", o.warmup, "untimed steps per layout (at least 1: the optimizer state)")->check(CLI::PositiveNumber);
   app.add_option("--cp", o.cp, "context-parallel degrees to run (each dividing the world)")->delimiter(',');
+  app.add_option("--attention", o.attention, "sdpa (rows: dp, all_gather, a2a) or flash (dp, a2a, p2p; on the CPU its reference path)")
+      ->check(CLI::IsMember({"sdpa", "flash"}));
   app.add_option("--backend", o.backend, "auto, mpi or nccl")->check(CLI::IsMember({"auto", "mpi", "nccl"}));
   app.add_option("-J,--json", o.json, "append one JSON object per layout to this file");
   CLI11_PARSE(app, argc, argv);
@@ -87,6 +98,7 @@ int main(int argc, char** argv) {
     if (!o.family.empty()) cfg.family = o.family;
     if (o.n_kv_head > 0) cfg.n_kv_head = o.n_kv_head;
     cfg.context = o.context > 0 ? o.context : std::max(cfg.context, o.seq);
+    cfg.attention = dtrain::ops::parse_attention_backend(o.attention);
     cfg.validate();
     DTRAIN_CHECK_ARG(cfg.vocab_size <= 65536, "--preset ", o.preset, " has vocabulary ", cfg.vocab_size,
                      "; token shards hold uint16 ids: allowed presets have vocabularies <= 65536");
@@ -109,16 +121,15 @@ int main(int argc, char** argv) {
     to.adamw.lr = 1e-4;
     to.progress = "off";
 
-    auto max_over_ranks = [&](double v) {
-      auto t = torch::full({1}, v, torch::kDouble).to(device);
-      rt.world()->all_reduce(t, {dtrain::ReduceOp::kMax})->synchronize();
-      return t.cpu().item<double>();
-    };
+    auto max_over_ranks = [&](double v) { return dtrain::bench::max_over_ranks(rt.world(), device, v); };
 
     std::vector<Row> rows;
     std::vector<std::pair<int, dtrain::CpComm>> layouts = {{1, dtrain::CpComm::kAllGather}};
+    const bool flash = cfg.attention == dtrain::ops::AttentionBackend::kFlash;
     for (int c : o.cp) {
-      for (auto comm : {dtrain::CpComm::kAllGather, dtrain::CpComm::kAllToAll}) layouts.emplace_back(c, comm);
+      for (auto comm : {dtrain::CpComm::kAllGather, dtrain::CpComm::kAllToAll, dtrain::CpComm::kRing}) {
+        if (flash ? comm != dtrain::CpComm::kAllGather : comm != dtrain::CpComm::kRing) layouts.emplace_back(c, comm);
+      }
     }
     for (const auto& [c, comm] : layouts) {
       if (comm == dtrain::CpComm::kAllToAll && cfg.n_head % c != 0) continue;  // a2a splits the heads
@@ -153,11 +164,12 @@ int main(int argc, char** argv) {
 
     if (rt.rank() == 0) {
       std::printf("# cp_bench: preset %s %s (%d layers, d %lld, %lld heads / %lld kv), %d rank(s) on %s, "
-                  "global batch %d x %lld tokens, micro-batches of 1 sample, fp32, median of %lld steps\n",
+                  "global batch %d x %lld tokens, micro-batches of 1 sample, fp32, attention %s, median of %lld "
+                  "steps\n",
                   o.preset.c_str(), cfg.family.c_str(), static_cast<int>(cfg.n_layer),
                   static_cast<long long>(cfg.d_model), static_cast<long long>(cfg.n_head),
                   static_cast<long long>(cfg.n_kv_head), n, dtrain::train::device_name(device).c_str(), n,
-                  static_cast<long long>(o.seq), static_cast<long long>(o.steps));
+                  static_cast<long long>(o.seq), o.attention.c_str(), static_cast<long long>(o.steps));
       std::printf("%-14s %3s %3s %9s %8s %10s %8s %12s %12s\n", "layout", "cp", "dp", "step_ms", "vs_dp",
                   "peak_MiB", "vs_dp", "cp_MB/step", "theory_MB");
       const auto& base = rows.front();
@@ -171,7 +183,7 @@ int main(int argc, char** argv) {
         std::printf("%-14s %3d %3d %9.1f %8.3f %10.2f %8.3f %12s %12.3f\n", layout.c_str(), r.cp, r.dp, r.step_ms,
                     r.step_ms / base.step_ms, r.peak_bytes / (1 << 20), r.peak_bytes / base.peak_bytes, sent,
                     r.theory / 1e6);
-        nlohmann::json j = {{"bench", "cp_bench"}, {"layout", layout}, {"preset", o.preset},
+        nlohmann::json j = {{"bench", "cp_bench"}, {"layout", layout}, {"attention", o.attention}, {"preset", o.preset},
                             {"family", cfg.family}, {"n_layer", cfg.n_layer}, {"n_head", cfg.n_head},
                             {"n_kv_head", cfg.n_kv_head}, {"nranks", n}, {"cp", r.cp}, {"dp", r.dp},
                             {"seq", o.seq}, {"global_batch", n}, {"step_ms", r.step_ms},

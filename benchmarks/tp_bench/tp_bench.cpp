@@ -129,11 +129,7 @@ int main(int argc, char** argv) {
     to.adamw.lr = 1e-4;
     to.progress = "off";
 
-    auto max_over_ranks = [&](double v) {
-      auto t = torch::full({1}, v, torch::kDouble).to(rt.device());
-      rt.world()->all_reduce(t, {dtrain::ReduceOp::kMax})->synchronize();
-      return t.cpu().item<double>();
-    };
+    auto max_over_ranks = [&](double v) { return dtrain::bench::max_over_ranks(rt.world(), rt.device(), v); };
 
     std::vector<Row> rows;
     for (int t : o.tp) {

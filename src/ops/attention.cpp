@@ -313,25 +313,36 @@ struct DocumentBounds {
   at::Tensor start, end;
 };
 
+// The two passes on the kernel where it runs, else on the reference path.
+std::pair<at::Tensor, at::Tensor> forward_pass(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                               bool causal, std::int64_t window, const DocumentBounds& docs,
+                                               double scale) {
+#ifdef DTRAIN_WITH_CUDA
+  if (detail::on_kernel_device(q)) return kernel_forward(q, k, v, causal, window, docs.start, docs.end, scale);
+#endif
+  return reference_forward(q, k, v, causal, window, docs.start, scale);
+}
+
+std::vector<at::Tensor> backward_pass(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& o, const at::Tensor& lse, const at::Tensor& dout, bool causal,
+                                      std::int64_t window, const DocumentBounds& docs, double scale) {
+#ifdef DTRAIN_WITH_CUDA
+  if (detail::on_kernel_device(q)) {
+    return kernel_backward(q, k, v, o, lse, dout, causal, window, docs.start, docs.end, scale);
+  }
+#endif
+  return reference_backward(q, k, v, o, lse, dout, causal, window, docs.start, scale);
+}
+
 class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, bool causal, std::int64_t window, const DocumentBounds& docs,
                             double scale) {
-    const auto& doc_start = docs.start;
-    const auto& doc_end = docs.end;
-    at::Tensor o, lse;
-#ifdef DTRAIN_WITH_CUDA
-    if (detail::on_kernel_device(q)) {
-      std::tie(o, lse) = kernel_forward(q, k, v, causal, window, doc_start, doc_end, scale);
-    } else
-#endif
-    {
-      std::tie(o, lse) = reference_forward(q, k, v, causal, window, doc_start, scale);
-    }
+    const auto [o, lse] = forward_pass(q, k, v, causal, window, docs, scale);
     ctx->save_for_backward({q, k, v, o, lse});
-    ctx->saved_data["doc_start"] = doc_start;
-    ctx->saved_data["doc_end"] = doc_end;
+    ctx->saved_data["doc_start"] = docs.start;
+    ctx->saved_data["doc_end"] = docs.end;
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["window"] = window;
     ctx->saved_data["scale"] = scale;
@@ -344,18 +355,9 @@ class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
     const bool causal = ctx->saved_data["causal"].toBool();
     const std::int64_t window = ctx->saved_data["window"].toInt();
     const double scale = ctx->saved_data["scale"].toDouble();
-    const auto doc_start = ctx->saved_data["doc_start"].toTensor(), doc_end = ctx->saved_data["doc_end"].toTensor();
-    std::vector<at::Tensor> g;
-#ifdef DTRAIN_WITH_CUDA
-    if (detail::on_kernel_device(saved[0])) {
-      g = kernel_backward(saved[0], saved[1], saved[2], saved[3], saved[4], grads[0], causal, window, doc_start,
-                          doc_end, scale);
-    } else
-#endif
-    {
-      g = reference_backward(saved[0], saved[1], saved[2], saved[3], saved[4], grads[0], causal, window, doc_start,
-                             scale);
-    }
+    const DocumentBounds docs{ctx->saved_data["doc_start"].toTensor(), ctx->saved_data["doc_end"].toTensor()};
+    const auto g = backward_pass(saved[0], saved[1], saved[2], saved[3], saved[4], grads[0], causal, window, docs,
+                                 scale);
     return {g[0], g[1], g[2], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -426,6 +428,25 @@ at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   DocumentBounds docs;
   if (documents.defined()) std::tie(docs.start, docs.end) = documents.bounds();
   return FlashAttentionFn::apply(q, k, v, causal, window, docs, scale);
+}
+
+std::pair<at::Tensor, at::Tensor> flash_attention_forward(const at::Tensor& q, const at::Tensor& k,
+                                                          const at::Tensor& v, bool causal, double scale) {
+  check_inputs(q, k, v, causal, 0);
+  return forward_pass(q, k, v, causal, 0, {}, scale <= 0 ? 1.0 / std::sqrt(static_cast<double>(q.size(3))) : scale);
+}
+
+std::vector<at::Tensor> flash_attention_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 const at::Tensor& o, const at::Tensor& lse, const at::Tensor& dout,
+                                                 bool causal, double scale) {
+  check_inputs(q, k, v, causal, 0);
+  DTRAIN_OP_CHECK(o.sizes() == q.sizes() && dout.sizes() == q.sizes(), kOp, "o ", o.sizes(), " and dout ",
+                  dout.sizes(), " must have q's shape ", q.sizes());
+  DTRAIN_OP_CHECK(lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) && lse.size(2) == q.size(2),
+                  kOp, "lse must be [batch, heads, seq_q] = [", q.size(0), ", ", q.size(1), ", ", q.size(2), "]; got ",
+                  lse.sizes());
+  return backward_pass(q, k, v, o, lse.contiguous(), dout, causal, 0, {},
+                       scale <= 0 ? 1.0 / std::sqrt(static_cast<double>(q.size(3))) : scale);
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,

@@ -8,11 +8,20 @@ namespace dtrain {
 CpComm parse_cp_comm(const std::string& name, const char* option) {
   if (name == "all_gather") return CpComm::kAllGather;
   if (name == "a2a") return CpComm::kAllToAll;
-  DTRAIN_CHECK_ARG(false, option, "=", name, " is not a context-parallel communication; allowed: all_gather, a2a");
+  if (name == "p2p") return CpComm::kRing;
+  DTRAIN_CHECK_ARG(false, option, "=", name,
+                   " is not a context-parallel communication; allowed: all_gather, a2a, p2p");
   return CpComm::kAllGather;
 }
 
-const char* to_string(CpComm comm) { return comm == CpComm::kAllToAll ? "a2a" : "all_gather"; }
+const char* to_string(CpComm comm) {
+  switch (comm) {
+    case CpComm::kAllToAll: return "a2a";
+    case CpComm::kRing: return "p2p";
+    case CpComm::kAllGather: break;
+  }
+  return "all_gather";
+}
 
 MeshAxes ParallelConfig::mesh_axes(int world_size) const {
   DTRAIN_CHECK_ARG(tp >= 1 && pp >= 1 && ep >= 1 && cp >= 1 && dp >= 0 && dp_shard >= 0,

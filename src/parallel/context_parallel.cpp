@@ -4,6 +4,7 @@
 
 #include <torch/torch.h>
 
+#include <limits>
 #include <vector>
 
 #include "dtrain/core/error.hpp"
@@ -71,6 +72,115 @@ struct HeadExchange : public torch::autograd::Function<HeadExchange> {
 };
 at::Tensor exchange(const at::Tensor& x, const CommPtr& cp, bool to_heads) {
   return HeadExchange::apply(x, reinterpret_cast<std::int64_t>(cp.get()), to_heads);
+}
+
+// Ring attention (Megatron-Core's p2p): keys and values go round the ring of cp ranks,
+// cp - 1 hops, the next hop posted before this one's blocks are computed; each rank runs
+// flash attention on the blocks of (its query chunk, the visiting key chunk) it may see and
+// merges them by log-sum-exp. The backward sends them round again with their gradients,
+// which reach their owner after the last hop; each block's gradients come from the
+// merged output and log-sum-exp (ops::flash_attention_backward).
+struct Block {
+  std::int64_t row, rows, col, cols;  // local positions: queries [row, row + rows), keys [col, col + cols)
+  bool causal;
+};
+// What rank r's queries see of rank s's keys (chunks r, 2N - 1 - r against s, 2N - 1 - s).
+std::vector<Block> visible_blocks(int r, int s, std::int64_t L) {
+  if (s == r) return {{0, L, 0, L, true}, {L, L, L, L, true}, {L, L, 0, L, false}};
+  if (s < r) return {{0, 2 * L, 0, L, false}};  // s's first chunk precedes both of r's
+  return {{L, L, 0, 2 * L, false}};             // only r's second chunk follows s's
+}
+
+// Sends t to the next rank of the ring and receives the previous rank's into a new tensor.
+at::Tensor pass_on(Communicator& c, const at::Tensor& t, std::vector<WorkPtr>& works) {
+  auto in = at::empty_like(t);
+  const int n = c.size(), r = c.rank();
+  works = c.batch_p2p({{P2POp::Kind::kSend, t, (r + 1) % n, 0}, {P2POp::Kind::kRecv, in, (r + n - 1) % n, 0}});
+  return in;
+}
+void wait_all(std::vector<WorkPtr>& works) {
+  for (auto& w : works) w->wait();
+  works.clear();
+}
+
+struct RingAttention : public torch::autograd::Function<RingAttention> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            std::int64_t comm) {
+    auto& c = *reinterpret_cast<Communicator*>(comm);
+    const int n = c.size(), r = c.rank();
+    const auto L = q.size(2) / 2, hkv = k.size(1);
+    // The merge runs in float32 (float64 for float64 inputs).
+    const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    auto o = at::zeros(q.sizes(), q.options().dtype(acc));
+    auto lse = at::full({q.size(0), q.size(1), q.size(2)}, -std::numeric_limits<double>::infinity(),
+                        q.options().dtype(acc));
+    auto kv = at::cat({k, v}, 1).contiguous();
+    std::vector<WorkPtr> works;
+    for (int i = 0; i < n; ++i) {
+      const auto next = i + 1 < n ? pass_on(c, kv, works) : at::Tensor();
+      for (const auto& b : visible_blocks(r, (r + n - i) % n, L)) {
+        const auto keys = kv.narrow(2, b.col, b.cols);
+        const auto [ob, lb] = ops::flash_attention_forward(q.narrow(2, b.row, b.rows), keys.narrow(1, 0, hkv),
+                                                           keys.narrow(1, hkv, hkv), b.causal);
+        auto rows_lse = lse.narrow(2, b.row, b.rows), rows_o = o.narrow(2, b.row, b.rows);
+        const auto merged = at::logaddexp(rows_lse, lb.to(acc));
+        rows_o.copy_(rows_o * (rows_lse - merged).exp().unsqueeze(-1) +
+                     ob.to(acc) * (lb.to(acc) - merged).exp().unsqueeze(-1));
+        rows_lse.copy_(merged);
+      }
+      wait_all(works);
+      if (next.defined()) kv = next;
+    }
+    auto out = o.to(q.scalar_type());
+    ctx->save_for_backward({q, k, v, out, lse});
+    ctx->saved_data["comm"] = comm;
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto& c = *reinterpret_cast<Communicator*>(ctx->saved_data["comm"].toInt());
+    const auto saved = ctx->get_saved_variables();
+    const auto &q = saved[0], &k = saved[1], &v = saved[2], &o = saved[3], &lse = saved[4];
+    const auto dout = grads[0].contiguous();
+    const int n = c.size(), r = c.rank();
+    const auto L = q.size(2) / 2, hkv = k.size(1);
+    const auto acc = lse.scalar_type();
+    auto dq = at::zeros(q.sizes(), q.options().dtype(acc));
+    auto kv = at::cat({k, v}, 1).contiguous();
+    auto dkv = at::zeros(kv.sizes(), kv.options().dtype(acc));  // the visiting keys' gradients
+    std::vector<WorkPtr> works;
+    for (int i = 0; i < n; ++i) {
+      const auto next = i + 1 < n ? pass_on(c, kv, works) : at::Tensor();
+      for (const auto& b : visible_blocks(r, (r + n - i) % n, L)) {
+        const auto keys = kv.narrow(2, b.col, b.cols);
+        const auto g = ops::flash_attention_backward(
+            q.narrow(2, b.row, b.rows), keys.narrow(1, 0, hkv), keys.narrow(1, hkv, hkv), o.narrow(2, b.row, b.rows),
+            lse.narrow(2, b.row, b.rows), dout.narrow(2, b.row, b.rows), b.causal);
+        dq.narrow(2, b.row, b.rows).add_(g[0].to(acc));
+        dkv.narrow(2, b.col, b.cols).narrow(1, 0, hkv).add_(g[1].to(acc));
+        dkv.narrow(2, b.col, b.cols).narrow(1, hkv, hkv).add_(g[2].to(acc));
+      }
+      wait_all(works);
+      // The gradients follow their keys: after the last hop each rank holds its own.
+      std::vector<WorkPtr> passed;
+      auto incoming = pass_on(c, dkv, passed);
+      wait_all(passed);  // before the sent tensor may go
+      dkv = incoming;
+      if (next.defined()) kv = next;
+    }
+    return {dq.to(q.scalar_type()), dkv.narrow(1, 0, hkv).to(k.scalar_type()),
+            dkv.narrow(1, hkv, hkv).to(v.scalar_type()), at::Tensor()};
+  }
+};
+
+at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const CommPtr& cp,
+                          ops::AttentionBackend backend, double dropout_p, std::int64_t window,
+                          const ops::Documents& documents) {
+  DTRAIN_CHECK_ARG(backend == ops::AttentionBackend::kFlash && dropout_p == 0 && window == 0 && !documents.defined(),
+                   "context parallel attention: --cp-comm p2p runs flash attention on whole blocks of keys, without "
+                   "dropout, sliding windows or documents; got --attention ", ops::to_string(backend), ", dropout ",
+                   dropout_p, ", window ", window, documents.defined() ? ", documents" : "",
+                   "; allowed: --attention flash with none of them, or --cp-comm all_gather or a2a");
+  return RingAttention::apply(q, k, v, reinterpret_cast<std::int64_t>(cp.get()));
 }
 
 at::Tensor all_gather_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const CommPtr& cp,
@@ -158,8 +268,12 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                    "context parallel attention: q, k, v must be [batch, heads, 2 chunks of time, head_dim] with k "
                    "and v alike and a multiple of their heads in q; got ", q.sizes(), ", ", k.sizes(), ", ",
                    v.sizes());
-  return method == CpComm::kAllToAll ? all_to_all_attention(q, k, v, cp, backend, dropout_p, window, documents)
-                                     : all_gather_attention(q, k, v, cp, backend, dropout_p, window, documents);
+  switch (method) {
+    case CpComm::kAllToAll: return all_to_all_attention(q, k, v, cp, backend, dropout_p, window, documents);
+    case CpComm::kRing: return ring_attention(q, k, v, cp, backend, dropout_p, window, documents);
+    case CpComm::kAllGather: break;
+  }
+  return all_gather_attention(q, k, v, cp, backend, dropout_p, window, documents);
 }
 
 }  // namespace dtrain::cp

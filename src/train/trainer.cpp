@@ -777,9 +777,9 @@ void Trainer::log_summary() const {
     log_info("context parallel: {} ranks split each sequence, {} positions per rank (2 chunks of {}); {}; "
              "gradients averaged over dp x cp = {} rank(s)",
              ctx_->cp_size(), o.seq_len / ctx_->cp_size(), o.seq_len / (2 * ctx_->cp_size()),
-             ctx_->config().cp_comm == CpComm::kAllToAll
-                 ? "heads exchanged for positions around attention (all-to-all)"
-                 : "keys and values all-gathered per layer",
+             ctx_->config().cp_comm == CpComm::kAllToAll ? "heads exchanged for positions around attention (all-to-all)"
+             : ctx_->config().cp_comm == CpComm::kRing   ? "keys and values passed round the ring (p2p)"
+                                                         : "keys and values all-gathered per layer",
              ctx_->dp_cp_comm()->size());
   }
   if (model_config_.moe.enabled()) {

@@ -139,6 +139,10 @@ if(MPIEXEC)
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --cp 2 --seq-len 30)
   expect(np2-cp-flash 2 "--attention flash with --cp=2 --cp-comm all_gather is not available.*allowed: --attention sdpa, or --cp-comm a2a"
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --cp 2 --attention flash)
+  expect(np2-cp-p2p 0 "context parallel: 2 ranks.*keys and values passed round the ring \\(p2p\\).*val loss"
+         CPU NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --cp 2 --cp-comm p2p --attention flash)
+  expect(np2-cp-p2p-documents 2 "--cp-comm p2p \\(ring attention\\) runs flash attention on whole blocks.*--document-separator 10.*allowed: --attention flash, no window, no documents"
+         NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --cp 2 --cp-comm p2p --attention flash --document-separator 10)
   expect(np2-cp-a2a 0 "context parallel: 2 ranks.*heads exchanged for positions around attention \\(all-to-all\\).*val loss"
          CPU NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --cp 2 --cp-comm a2a --attention flash)
   expect(np2-pp-documents 0 "documents end at token 10.*pipeline: 2 stages x 1 chunk.*val loss"

@@ -1,5 +1,6 @@
-// Context parallelism against the whole sequence in one process, in both forms (keys and
-// values all-gathered; heads exchanged for positions by all-to-all): the attention of each
+// Context parallelism against the whole sequence in one process, in its three forms (keys
+// and values all-gathered; heads exchanged for positions by all-to-all; keys and values
+// passed round a ring, flash attention on blocks merged by log-sum-exp): the attention of each
 // rank's chunks (outputs and gradients, with grouped-query heads, a sliding window and
 // packed documents) at cp = world size (1-4), and training: 10 steps of the train harness
 // at cp = world size, and composed with data parallelism, FSDP, tensor and sequence
@@ -31,6 +32,14 @@ class CpTest : public TrainTest {
     c.ffn_hidden = 96;  // divisible by the tp of the composed runs
     c.document_separator = 10, c.reset_position_ids = true;
     c.attention_window = 20;
+    return c;
+  }
+  // What ring attention takes: flash attention without documents or a window.
+  static models::GptConfig ring_llama() {
+    auto c = llama();
+    c.document_separator = -1, c.reset_position_ids = false;
+    c.attention_window = 0;
+    c.attention = ops::AttentionBackend::kFlash;
     return c;
   }
   // 48 tokens: 2 x cp chunks for every cp in 1..4 (and 6 at cp 3).
@@ -83,11 +92,12 @@ TEST_F(CpTest, AttentionMatchesTheWholeSequence) {
     bool documents;
     ops::AttentionBackend backend = ops::AttentionBackend::kSdpa;
   };
-  const auto a2a = CpComm::kAllToAll, gather = CpComm::kAllGather;
+  const auto a2a = CpComm::kAllToAll, gather = CpComm::kAllGather, ring = CpComm::kRing;
   const auto flash = ops::AttentionBackend::kFlash;  // its reference path on the CPU
   for (const auto& c : {Case{gather, 12, 0, false}, Case{gather, 2, 0, true}, Case{gather, 4, 7, false},
                         Case{gather, 12, 5, true}, Case{a2a, 12, 0, false}, Case{a2a, 2, 0, true},
-                        Case{a2a, 4, 7, false}, Case{a2a, 12, 5, true}, Case{a2a, 2, 5, true, flash}}) {
+                        Case{a2a, 4, 7, false}, Case{a2a, 12, 5, true}, Case{a2a, 2, 5, true, flash},
+                        Case{ring, 12, 0, false, flash}, Case{ring, 2, 0, false, flash}}) {
     SCOPED_TRACE(format("{}, kv heads {}, window {}, documents {}, {}", to_string(c.comm), c.kv_heads, c.window,
                         c.documents, ops::to_string(c.backend)));
     auto q = torch::randn({B, H, T, D}, f64), k = torch::randn({B, c.kv_heads, T, D}, f64);
@@ -121,6 +131,10 @@ TEST_F(CpTest, TrainingMatchesSingleProcess) {
   for (const auto comm : {CpComm::kAllGather, CpComm::kAllToAll}) {
     SCOPED_TRACE(format("llama, documents, window, {}", to_string(comm)));
     expect_matches(context(n, comm), llama(), cp_options(corpus, /*eod_mask_loss=*/true));
+  }
+  {
+    SCOPED_TRACE("llama, p2p (flash attention, no documents)");
+    expect_matches(context(n, CpComm::kRing), ring_llama(), cp_options(corpus, false));
   }
   {
     SCOPED_TRACE("llama, a2a, flash attention");
@@ -162,7 +176,7 @@ TEST_F(CpTest, LogitsAndValidationLossMatchSingleProcess) {
 
 // With the other strategies: cp 2 with ZeRO-2 over dp x cp (2 ranks), cp 3 (a2a) with full
 // sharding and recomputed blocks (3), and at 4 ranks cp 2 with dp 2 under full sharding,
-// with tp 2 and sequence parallelism (both forms), under hybrid sharding (the shards over
+// with tp 2 and sequence parallelism (all three forms), under hybrid sharding (the shards over
 // cp, replicas over dp), and with two pipeline stages.
 TEST_F(CpTest, ComposesWithTheOtherStrategies) {
   const int n = nranks();
@@ -189,9 +203,10 @@ TEST_F(CpTest, ComposesWithTheOtherStrategies) {
       SCOPED_TRACE("dp 2 x cp 2, full sharding");
       expect_matches(context(2), llama(), sharded("full"));
     }
-    for (const auto comm : {CpComm::kAllGather, CpComm::kAllToAll}) {
+    for (const auto comm : {CpComm::kAllGather, CpComm::kAllToAll, CpComm::kRing}) {
       SCOPED_TRACE(format("cp 2 x tp 2, sequence parallel, {}", to_string(comm)));
-      expect_matches(context(2, comm, 2, 1, true), llama(), o);
+      const bool ring = comm == CpComm::kRing;  // no documents: no loss mask either
+      expect_matches(context(2, comm, 2, 1, true), ring ? ring_llama() : llama(), ring ? cp_options(corpus, false) : o);
     }
     {
       SCOPED_TRACE("hybrid sharding: 2 replicas x (1 dp shard x cp 2)");
@@ -224,7 +239,11 @@ TEST_F(CpTest, RefusesWhatItCannotSplit) {
   five.n_head = five.n_kv_head = 5, five.d_model = 80;
   expect_has(error_message([&] { Trainer(context(n, CpComm::kAllToAll), five, o); }),
              {"n_head=5", format("--cp={} --cp-comm a2a cannot split", n), "or --cp-comm all_gather"});
-  expect_has(error_message([&] { parse_cp_comm("ring"); }), {"--cp-comm=ring", "all_gather, a2a"});
+  expect_has(error_message([&] { parse_cp_comm("ring"); }), {"--cp-comm=ring", "all_gather, a2a, p2p"});
+  // The ring runs flash attention on whole blocks: no sdpa, no window, no documents.
+  expect_has(error_message([&] { Trainer(context(n, CpComm::kRing), llama(), o); }),
+             {"--cp-comm p2p", "--attention sdpa", "--attention-window 20", "--document-separator 10",
+              "allowed: --attention flash"});
   cfg = llama();
   cfg.dropout = 0.1;
   expect_has(error_message([&] { Trainer(context(n), cfg, o); }), {"--dropout=0.1", "allowed: --dropout 0"});

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "common/corpus.hpp"
+#include "common/errors.hpp"
 #include "dtrain/core/env.hpp"
 #include "dtrain/core/error.hpp"
 #include "dtrain/ops/adamw.hpp"
@@ -114,6 +115,72 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionAutogradMatchesTheReferencePath) {
   }
   auto f = torch::randn({1, 2, 8, 64}, kernel_device());
   EXPECT_THROW(ops::flash_attention(f, f, f, true), InvalidArgument);  // float32 on the kernels' device
+}
+
+// Flash attention's two passes on blocks of keys, as ring attention (context parallelism,
+// --cp-comm p2p) uses them: causal attention over 2L tokens as three blocks (the first L
+// queries on their keys, causal; the last L on the first L keys, whole, and on their own,
+// causal), merged by the blocks' log-sum-exp, and each block's backward run from the merged
+// output and log-sum-exp, its gradients summed: output and gradients within twice the
+// error of LibTorch's bf16 attention over the whole, against float64, on each kernel.
+TEST(KERNEL_SUITE(Ops), FlashAttentionBlocksMergeToTheWhole) {
+  KERNEL_DEVICE_OR_SKIP();
+  for (auto kernel : attention_kernels()) {
+    env::ScopedOverride only(env::kAttentionKernel, kernel == DTRAIN_ATTENTION_KERNEL_MMA ? "mma" : "wgmma");
+    SCOPED_TRACE(kernel == DTRAIN_ATTENTION_KERNEL_MMA ? "mma.sync" : "wgmma");
+    torch::manual_seed(12);
+    const std::int64_t nb = kLargeCases ? 2 : 1, nh = 4, L = kLargeCases ? 150 : 35, d = 64;
+    auto q = torch::randn({nb, nh, 2 * L, d}), k = torch::randn({nb, 2, 2 * L, d}), v = torch::randn({nb, 2, 2 * L, d});
+    auto dout = torch::randn({nb, nh, 2 * L, d});
+    struct Block {
+      std::int64_t row, rows, col, cols;
+      bool causal;
+    };
+    const std::vector<Block> blocks = {{0, L, 0, L, true}, {L, L, 0, L, false}, {L, L, L, L, true}};
+    auto cu = [](const at::Tensor& t) { return t.to(kernel_device(), at::kBFloat16); };
+    const auto qd = cu(q), kd = cu(k), vd = cu(v), dd = cu(dout);
+    auto o = torch::zeros(q.sizes(), torch::kFloat);
+    auto lse = torch::full({nb, nh, 2 * L}, -std::numeric_limits<double>::infinity(), torch::kFloat);
+    for (const auto& b : blocks) {
+      const auto [ob, lb] = ops::flash_attention_forward(qd.narrow(2, b.row, b.rows), kd.narrow(2, b.col, b.cols),
+                                                         vd.narrow(2, b.col, b.cols), b.causal);
+      auto rows_o = o.narrow(2, b.row, b.rows), rows_lse = lse.narrow(2, b.row, b.rows);
+      const auto l = lb.cpu().to(at::kFloat), merged = at::logaddexp(rows_lse, l);
+      rows_o.copy_(rows_o * (rows_lse - merged).exp().unsqueeze(-1) +
+                   ob.cpu().to(at::kFloat) * (l - merged).exp().unsqueeze(-1));
+      rows_lse.copy_(merged);
+    }
+    const auto od = cu(o), lsed = lse.to(kernel_device());
+    auto dq = torch::zeros(q.sizes(), torch::kDouble), dk = torch::zeros(k.sizes(), torch::kDouble);
+    auto dv = torch::zeros(v.sizes(), torch::kDouble);
+    for (const auto& b : blocks) {
+      const auto g = ops::flash_attention_backward(
+          qd.narrow(2, b.row, b.rows), kd.narrow(2, b.col, b.cols), vd.narrow(2, b.col, b.cols),
+          od.narrow(2, b.row, b.rows), lsed.narrow(2, b.row, b.rows), dd.narrow(2, b.row, b.rows), b.causal);
+      dq.narrow(2, b.row, b.rows).add_(g[0].cpu().to(at::kDouble));
+      dk.narrow(2, b.col, b.cols).add_(g[1].cpu().to(at::kDouble));
+      dv.narrow(2, b.col, b.cols).add_(g[2].cpu().to(at::kDouble));
+    }
+    auto whole = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, const at::Tensor& g, bool sdpa) {
+      auto qa = a.detach().requires_grad_(), kb = b.detach().requires_grad_(), vc = c.detach().requires_grad_();
+      auto out = sdpa ? ops::attention(qa, kb, vc, true) : ops::flash_attention(qa, kb, vc, true);
+      out.backward(g);
+      return std::vector<at::Tensor>{out.cpu().to(at::kDouble), qa.grad().cpu().to(at::kDouble),
+                                     kb.grad().cpu().to(at::kDouble), vc.grad().cpu().to(at::kDouble)};
+    };
+    const auto want = whole(q.to(at::kDouble), k.to(at::kDouble), v.to(at::kDouble), dout.to(at::kDouble), false);
+    const auto sdpa = whole(qd, kd, vd, dd, true);
+    const std::vector<at::Tensor> got = {o.to(at::kBFloat16).to(at::kDouble), dq, dk, dv};
+    for (int i = 0; i < 4; ++i) {
+      const double e = (got[i] - want[i]).abs().max().item<double>();
+      const double base = (sdpa[i] - want[i]).abs().max().item<double>();
+      EXPECT_LE(e, 2 * base + 1e-3) << "output " << i << ": blocks " << e << ", sdpa " << base;
+    }
+  }
+  auto q = torch::randn({1, 2, 8, 16}, torch::kDouble);
+  testing::expect_has(
+      testing::error_message([&] { ops::flash_attention_backward(q, q, q, q, torch::zeros({1, 2, 7}), q, true); }),
+      {"lse must be [batch, heads, seq_q] = [1, 2, 8]", "[1, 2, 7]"});
 }
 
 // Attention on q, k, v [B, H, S, D] as a function of the three (inputs requiring grad).

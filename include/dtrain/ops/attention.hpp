@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace dtrain::ops {
 
@@ -78,6 +79,20 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 // or an unsupported head dim.
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                            double scale = 0.0, std::int64_t window = 0, const Documents& documents = {});
+
+// Flash attention's two passes without autograd, for callers that split the keys into
+// blocks and merge the blocks' results themselves (ring attention): the forward's output
+// and row log-sum-exp (float32 on the kernel, the compute type on the reference path;
+// [B, H, Sq]; +inf for a row that sees no key), and the backward's {dq, dk, dv} given the
+// output and log-sum-exp the rows were normalised by (for one block of keys: the merged
+// ones of all blocks, which makes its dq a share of the whole and its dk, dv whole). The
+// kernel on CUDA (bfloat16/float16), the reference path elsewhere; input checks as
+// flash_attention's. No window or documents.
+std::pair<at::Tensor, at::Tensor> flash_attention_forward(const at::Tensor& q, const at::Tensor& k,
+                                                          const at::Tensor& v, bool causal, double scale = 0.0);
+std::vector<at::Tensor> flash_attention_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 const at::Tensor& o, const at::Tensor& lse, const at::Tensor& dout,
+                                                 bool causal, double scale = 0.0);
 
 // Whether the CUDA kernel takes this head dim (multiples of 8 from 8 to 128); false in a
 // build without CUDA. The reference path takes any.

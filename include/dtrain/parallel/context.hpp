@@ -16,10 +16,12 @@ namespace dtrain {
 // How attention crosses the context-parallel ranks (--cp-comm): kAllGather gathers every
 // rank's keys and values (Llama 3's form: any head count, sdpa only); kAllToAll exchanges
 // heads for positions around attention (DeepSpeed-Ulysses: each rank attends over the
-// whole sequence with n_head / cp of the heads, on any attention backend).
-enum class CpComm { kAllGather, kAllToAll };
-// "all_gather" | "a2a" (Megatron-Core's names); InvalidArgument naming `option`, the value
-// and the allowed ones.
+// whole sequence with n_head / cp of the heads, on any attention backend); kRing passes
+// keys and values round the ranks (ring attention: flash attention on whole blocks,
+// merged by log-sum-exp; no windows or documents).
+enum class CpComm { kAllGather, kAllToAll, kRing };
+// "all_gather" | "a2a" | "p2p" (Megatron-Core's names); InvalidArgument naming `option`,
+// the value and the allowed ones.
 CpComm parse_cp_comm(const std::string& name, const char* option = "--cp-comm");
 const char* to_string(CpComm comm);
 
