@@ -1,16 +1,20 @@
 // What the benchmark programs share: the median of timings, the largest of a figure over
-// the ranks, and a synthetic token shard (random ids; contents do not change timing) for
-// runs through the Trainer.
+// the ranks, a synthetic token shard (random ids; contents do not change timing) for runs
+// through the Trainer, and the exit of a benchmark that caught an error.
 #pragma once
 
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
+#include <exception>
 #include <string>
 #include <vector>
 
 #include "dtrain/comm/communicator.hpp"
+#include "dtrain/comm/runtime.hpp"
+#include "dtrain/core/error.hpp"
 #include "dtrain/core/fs.hpp"
 #include "dtrain/data/token_shard.hpp"
 
@@ -42,6 +46,16 @@ inline std::string write_synthetic_shard(const std::string& dir, std::int64_t co
   for (std::int64_t i = 0; i < count; ++i) tokens[static_cast<std::size_t>(i)] = static_cast<std::uint16_t>(acc[i]);
   data::write_token_shard(dir + "/bench_train_000000.bin", tokens);
   return dir + "/bench_train_*.bin";
+}
+
+// The exit code of an error a benchmark caught, printed under its name: 2 for bad input
+// (InvalidArgument, which every rank raises alike), else 1, ending the whole job (peers
+// may be inside a collective with this rank). runtime: null before it exists.
+inline int fail(const char* bench, const std::exception& e, Runtime* runtime) {
+  std::fprintf(stderr, "%s: error: %s\n", bench, e.what());
+  if (dynamic_cast<const InvalidArgument*>(&e) != nullptr) return 2;
+  if (runtime != nullptr && runtime->size() > 1) runtime->abort(1);
+  return 1;
 }
 
 }  // namespace dtrain::bench

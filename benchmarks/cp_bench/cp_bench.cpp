@@ -24,6 +24,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/bench_util.hpp"
+#include "common/model_options.hpp"
 #include "dtrain/dtrain.hpp"
 #include "dtrain/parallel/tensor_parallel.hpp"
 #include "dtrain/train/device_stats.hpp"
@@ -32,8 +33,9 @@
 namespace {
 
 struct Options {
-  std::string preset = "tiny", json, backend = "auto", family, attention = "sdpa";
-  std::int64_t n_kv_head = 0, n_layer = 0, context = 0, seq = 1024, steps = 3, warmup = 1;
+  dtrain::bench::ModelOptions model;
+  std::string json, backend = "auto", attention = "sdpa";
+  std::int64_t context = 0, seq = 1024, steps = 3, warmup = 1;
   std::vector<int> cp = {2};
 };
 
@@ -72,10 +74,7 @@ struct Row {
 int main(int argc, char** argv) {
   Options o;
   CLI::App app{"cp_bench: context parallelism's step time and peak memory against data parallelism"};
-  app.add_option("--preset", o.preset, "model preset (vocabulary <= 65536)");
-  app.add_option("--n-layer", o.n_layer, "override the preset's block count (0: keep)")->check(CLI::NonNegativeNumber);
-  app.add_option("--family", o.family, "override the preset's family: gpt2 or llama (SwiGLU, RMSNorm, RoPE)");
-  app.add_option("--n-kv-head", o.n_kv_head, "llama: key/value heads (0: keep)")->check(CLI::NonNegativeNumber);
+  o.model.add_to(app);
   app.add_option("--context", o.context, "the model's context (0: max(the preset's, --seq))")->check(CLI::NonNegativeNumber);
   app.add_option("--seq", o.seq, "tokens per sample (a multiple of 2 x every --cp)")->check(CLI::PositiveNumber);
   app.add_option("--steps", o.steps, "timed steps per layout")->check(CLI::PositiveNumber);
@@ -93,15 +92,10 @@ int main(int argc, char** argv) {
     auto& rt = *runtime_holder;
     const auto device = rt.device();
     if (device.is_cpu()) dtrain::train::enable_cpu_memory_tracking();
-    auto cfg = dtrain::models::GptConfig::preset(o.preset);
-    if (o.n_layer > 0) cfg.n_layer = o.n_layer;
-    if (!o.family.empty()) cfg.family = o.family;
-    if (o.n_kv_head > 0) cfg.n_kv_head = o.n_kv_head;
+    auto cfg = o.model.config();
     cfg.context = o.context > 0 ? o.context : std::max(cfg.context, o.seq);
     cfg.attention = dtrain::ops::parse_attention_backend(o.attention);
     cfg.validate();
-    DTRAIN_CHECK_ARG(cfg.vocab_size <= 65536, "--preset ", o.preset, " has vocabulary ", cfg.vocab_size,
-                     "; token shards hold uint16 ids: allowed presets have vocabularies <= 65536");
     const int n = rt.size();
     for (int c : o.cp) {
       DTRAIN_CHECK_ARG(c >= 2 && n % c == 0, "--cp ", c, " does not divide the world size ", n,
@@ -166,7 +160,7 @@ int main(int argc, char** argv) {
       std::printf("# cp_bench: preset %s %s (%d layers, d %lld, %lld heads / %lld kv), %d rank(s) on %s, "
                   "global batch %d x %lld tokens, micro-batches of 1 sample, fp32, attention %s, median of %lld "
                   "steps\n",
-                  o.preset.c_str(), cfg.family.c_str(), static_cast<int>(cfg.n_layer),
+                  o.model.preset.c_str(), cfg.family.c_str(), static_cast<int>(cfg.n_layer),
                   static_cast<long long>(cfg.d_model), static_cast<long long>(cfg.n_head),
                   static_cast<long long>(cfg.n_kv_head), n, dtrain::train::device_name(device).c_str(), n,
                   static_cast<long long>(o.seq), o.attention.c_str(), static_cast<long long>(o.steps));
@@ -183,7 +177,7 @@ int main(int argc, char** argv) {
         std::printf("%-14s %3d %3d %9.1f %8.3f %10.2f %8.3f %12s %12.3f\n", layout.c_str(), r.cp, r.dp, r.step_ms,
                     r.step_ms / base.step_ms, r.peak_bytes / (1 << 20), r.peak_bytes / base.peak_bytes, sent,
                     r.theory / 1e6);
-        nlohmann::json j = {{"bench", "cp_bench"}, {"layout", layout}, {"attention", o.attention}, {"preset", o.preset},
+        nlohmann::json j = {{"bench", "cp_bench"}, {"layout", layout}, {"attention", o.attention}, {"preset", o.model.preset},
                             {"family", cfg.family}, {"n_layer", cfg.n_layer}, {"n_head", cfg.n_head},
                             {"n_kv_head", cfg.n_kv_head}, {"nranks", n}, {"cp", r.cp}, {"dp", r.dp},
                             {"seq", o.seq}, {"global_batch", n}, {"step_ms", r.step_ms},
@@ -195,13 +189,8 @@ int main(int argc, char** argv) {
         if (json.is_open()) json << j.dump() << '\n';
       }
     }
-  } catch (const dtrain::InvalidArgument& e) {
-    std::fprintf(stderr, "cp_bench: error: %s\n", e.what());
-    return 2;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "cp_bench: error: %s\n", e.what());
-    if (runtime_holder && runtime_holder->size() > 1) runtime_holder->abort(1);
-    return 1;
+    return dtrain::bench::fail("cp_bench", e, runtime_holder.get());
   }
   return 0;
 }

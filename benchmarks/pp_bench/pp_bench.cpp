@@ -217,14 +217,8 @@ int main(int argc, char** argv) {
         if (json.is_open()) json << j.dump() << '\n';
       }
     }
-  } catch (const dtrain::InvalidArgument& e) {
-    std::fprintf(stderr, "pp_bench: error: %s\n", e.what());
-    return 2;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "pp_bench: error: %s\n", e.what());
-    // Peers may be inside a collective with this rank: end the whole job.
-    if (runtime_holder && runtime_holder->size() > 1) runtime_holder->abort(1);
-    return 1;
+    return dtrain::bench::fail("pp_bench", e, runtime_holder.get());
   }
   return 0;
 }

@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/bench_util.hpp"
+#include "common/model_options.hpp"
 #include "dtrain/dtrain.hpp"
 #include "dtrain/parallel/tensor_parallel.hpp"
 #include "dtrain/train/trainer.hpp"
@@ -26,10 +27,9 @@
 namespace {
 
 struct Options {
-  std::string preset = "tiny", json, backend = "auto";
-  std::string family;
-  std::int64_t n_kv_head = 0;
-  std::int64_t n_layer = 0, batch = 2, seq = 64, steps = 4, warmup = 1;
+  dtrain::bench::ModelOptions model;
+  std::string json, backend = "auto";
+  std::int64_t batch = 2, seq = 64, steps = 4, warmup = 1;
   std::vector<int> tp = {1, 2, 4};
   bool fused_ce = false;
 };
@@ -81,10 +81,7 @@ struct Row {
 int main(int argc, char** argv) {
   Options o;
   CLI::App app{"tp_bench: tensor-parallel traffic against its analytical count, throughput against tp = 1"};
-  app.add_option("--preset", o.preset, "model preset (vocabulary <= 65536)");
-  app.add_option("--n-layer", o.n_layer, "override the preset's block count (0: keep)")->check(CLI::NonNegativeNumber);
-  app.add_option("--family", o.family, "override the preset's family: gpt2 or llama (SwiGLU, RMSNorm, RoPE)");
-  app.add_option("--n-kv-head", o.n_kv_head, "llama: key/value heads (0: keep); tp not dividing them replicates them")->check(CLI::NonNegativeNumber);
+  o.model.add_to(app);  // llama's kv heads: tp not dividing them replicates them
   app.add_option("--batch", o.batch, "samples per rank per step (global batch: batch x ranks)")->check(CLI::PositiveNumber);
   app.add_option("--seq", o.seq, "tokens per sample")->check(CLI::PositiveNumber);
   app.add_option("--steps", o.steps, "timed steps per layout")->check(CLI::PositiveNumber);
@@ -102,14 +99,9 @@ int main(int argc, char** argv) {
   try {
     runtime_holder = std::make_unique<dtrain::Runtime>(&argc, &argv, dtrain::RuntimeOptions{o.backend});
     auto& rt = *runtime_holder;
-    auto cfg = dtrain::models::GptConfig::preset(o.preset);
-    if (o.n_layer > 0) cfg.n_layer = o.n_layer;
-    if (!o.family.empty()) cfg.family = o.family;
-    if (o.n_kv_head > 0) cfg.n_kv_head = o.n_kv_head;
+    auto cfg = o.model.config();
     cfg.fused_ce = o.fused_ce;
     cfg.validate();
-    DTRAIN_CHECK_ARG(cfg.vocab_size <= 65536, "--preset ", o.preset, " has vocabulary ", cfg.vocab_size,
-                     "; token shards hold uint16 ids: allowed presets have vocabularies <= 65536");
     DTRAIN_CHECK_ARG(o.seq <= cfg.context, "--seq=", o.seq, " exceeds the context ", cfg.context);
     const int n = rt.size();
     for (int t : o.tp) {
@@ -165,7 +157,7 @@ int main(int argc, char** argv) {
     if (rt.rank() == 0) {
       std::printf("# tp_bench: preset %s %s (%d layers, d %lld, %lld heads / %lld kv), %d rank(s), "
                   "global batch %lld x %lld tokens, fp32, %s loss, median of %lld steps\n",
-                  o.preset.c_str(), cfg.family.c_str(), static_cast<int>(cfg.n_layer), static_cast<long long>(cfg.d_model),
+                  o.model.preset.c_str(), cfg.family.c_str(), static_cast<int>(cfg.n_layer), static_cast<long long>(cfg.d_model),
                   static_cast<long long>(cfg.n_head), static_cast<long long>(cfg.n_kv_head), n,
                   static_cast<long long>(to.global_batch), static_cast<long long>(o.seq),
                   o.fused_ce ? "fused" : "Megatron's", static_cast<long long>(o.steps));
@@ -181,7 +173,7 @@ int main(int argc, char** argv) {
         std::printf("%-6s %3d %3d %9.1f %10.0f %8.3f %14.3f %14.3f %8.4f %14.3f\n", layout, r.tp, r.dp,
                     r.step_ms, r.tokens_per_s, vs, r.comm_bytes / 1e6, r.theory / 1e6, ratio,
                     r.dp_bytes / 1e6);
-        nlohmann::json j = {{"bench", "tp_bench"}, {"strategy", layout}, {"preset", o.preset}, {"family", cfg.family},
+        nlohmann::json j = {{"bench", "tp_bench"}, {"strategy", layout}, {"preset", o.model.preset}, {"family", cfg.family},
                             {"n_layer", cfg.n_layer}, {"tp", r.tp}, {"dp", r.dp}, {"nranks", n},
                             {"sequence_parallel", r.sp}, {"fused_ce", o.fused_ce}, {"seq", o.seq}, {"global_batch", to.global_batch},
                             {"step_ms", r.step_ms}, {"tokens_per_s", r.tokens_per_s},
@@ -192,14 +184,8 @@ int main(int argc, char** argv) {
         if (json.is_open()) json << j.dump() << '\n';
       }
     }
-  } catch (const dtrain::InvalidArgument& e) {
-    std::fprintf(stderr, "tp_bench: error: %s\n", e.what());
-    return 2;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "tp_bench: error: %s\n", e.what());
-    // Peers may be inside a collective with this rank: end the whole job.
-    if (runtime_holder && runtime_holder->size() > 1) runtime_holder->abort(1);
-    return 1;
+    return dtrain::bench::fail("tp_bench", e, runtime_holder.get());
   }
   return 0;
 }

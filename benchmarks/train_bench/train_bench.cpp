@@ -334,13 +334,7 @@ int main(int argc, char** argv) {
       }
     }
     return 0;
-  } catch (const dtrain::InvalidArgument& e) {
-    std::fprintf(stderr, "train_bench: error: %s\n", e.what());
-    return 2;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "train_bench: error: %s\n", e.what());
-    // Peers may be inside a collective with this rank: end the whole job.
-    if (runtime_holder && runtime_holder->size() > 1) runtime_holder->abort(1);
-    return 1;
+    return dtrain::bench::fail("train_bench", e, runtime_holder.get());
   }
 }
