@@ -214,7 +214,7 @@ BlockImpl::BlockImpl(const GptConfig& c, TpEnv tp, std::int64_t index) : config_
   if (c.moe.is_moe_block(index)) {
     moe_ = register_module("moe", Moe(c.moe, c.d_model, c.expert_hidden(), tp_.comm,
                                       tp_.sequence_parallel,
-                                      tp_.ep ? tp_.ep : make_self_communicator("ep", 0)));
+                                      tp_.ep ? tp_.ep : make_self_communicator("ep", 0), tp_.cp));
     return;
   }
   fc_ = register_module("mlp_fc", tp::ColumnParallelLinear(c.d_model, c.mlp_hidden(), tp_.comm, column_));
@@ -507,9 +507,6 @@ GptImpl::GptImpl(ContextPtr ctx, const GptConfig& config, std::uint64_t seed, Gp
     }
     DTRAIN_CHECK_ARG(c.dropout == 0, "--dropout=", c.dropout, " with --cp=", cp,
                      " is not available; allowed: --dropout 0");
-    DTRAIN_CHECK_ARG(!c.moe.enabled(), "mixture-of-experts layers (--moe-experts ", c.moe.experts, ") with --cp=",
-                     cp, " are not available (their load-balancing losses would see one rank's positions); "
-                     "allowed: --cp 1, or a dense model");
   }
   // Registration order is parameter_shapes() order (own parameters first).
   if (stage_.head) {

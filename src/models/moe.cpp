@@ -32,8 +32,8 @@ bool is_expert_parameter(const std::string& name) {
 }
 
 MoeImpl::MoeImpl(const ep::MoeOptions& options, std::int64_t d_model, std::int64_t hidden, CommPtr tp,
-                 bool sequence_parallel, CommPtr ep)
-    : options_(options), d_(d_model), tp_(std::move(tp)), ep_(std::move(ep)),
+                 bool sequence_parallel, CommPtr ep, CommPtr cp)
+    : options_(options), d_(d_model), tp_(std::move(tp)), ep_(std::move(ep)), cp_(std::move(cp)),
       sequence_parallel_(sequence_parallel && tp_->size() > 1) {
   options_.validate();
   options_.validate_ep(ep_->size());
@@ -103,7 +103,7 @@ at::Tensor MoeImpl::forward(const at::Tensor& x) {
     const auto w = tp > 1 ? tp::copy_to_region(router, tp_) : router;
     logits = torch::mm(flat.to(torch::kFloat), w.to(torch::kFloat).t());
   }
-  const auto r = ep::route(logits, o.bias_update_rate > 0 ? bias_ : at::Tensor(), o);
+  const auto r = ep::route(logits, o.bias_update_rate > 0 ? bias_ : at::Tensor(), o, cp_);
   if (is_training() && !MoeRecomputeScope::active()) {
     torch::NoGradGuard no_grad;
     if (stats_.counts.device() != bias_.device()) reset_stats();  // the module moved

@@ -56,11 +56,13 @@ at::Tensor capacity_mask(const at::Tensor& experts, std::int64_t num_experts, st
 }
 
 at::Tensor load_balancing_loss(const at::Tensor& probs, const at::Tensor& experts,
-                               std::int64_t num_experts) {
+                               std::int64_t num_experts, const CommPtr& sequence) {
   const auto N = experts.size(0), k = experts.size(1);
   auto counts = torch::zeros({num_experts}, probs.options());
   counts.index_add_(0, experts.reshape({-1}), torch::ones({N * k}, probs.options()));
-  const auto f = counts / static_cast<double>(N * k);
+  const int ranks = sequence ? sequence->size() : 1;
+  if (ranks > 1) sequence->all_reduce(counts)->wait();  // no gradient: counts are constants
+  const auto f = counts / static_cast<double>(N * k * ranks);
   return static_cast<double>(num_experts) * (f * probs.mean(0)).sum();
 }
 
@@ -68,7 +70,7 @@ at::Tensor z_loss(const at::Tensor& logits) {
   return torch::logsumexp(logits, -1).pow(2).mean();
 }
 
-Routing route(const at::Tensor& logits, const at::Tensor& bias, const MoeOptions& o) {
+Routing route(const at::Tensor& logits, const at::Tensor& bias, const MoeOptions& o, const CommPtr& sequence) {
   DTRAIN_CHECK_ARG(logits.dim() == 2 && logits.size(1) == o.experts, "router logits must be [tokens, ",
                    o.experts, "]; got ", logits.sizes());
   const auto E = o.experts;
@@ -85,7 +87,8 @@ Routing route(const at::Tensor& logits, const at::Tensor& bias, const MoeOptions
   r.counts = torch::zeros({E}, r.experts.options());
   r.counts.index_add_(0, r.experts.reshape({-1}), torch::ones_like(r.experts.reshape({-1})));
   const auto zero = torch::zeros({}, logits32.options());
-  r.aux_loss = o.aux_loss_coeff > 0 ? o.aux_loss_coeff * load_balancing_loss(r.probs, r.experts, E) : zero;
+  r.aux_loss =
+      o.aux_loss_coeff > 0 ? o.aux_loss_coeff * load_balancing_loss(r.probs, r.experts, E, sequence) : zero;
   r.z_loss = o.z_loss_coeff > 0 ? o.z_loss_coeff * z_loss(logits32) : zero;
   const auto cap = capacity(logits.size(0), o);
   r.kept = cap < 0 ? torch::ones_like(r.experts, torch::kBool) : capacity_mask(r.experts, E, cap);

@@ -4,7 +4,8 @@
 // train harness's tolerances and identical routing: see expect_moe_equivalent; the
 // reference takes the same micro-batches one after another, so every micro-batch routes,
 // balances and drops as on its rank), composed with dp, FSDP,
-// tp (with sequence parallelism), pp and activation checkpointing; the step telemetry.
+// tp (with sequence parallelism), pp, context parallelism and activation checkpointing; the
+// step telemetry.
 #include <torch/torch.h>
 
 #include <cstdio>
@@ -101,17 +102,20 @@ class MoeTrainTest : public TrainTest {
   // each other can flip once the parameters have drifted by that rounding. From that step
   // on the runs differ, so the comparison then covers the steps before it, which must be
   // at least 5, and the parameters after them; a routing bug shows from the first step.
+  // seq_len > 0: instead of the harness's (context parallelism splits it in 2 x cp chunks).
   void expect_moe_equivalent(const ContextPtr& ctx, const models::GptConfig& cfg,
-                             const std::string& fsdp = "none") {
+                             const std::string& fsdp = "none", std::int64_t seq_len = 0) {
     constexpr std::int64_t kMinSameRouting = 5;
     constexpr double kAdamEps = 1e-6;
     TestCorpus corpus("moe" + std::to_string(rank()));
     auto o = options(corpus);
+    if (seq_len > 0) o.seq_len = seq_len;
     const std::int64_t per_rank = o.global_batch / ctx->dp_size();
     o.micro_batch = ctx->pp_size() > 1 ? 1 : per_rank;
     o.fsdp = fsdp;
     o.adamw.eps = kAdamEps;
     auto ref_options = options(corpus);
+    ref_options.seq_len = o.seq_len;
     ref_options.micro_batch = o.micro_batch;
     ref_options.adamw.eps = kAdamEps;
     Trainer parallel(ctx, cfg, o);
@@ -269,6 +273,26 @@ TEST_F(MoeTrainTest, ComposesWithDataParallelShardingTensorAndPipelineParallelis
 // The step's telemetry: every assignment counted once per layer (all ranks), nothing
 // dropped without capacity, all-to-all traffic only with ep > 1, router biases equal on
 // every rank after bias balancing.
+// Context parallelism (each rank routes its positions; the load-balancing loss counts the
+// assignments of the whole sequence): cp = world size, and at 4 ranks cp 2 x tp 2 with
+// sequence parallelism, 48 tokens (2 x cp chunks), dropless; the aux-loss-free bias too.
+TEST_F(MoeTrainTest, ContextParallelMatchesSingleProcess) {
+  const int n = nranks();
+  auto cfg = moe_model();
+  cfg.moe.bias_update_rate = 1e-3;
+  ParallelConfig c;
+  c.cp = n;
+  {
+    SCOPED_TRACE("cp = world");
+    expect_moe_equivalent(std::make_shared<ParallelContext>(world(), c), cfg, "none", 48);
+  }
+  if (n == 4) {
+    SCOPED_TRACE("cp 2 x tp 2, sequence parallel");
+    c.cp = 2, c.tp = 2, c.sequence_parallel = true;
+    expect_moe_equivalent(std::make_shared<ParallelContext>(world(), c), cfg, "none", 48);
+  }
+}
+
 TEST_F(MoeTrainTest, TelemetryCountsEveryAssignmentOnce) {
   const int n = nranks();
   auto cfg = moe_model();

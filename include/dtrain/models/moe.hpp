@@ -29,9 +29,10 @@ struct MoeStats {
 class MoeImpl : public torch::nn::Module {
  public:
   // tp: the tensor-parallel group (sequence_parallel: the input is split by sequence);
-  // ep: the expert-parallel group.
+  // ep: the expert-parallel group; cp: the context-parallel group (each rank routes its
+  // positions of the sequences; the load-balancing loss counts all of theirs), or null.
   MoeImpl(const ep::MoeOptions& options, std::int64_t d_model, std::int64_t hidden, CommPtr tp,
-          bool sequence_parallel, CommPtr ep);
+          bool sequence_parallel, CommPtr ep, CommPtr cp = nullptr);
   // x: the block's normed input [B, T (/ tp with sequence parallelism), d] -> the MLP output
   // of the same shape. Dropped assignments add nothing (the token keeps its residual). In
   // training the auxiliary losses enter the backward (see set_aux_loss_scale) and the
@@ -55,7 +56,7 @@ class MoeImpl : public torch::nn::Module {
   at::Tensor experts(const at::Tensor& rows, const std::vector<std::int64_t>& rows_per_expert);
   ep::MoeOptions options_;
   std::int64_t d_;
-  CommPtr tp_, ep_;
+  CommPtr tp_, ep_, cp_;
   bool sequence_parallel_;
   double aux_scale_ = 1.0;
   at::Tensor bias_;

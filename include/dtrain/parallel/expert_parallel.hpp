@@ -51,8 +51,11 @@ struct Routing {
 
 // Routes N tokens from router logits [N, E] (float32). bias: [E] added to the scores for
 // the top-k selection only (undefined: none). Gradients flow into logits through the
-// weights and both losses.
-Routing route(const at::Tensor& logits, const at::Tensor& bias, const MoeOptions& options);
+// weights and both losses. sequence: the ranks that route the rest of these tokens'
+// sequences (context parallelism; null or one rank: none), over which the load-balancing
+// loss's expert fractions are summed, so that its mean over them is the whole sequence's.
+Routing route(const at::Tensor& logits, const at::Tensor& bias, const MoeOptions& options,
+              const CommPtr& sequence = nullptr);
 
 // Tokens each expert takes of `tokens` (ceil(factor * tokens * topk / experts), at least
 // 1); -1 when dropless.
@@ -63,9 +66,11 @@ std::int64_t capacity(std::int64_t tokens, const MoeOptions& options);
 at::Tensor capacity_mask(const at::Tensor& experts, std::int64_t num_experts, std::int64_t capacity);
 
 // E * sum_e f_e * P_e with f_e the fraction of the N * k assignments given to expert e and
-// P_e the mean of probs[:, e] (1 when perfectly balanced); differentiable in probs.
+// P_e the mean of probs[:, e] (1 when perfectly balanced); differentiable in probs. With
+// `sequence` (as route's), f_e counts the assignments of all its ranks (equal N each): the
+// mean of the ranks' losses is then the loss of all their tokens together.
 at::Tensor load_balancing_loss(const at::Tensor& probs, const at::Tensor& experts,
-                               std::int64_t num_experts);
+                               std::int64_t num_experts, const CommPtr& sequence = nullptr);
 // mean over tokens of logsumexp(logits)^2.
 at::Tensor z_loss(const at::Tensor& logits);
 
