@@ -88,9 +88,6 @@ ParallelContext::ParallelContext(CommPtr world, ParallelConfig config, c10::Devi
     : config_(resolved(config, world->size())),
       device_(device),
       mesh_(world, config_.mesh_axes(world->size())) {
-  DTRAIN_CHECK_ARG(config_.cp == 1 || config_.ep == 1, "--cp=", config_.cp, " with --ep=", config_.ep,
-                   " is not available; allowed: --cp 1, or --ep 1 (context parallelism with expert "
-                   "parallelism is not implemented)");
   DTRAIN_CHECK_ARG(!config_.sequence_parallel || config_.tp > 1,
                    "--sequence-parallel needs --tp > 1 (got --tp ", config_.tp, ")");
 }
@@ -108,7 +105,7 @@ int ParallelContext::dp_rank() const {
 CommPtr ParallelContext::dp_cp_comm() {
   if (config_.cp == 1) return dp_comm();  // the same group: no second communicator
   if (config_.dp_shard > 0) return mesh_.comm({"dp_replicate", "dp_shard", "cp"});
-  return mesh_.comm({"dp", "cp"});  // ep is 1 with cp > 1
+  return mesh_.comm({"dp", "cp", "ep"});
 }
 
 CommPtr ParallelContext::shard_comm() {

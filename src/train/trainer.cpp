@@ -791,7 +791,7 @@ void Trainer::log_summary() const {
              layers, moe.every, moe.experts, model_config_.expert_hidden(), moe.topk, moe.score,
              moe.capacity_factor > 0 ? format("capacity factor {}", moe.capacity_factor) : std::string("dropless"),
              moe.aux_loss_coeff, moe.z_loss_coeff, moe.bias_update_rate, ctx_->ep_size(),
-             moe.experts / ctx_->ep_size(), ctx_->dp_size() / ctx_->ep_size());
+             moe.experts / ctx_->ep_size(), ctx_->dp_size() / ctx_->ep_size() * ctx_->cp_size());
   }
   log_info("device: {}; peak {} TFLOP/s per device{}", device_name_, peak_tflops_,
            peak_tflops_ > 0 ? "" : " (unknown: MFU not reported; --peak-tflops)");

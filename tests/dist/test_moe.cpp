@@ -275,7 +275,9 @@ TEST_F(MoeTrainTest, ComposesWithDataParallelShardingTensorAndPipelineParallelis
 // every rank after bias balancing.
 // Context parallelism (each rank routes its positions; the load-balancing loss counts the
 // assignments of the whole sequence): cp = world size, and at 4 ranks cp 2 x tp 2 with
-// sequence parallelism, 48 tokens (2 x cp chunks), dropless; the aux-loss-free bias too.
+// sequence parallelism and cp 2 x ep 2 (the experts split over the 2 dp ranks, their
+// gradients averaged over cp), 48 tokens (2 x cp chunks), dropless; the aux-loss-free
+// bias too.
 TEST_F(MoeTrainTest, ContextParallelMatchesSingleProcess) {
   const int n = nranks();
   auto cfg = moe_model();
@@ -287,9 +289,15 @@ TEST_F(MoeTrainTest, ContextParallelMatchesSingleProcess) {
     expect_moe_equivalent(std::make_shared<ParallelContext>(world(), c), cfg, "none", 48);
   }
   if (n == 4) {
-    SCOPED_TRACE("cp 2 x tp 2, sequence parallel");
-    c.cp = 2, c.tp = 2, c.sequence_parallel = true;
-    expect_moe_equivalent(std::make_shared<ParallelContext>(world(), c), cfg, "none", 48);
+    {
+      SCOPED_TRACE("cp 2 x tp 2, sequence parallel");
+      c.cp = 2, c.tp = 2, c.sequence_parallel = true;
+      expect_moe_equivalent(std::make_shared<ParallelContext>(world(), c), cfg, "none", 48);
+    }
+    SCOPED_TRACE("cp 2 x ep 2");
+    ParallelConfig e;
+    e.cp = 2, e.ep = 2;
+    expect_moe_equivalent(std::make_shared<ParallelContext>(world(), e), cfg, "none", 48);
   }
 }
 

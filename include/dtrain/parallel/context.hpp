@@ -55,8 +55,7 @@ using ContextPtr = std::shared_ptr<ParallelContext>;
 // collective over `world` only when an axis has size > 1 and its communicator is asked for.
 class ParallelContext {
  public:
-  // Raises InvalidArgument for degrees that do not fit the world, and for combinations this
-  // build does not implement (cp > 1 with ep > 1), naming the options.
+  // Raises InvalidArgument for degrees that do not fit the world, naming the options.
   ParallelContext(CommPtr world, ParallelConfig config, c10::Device device = c10::kCPU);
   // One process, every degree 1, on `device`.
   static ContextPtr single_process(c10::Device device = c10::kCPU);
@@ -95,12 +94,15 @@ class ParallelContext {
   int pp_rank() const { return mesh_.coord("pp"); }
   int pp_size() const { return config_.pp; }
   // Expert parallelism: the ranks that split each MoE layer's experts (part of the dp
-  // group, tp coordinate fixed), and the ranks that hold the same experts (dp / ep of them:
-  // expert gradients are averaged over it). Self and dp_comm() at ep = 1.
+  // group, tp and cp coordinates fixed), and the ranks that hold the same experts (dp / ep
+  // of them, x cp: expert gradients are averaged over it). Self and dp_cp_comm() at ep = 1.
   CommPtr ep_comm() { return mesh_.comm("ep"); }
   int ep_rank() const { return mesh_.coord("ep"); }
   int ep_size() const { return config_.ep; }
-  CommPtr expert_dp_comm() { return config_.ep > 1 ? mesh_.comm("dp") : dp_comm(); }
+  CommPtr expert_dp_comm() {
+    if (config_.ep == 1) return dp_cp_comm();
+    return config_.cp > 1 ? mesh_.comm({"dp", "cp"}) : mesh_.comm("dp");
+  }
   bool is_single_process() const { return world_size() == 1; }
 
  private:
