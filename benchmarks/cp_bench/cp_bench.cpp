@@ -2,7 +2,7 @@
 // same global batch of N samples of --seq tokens in each layout: pure data parallelism (each
 // rank one whole sample a step: the baseline), and for each c in --cp, c context-parallel
 // ranks per sample (dp = N / c) in each --cp-comm form the attention backend allows
-// (--attention sdpa: all_gather and a2a; flash: a2a and p2p), with micro-batches of one sample,
+// (--attention sdpa: all_gather and a2a; flash: all three), with micro-batches of one sample,
 // so that a rank holds seq / c of the positions at a time. Per layout: the median step
 // time and its ratio to the baseline, the peak memory a rank allocates during a step above
 // what it held before it (CPU: live tensors, tracked; CUDA: the caching allocator) and its
@@ -80,7 +80,7 @@ int main(int argc, char** argv) {
   app.add_option("--steps", o.steps, "timed steps per layout")->check(CLI::PositiveNumber);
   app.add_option("--warmup", o.warmup, "untimed steps per layout (at least 1: the optimizer state)")->check(CLI::PositiveNumber);
   app.add_option("--cp", o.cp, "context-parallel degrees to run (each dividing the world)")->delimiter(',');
-  app.add_option("--attention", o.attention, "sdpa (rows: dp, all_gather, a2a) or flash (dp, a2a, p2p; on the CPU its reference path)")
+  app.add_option("--attention", o.attention, "sdpa (rows: dp, all_gather, a2a) or flash (dp, all_gather, a2a, p2p; on the CPU its reference path)")
       ->check(CLI::IsMember({"sdpa", "flash"}));
   app.add_option("--backend", o.backend, "auto, mpi or nccl")->check(CLI::IsMember({"auto", "mpi", "nccl"}));
   app.add_option("-J,--json", o.json, "append one JSON object per layout to this file");
@@ -122,7 +122,7 @@ int main(int argc, char** argv) {
     const bool flash = cfg.attention == dtrain::ops::AttentionBackend::kFlash;
     for (int c : o.cp) {
       for (auto comm : {dtrain::CpComm::kAllGather, dtrain::CpComm::kAllToAll, dtrain::CpComm::kRing}) {
-        if (flash ? comm != dtrain::CpComm::kAllGather : comm != dtrain::CpComm::kRing) layouts.emplace_back(c, comm);
+        if (flash || comm != dtrain::CpComm::kRing) layouts.emplace_back(c, comm);  // the ring runs flash only
       }
     }
     for (const auto& [c, comm] : layouts) {

@@ -74,7 +74,7 @@ void define(CLI::App& app, Options& o) {
   app.add_option("--tp", o.tp, "tensor-parallel degree (adjacent ranks; heads, MLP width and vocabulary split)")->group(run);
   app.add_flag("--sequence-parallel", o.sequence_parallel, "with --tp: split the activations between tensor-parallel layers along the sequence")->group(run);
   app.add_option("--cp", o.cp, "context-parallel degree (each sequence split across cp ranks; --seq-len a multiple of 2 x cp)")->group(run);
-  app.add_option("--cp-comm", o.cp_comm, "with --cp: all_gather (keys and values gathered; sdpa), a2a (heads exchanged for positions; any --attention, heads divisible by cp) or p2p (ring attention; --attention flash, no window or documents)")->check(CLI::IsMember({"all_gather", "a2a", "p2p"}))->group(run);
+  app.add_option("--cp-comm", o.cp_comm, "with --cp: all_gather (keys and values gathered; any --attention), a2a (heads exchanged for positions; any --attention, heads divisible by cp) or p2p (ring attention; --attention flash)")->check(CLI::IsMember({"all_gather", "a2a", "p2p"}))->group(run);
   app.add_option("--ep", o.ep, "expert-parallel degree (splits the dp ranks; each holds experts / ep of every MoE layer)")->group(run);
   app.add_option("--pp", o.pp, "pipeline stages (outermost axis; blocks cut into consecutive stages)")->group(run);
   app.add_option("--pp-schedule", t.pp_schedule, "with --pp: gpipe, 1f1b, interleaved or zb (zero bubble, ZB-H1)")->group(run);

@@ -69,29 +69,42 @@ __device__ __forceinline__ BlockCoords block_coords(int64_t section) {
   }
 }
 
-// Sliding windows (window W > 0, causal only): query i sees keys i - W < j <= i.
+// Query row i is token i + query_offset of the keys' sequence (causal only; 0 otherwise):
+// causal attention lets it see keys j <= i + query_offset.
+// Sliding windows (window W > 0, causal only): query i sees keys i + O - W < j <= i + O.
 // window_first_key: the first key query `row` sees (0 without a window).
 // window_query_end: one past the last query that sees key `key` (seq_q without one).
 template <typename Params>
 __host__ __device__ __forceinline__ int64_t window_first_key(const Params& p, int64_t row) {
-  return p.window > 0 ? imax(0, row - p.window + 1) : 0;
+  return p.window > 0 ? imax(0, row + p.query_offset - p.window + 1) : 0;
 }
 template <typename Params>
 __host__ __device__ __forceinline__ int64_t window_query_end(const Params& p, int64_t key) {
-  return p.window > 0 ? imin(p.seq_q, key + p.window) : p.seq_q;
+  return p.window > 0 ? imax(0, imin(p.seq_q, key + p.window - p.query_offset)) : p.seq_q;
 }
 
-// Packed documents (p.documents, causal, seq_q == seq_k): token i of batch b belongs to
-// [document_start, document_end). Positions past the sequence read its last token's (a
-// padding row or key, masked anyway); values are clamped into the sequence, so that
-// wrong ones give a wrong mask but never a read out of bounds.
+// Packed documents (p.documents, causal): token t of batch b's row (the keys are tokens
+// [0, seq_k), the queries [query_offset, query_offset + seq_q)) belongs to [start, end).
+// document_start: the first key of query row i's document; document_end: one past the last
+// query row that key j's document holds. Positions past the row read its last token's (a
+// padding row or key, masked anyway); values are clamped into the sequence, so that wrong
+// ones give a wrong mask but never a read out of bounds.
 template <typename Params>
-__device__ __forceinline__ int64_t document_start(const Params& p, int64_t b, int64_t i) {
-  return imax(0, p.documents.start[b * p.seq_q + imin(i, p.seq_q - 1)]);
+__host__ __device__ __forceinline__ int64_t document_row_tokens(const Params& p) {
+  return p.documents.stride > 0 ? p.documents.stride : p.seq_k;
 }
 template <typename Params>
-__device__ __forceinline__ int64_t document_end(const Params& p, int64_t b, int64_t i) {
-  return imin(p.seq_q, p.documents.end[b * p.seq_q + imin(i, p.seq_q - 1)]);
+__device__ __forceinline__ const int32_t* document_row(const int32_t* a, const Params& p, int64_t b, int64_t token) {
+  const int64_t row = document_row_tokens(p);
+  return a + b * row + imin(token, row - 1);
+}
+template <typename Params>
+__device__ __forceinline__ int64_t document_start(const Params& p, int64_t b, int64_t i) {
+  return imax(0, *document_row(p.documents.start, p, b, i + p.query_offset));
+}
+template <typename Params>
+__device__ __forceinline__ int64_t document_end(const Params& p, int64_t b, int64_t j) {
+  return imax(0, imin(p.seq_q, *document_row(p.documents.end, p, b, j) - p.query_offset));
 }
 
 // What a query row sees of the keys from the left, and a key of the queries to the right,
@@ -110,15 +123,15 @@ __device__ __forceinline__ int64_t query_end(const Params& p, int64_t b, int64_t
 }
 
 // The query tiles of kBlockM a backward block of keys [n0, n0 + kBlockN) of batch b walks,
-// per query head: from m_begin (causal: the tile holding its first key, since the queries
-// before it see none of its keys), n_tiles of them, up to the last query that sees its
-// last key.
+// per query head: from m_begin (causal: the tile holding the query at its first key, since
+// the queries before it see none of its keys), n_tiles of them, up to the last query that
+// sees its last key.
 template <int kBlockM, int kBlockN>
 struct BwdQueryTiles {
   int64_t m_begin;
   int n_tiles;
   __device__ __forceinline__ BwdQueryTiles(const dtrain_attention_bwd_params& p, int64_t b, int64_t n0)
-      : m_begin(p.causal ? n0 / kBlockM * kBlockM : 0) {
+      : m_begin(p.causal ? imax(0, n0 - p.query_offset) / kBlockM * kBlockM : 0) {
     const int64_t m_end = query_end(p, b, n0 + kBlockN - 1);
     n_tiles = m_begin < m_end ? static_cast<int>((m_end - m_begin + kBlockM - 1) / kBlockM) : 0;
   }

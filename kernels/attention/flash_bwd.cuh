@@ -94,7 +94,8 @@ __global__ void flash_bwd_convert_dq_kernel(dtrain_attention_bwd_params p, const
 // What the two backward kernels (mma.sync here, wgmma in flash_bwd_sm90.cuh) do alike on
 // a warp's transposed score tile st (16 keys: key0 = the warp's first key + g, key1 =
 // key0 + 8; kN chunks of 8 queries from m0), mma.sync's accumulator layout.
-// The mask: keys past the end, or (causal) after the query. Only a tile past the end of
+// The mask: keys past the end, or (causal) after the query (its row plus the query
+// offset). Only a tile past the end of
 // the keys or across the causal diagonal needs it (the callers test that first). Per key,
 // the queries before a 32-bit bound relative to m0 + 2 t are masked (as in mask_scores).
 template <int kN>
@@ -104,7 +105,8 @@ __device__ __forceinline__ void mask_scores_t(float (&st)[kN][4], int64_t key0, 
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t key = r == 0 ? key0 : key1;
-    const int64_t first = key >= p.seq_k ? kN * 8 : (p.causal ? key - m0 : 0);  // queries before it are masked
+    // queries before it are masked
+    const int64_t first = key >= p.seq_k ? kN * 8 : (p.causal ? (key - m0) - p.query_offset : 0);
     const int bound = static_cast<int>(imax(0, imin(first, kN * 8))) - t2;
 #pragma unroll
     for (int nt = 0; nt < kN; ++nt) {
@@ -157,7 +159,9 @@ __device__ __forceinline__ void mask_query_end_t(float (&st)[kN][4], const int* 
 template <int kKeys, int kBlockM, int kN>
 __device__ __forceinline__ void mask_tile_t(float (&st)[kN][4], const dtrain_attention_bwd_params& p, int64_t k0,
                                             int64_t m0, int64_t key0, int64_t key1, const int* ends_w, int64_t n0) {
-  if (k0 + kKeys > p.seq_k || (p.causal && k0 + kKeys - 1 > m0)) mask_scores_t(st, key0, key1, m0, p);
+  if (k0 + kKeys > p.seq_k || (p.causal && (k0 + kKeys - 1 - m0) > p.query_offset)) {
+    mask_scores_t(st, key0, key1, m0, p);
+  }
   if ((p.window > 0 || p.documents.end != nullptr) && m0 + kBlockM > n0 + ends_w[0]) {
     mask_query_end_t(st, ends_w, n0, m0);
   }

@@ -47,7 +47,7 @@ struct FwdBlock {
     q = static_cast<const T*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head + m0 * p.q_stride.seq;
     k = static_cast<const T*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;
     v = static_cast<const T*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head;
-    const int64_t n_end = p.causal ? imin(p.seq_k, m0 + kBlockM) : p.seq_k;
+    const int64_t n_end = p.causal ? imin(p.seq_k, m0 + p.query_offset + kBlockM) : p.seq_k;
     const int64_t end_tiles = (n_end + kBlockN - 1) / kBlockN;
     n_begin = static_cast<int>(imin(first_key(p, b, m0) / kBlockN, end_tiles - 1));
     n_tiles = static_cast<int>(end_tiles - n_begin);
@@ -57,6 +57,7 @@ struct FwdBlock {
 // Accumulator element e of tile m of the thread with lane = 4 g + t holds query row
 // row0 + 16 m + 8 (e / 2) (row0 = the warp's first row + g) and, in chunk nt, key
 // col0 + 8 nt + 2 t + (e & 1).
+// row0 and col0 are tokens of the keys' sequence (a query row plus the query offset).
 // Only tiles past the end of the keys or across the causal diagonal need it: the
 // callers test that first, so that interior tiles carry no per-element compare. Per row,
 // the first masked key becomes a 32-bit bound relative to col0 + 2 t, so that an element
@@ -111,15 +112,18 @@ __device__ __forceinline__ void mask_first_key(float (&s)[kM][kN][4], const dtra
   }
 }
 
-// The mask of a warp's score tiles (rows from row0, as above) for key tile [n0, n0 +
-// kBlockN) of the query block [m0, m0 + kBlockM) of batch b: only a tile past the end of
-// the keys, across the causal diagonal or, with a sliding window or packed documents,
+// The mask of a warp's score tiles (query rows from row0, as above, before the query
+// offset) for key tile [n0, n0 + kBlockN) of the query block [m0, m0 + kBlockM) of batch
+// b: only a tile past the end of the keys, across the causal diagonal (shifted by the
+// query offset) or, with a sliding window or packed documents,
 // before the block's last row's first key (first_key is non-decreasing) has masked
 // entries, so that interior tiles carry no per-element compare.
 template <int kBlockM, int kBlockN, int kM, int kN>
 __device__ __forceinline__ void mask_tile(float (&s)[kM][kN][4], const dtrain_attention_fwd_params& p, int64_t b,
                                           int64_t m0, int64_t row0, int64_t n0) {
-  if (n0 + kBlockN > p.seq_k || (p.causal && n0 + kBlockN - 1 > m0)) mask_scores(s, row0, n0, p.seq_k, p.causal);
+  if (n0 + kBlockN > p.seq_k || (p.causal && n0 + kBlockN - 1 > m0 + p.query_offset)) {
+    mask_scores(s, row0 + p.query_offset, n0, p.seq_k, p.causal);
+  }
   if ((p.window > 0 || p.documents.start != nullptr) && n0 < first_key(p, b, m0 + kBlockM - 1)) {
     mask_first_key(s, p, b, row0, n0);
   }

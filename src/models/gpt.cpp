@@ -489,18 +489,11 @@ GptImpl::GptImpl(ContextPtr ctx, const GptConfig& config, std::uint64_t seed, Gp
   tp_.cp_comm = ctx_->config().cp_comm;
   if (ctx_->cp_size() > 1) {
     const auto cp = ctx_->cp_size();
-    if (tp_.cp_comm == CpComm::kAllGather) {
-      DTRAIN_CHECK_ARG(c.attention == ops::AttentionBackend::kSdpa, "--attention ", ops::to_string(c.attention),
-                       " with --cp=", cp, " --cp-comm all_gather is not available (the flash kernel has no query "
-                       "offset yet); allowed: --attention sdpa, or --cp-comm a2a or p2p");
-    } else if (tp_.cp_comm == CpComm::kRing) {
-      DTRAIN_CHECK_ARG(c.attention == ops::AttentionBackend::kFlash && c.attention_window == 0 &&
-                           c.document_separator < 0,
-                       "--cp-comm p2p (ring attention) runs flash attention on whole blocks of keys; got --attention ",
-                       ops::to_string(c.attention), ", --attention-window ", c.attention_window,
-                       ", --document-separator ", c.document_separator, "; allowed: --attention flash, no window, "
-                       "no documents (-1), or --cp-comm all_gather or a2a");
-    } else {
+    if (tp_.cp_comm == CpComm::kRing) {
+      DTRAIN_CHECK_ARG(c.attention == ops::AttentionBackend::kFlash, "--cp-comm p2p (ring attention) runs flash ",
+                       "attention's passes on blocks of keys; got --attention ", ops::to_string(c.attention),
+                       "; allowed: --attention flash, or --cp-comm all_gather or a2a");
+    } else if (tp_.cp_comm == CpComm::kAllToAll) {
       DTRAIN_CHECK_ARG((c.n_head / tp_.size) % cp == 0, "n_head=", c.n_head, " (--n-head) over --tp=", tp_.size,
                        " leaves ", c.n_head / tp_.size, " heads per rank, which --cp=", cp, " --cp-comm a2a cannot ",
                        "split; allowed: a --cp that divides them, or --cp-comm all_gather");

@@ -65,28 +65,32 @@ at::ScalarType sdpa_dtype(const at::Tensor& q) {
   return at::autocast::get_autocast_dtype(type);
 }
 
+// Both backends' rule for a query offset: the queries are tokens [query_offset,
+// query_offset + queries) of a sequence whose first tokens are the keys, causal only.
+void check_query_offset(const char* op, bool causal, std::int64_t query_offset) {
+  DTRAIN_OP_CHECK(query_offset >= 0 && (query_offset == 0 || causal), op, "query_offset=", query_offset,
+                  causal ? "" : " without causal", " is not allowed; allowed: 0, or with causal an offset >= 0");
+}
+
 // Both backends' rule for packed documents: integer [batch, time] on q's device, causal
-// only. The keys are the sequence's first tokens and the queries tokens [query_offset,
-// query_offset + queries) of it; exact (the kernel's rule): both are the whole sequence.
+// only, numbering the tokens of a sequence whose first tokens are the keys and whose tokens
+// [query_offset, query_offset + queries) are the queries (it may go on past both).
 void check_documents(const char* op, const at::Tensor& q, const at::Tensor& k, bool causal,
-                     const Documents& docs, bool exact, std::int64_t query_offset = 0) {
+                     const Documents& docs, std::int64_t query_offset) {
   if (!docs.defined()) return;
   const auto& documents = docs.ids();
   DTRAIN_OP_CHECK(causal, op, "documents without causal are not allowed; allowed: causal attention");
-  DTRAIN_OP_CHECK(!exact || q.size(2) == k.size(2), op, "documents need one sequence for queries and keys; got ",
-                  q.size(2), " queries and ", k.size(2), " keys");
   const auto need = std::max(k.size(2), query_offset + q.size(2));
-  DTRAIN_OP_CHECK(documents.dim() == 2 && documents.size(0) == q.size(0) &&
-                      (exact ? documents.size(1) == need : documents.size(1) >= need),
-                  op, "documents must be [batch, time] = [", q.size(0), ", ", exact ? "" : ">= ", need, "]; got ",
-                  documents.sizes());
+  DTRAIN_OP_CHECK(documents.dim() == 2 && documents.size(0) == q.size(0) && documents.size(1) >= need, op,
+                  "documents must be [batch, time] = [", q.size(0), ", >= ", need, "]; got ", documents.sizes());
   DTRAIN_OP_CHECK(at::isIntegralType(documents.scalar_type(), /*includeBool=*/false), op, "documents are ",
                   detail::dtype_name(documents), "; allowed: an integer dtype (a document number per token)");
   DTRAIN_OP_CHECK(documents.device() == q.device(), op, "documents are on ", documents.device(), ", q on ",
       q.device(), "; they must be on one device");
 }
 
-void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, std::int64_t window) {
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, std::int64_t window,
+                  std::int64_t query_offset) {
   check_window(kOp, causal, window);
   DTRAIN_OP_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, kOp,
                   "q, k, v must be [batch, heads, time, head_dim]; got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
@@ -96,6 +100,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   DTRAIN_OP_CHECK(k.size(1) >= 1 && q.size(1) % k.size(1) == 0, kOp, q.size(1),
                   " query heads are not a multiple of ", k.size(1), " key/value heads");
   DTRAIN_OP_CHECK(q.size(2) >= 1 && k.size(2) >= 1, kOp, "empty sequence: q ", q.sizes(), ", k ", k.sizes());
+  check_query_offset(kOp, causal, query_offset);
   DTRAIN_OP_CHECK(q.device() == k.device() && q.device() == v.device(), kOp, "q, k, v must be on one device; got ",
                   q.device(), ", ", k.device(), ", ", v.device());
   DTRAIN_OP_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), kOp,
@@ -123,9 +128,10 @@ std::pair<at::Tensor, at::Tensor> document_bounds(const at::Tensor& documents) {
 
 at::ScalarType compute_type(const at::Tensor& q) { return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
-// Whether query i may not see key j, for query rows [r0, r0 + n) and sk keys: [n, sk], or
-// with documents (doc_start: each token's document start, [B, T]) [B, 1, n, sk]
-// (undefined without a mask).
+// Whether query i may not see key j, for the queries at tokens [r0, r0 + n) of the keys'
+// sequence and its first sk tokens as keys: [n, sk], or with documents (doc_start: each
+// token's document start, [B, >= max(r0 + n, sk)]) [B, 1, n, sk] (undefined without a
+// mask).
 at::Tensor hidden_keys(std::int64_t r0, std::int64_t n, std::int64_t sk, bool causal, std::int64_t window,
                        const at::Tensor& doc_start, const at::TensorOptions& options) {
   if (!causal) return {};
@@ -137,17 +143,26 @@ at::Tensor hidden_keys(std::int64_t r0, std::int64_t n, std::int64_t sk, bool ca
   return hidden.logical_or(cols < doc_start.narrow(1, r0, n).unsqueeze(-1)).unsqueeze(1);
 }
 
+// What hides keys from queries, as both paths take it: causal, the window, the query
+// offset, and each token's document bounds (document_bounds; undefined without documents),
+// which are not Tensor arguments of the Function, since it would track them as
+// differentiable inputs.
+struct Mask {
+  bool causal = false;
+  std::int64_t window = 0, query_offset = 0;
+  at::Tensor doc_start, doc_end;
+};
+
 // Scores of query rows [r0, r0 + n) against every key, scaled and masked: [B, H, n, Sk].
-at::Tensor scores(const at::Tensor& qf, const at::Tensor& kf, std::int64_t r0, std::int64_t n, bool causal,
-                  std::int64_t window, const at::Tensor& doc_start, double scale) {
+at::Tensor scores(const at::Tensor& qf, const at::Tensor& kf, std::int64_t r0, std::int64_t n, const Mask& m,
+                  double scale) {
   auto s = at::matmul(qf.narrow(2, r0, n), kf.transpose(-2, -1)) * scale;
-  const auto hidden = hidden_keys(r0, n, kf.size(2), causal, window, doc_start, s.options());
+  const auto hidden = hidden_keys(m.query_offset + r0, n, kf.size(2), m.causal, m.window, m.doc_start, s.options());
   return hidden.defined() ? s.masked_fill(hidden, -std::numeric_limits<double>::infinity()) : s;
 }
 
 std::pair<at::Tensor, at::Tensor> reference_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                    bool causal, std::int64_t window, const at::Tensor& doc_start,
-                                                    double scale) {
+                                                    const Mask& mask, double scale) {
   detail::NoAutocast no_autocast;
   const auto ct = compute_type(q);
   const auto group = q.size(1) / k.size(1);
@@ -156,7 +171,7 @@ std::pair<at::Tensor, at::Tensor> reference_forward(const at::Tensor& q, const a
   auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, qf.options());
   for (std::int64_t r0 = 0; r0 < q.size(2); r0 += kChunk) {
     const auto n = std::min(kChunk, q.size(2) - r0);
-    auto s = scores(qf, kf, r0, n, causal, window, doc_start, scale);
+    auto s = scores(qf, kf, r0, n, mask, scale);
     // A row that sees no key: log-sum-exp +inf (as the kernel's), so its probabilities are 0.
     auto l = s.logsumexp(-1, /*keepdim=*/true);
     l.masked_fill_(l == -std::numeric_limits<double>::infinity(), std::numeric_limits<double>::infinity());
@@ -168,8 +183,7 @@ std::pair<at::Tensor, at::Tensor> reference_forward(const at::Tensor& q, const a
 
 std::vector<at::Tensor> reference_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                            const at::Tensor& o, const at::Tensor& lse, const at::Tensor& dout,
-                                           bool causal, std::int64_t window, const at::Tensor& doc_start,
-                                           double scale) {
+                                           const Mask& mask, double scale) {
   detail::NoAutocast no_autocast;
   const auto ct = compute_type(q);
   const auto B = q.size(0), H = q.size(1), Hkv = k.size(1), Sk = k.size(2), D = q.size(3), group = H / Hkv;
@@ -181,7 +195,7 @@ std::vector<at::Tensor> reference_backward(const at::Tensor& q, const at::Tensor
   auto dk = at::zeros({B, H, Sk, D}, qf.options()), dv = at::zeros({B, H, Sk, D}, qf.options());
   for (std::int64_t r0 = 0; r0 < q.size(2); r0 += kChunk) {
     const auto n = std::min(kChunk, q.size(2) - r0);
-    auto p = (scores(qf, kf, r0, n, causal, window, doc_start, scale) - lsef.narrow(2, r0, n)).exp();
+    auto p = (scores(qf, kf, r0, n, mask, scale) - lsef.narrow(2, r0, n)).exp();
     auto d = dof.narrow(2, r0, n);
     dv += at::matmul(p.transpose(-2, -1), d);
     auto ds = p * (at::matmul(d, vf.transpose(-2, -1)) - delta.narrow(2, r0, n));
@@ -230,8 +244,7 @@ dtrain_attention_kernel chosen_kernel() {
 }
 
 template <typename Params>
-void fill_shape(Params& p, const at::Tensor& q, const at::Tensor& k, bool causal, std::int64_t window,
-                const at::Tensor& doc_start, const at::Tensor& doc_end, double scale) {
+void fill_shape(Params& p, const at::Tensor& q, const at::Tensor& k, const Mask& mask, double scale) {
   p.batch = q.size(0);
   p.heads = q.size(1);
   p.kv_heads = k.size(1);
@@ -239,16 +252,19 @@ void fill_shape(Params& p, const at::Tensor& q, const at::Tensor& k, bool causal
   p.seq_k = k.size(2);
   p.head_dim = q.size(3);
   p.scale = static_cast<float>(scale);
-  p.causal = causal ? 1 : 0;
-  p.window = window;
-  if (doc_start.defined()) p.documents = {doc_start.data_ptr<std::int32_t>(), doc_end.data_ptr<std::int32_t>()};
+  p.causal = mask.causal ? 1 : 0;
+  p.window = mask.window;
+  p.query_offset = mask.query_offset;
+  if (mask.doc_start.defined()) {  // contiguous [B, T >= max(seq_k, query_offset + seq_q)]
+    p.documents = {mask.doc_start.data_ptr<std::int32_t>(), mask.doc_end.data_ptr<std::int32_t>(),
+                   mask.doc_start.size(1)};
+  }
   p.dtype = detail::kernel_dtype(q, kOp, "q");
   p.kernel = chosen_kernel();
 }
 
-std::pair<at::Tensor, at::Tensor> kernel_forward(at::Tensor q, at::Tensor k, at::Tensor v, bool causal,
-                                                 std::int64_t window, const at::Tensor& doc_start,
-                                                 const at::Tensor& doc_end, double scale) {
+std::pair<at::Tensor, at::Tensor> kernel_forward(at::Tensor q, at::Tensor k, at::Tensor v, const Mask& mask,
+                                                 double scale) {
   check_kernel_inputs(q);
   q = kernel_layout(q), k = kernel_layout(k), v = kernel_layout(v);
   const detail::DeviceGuard guard(q.device());
@@ -265,7 +281,7 @@ std::pair<at::Tensor, at::Tensor> kernel_forward(at::Tensor q, at::Tensor k, at:
   p.k_stride = strides_of(k);
   p.v_stride = strides_of(v);
   p.o_stride = strides_of(o);
-  fill_shape(p, q, k, causal, window, doc_start, doc_end, scale);
+  fill_shape(p, q, k, mask, scale);
   auto workspace = at::empty({static_cast<std::int64_t>(dtrain_attention_fwd_workspace_bytes(&p) / sizeof(int))},
                              q.options().dtype(at::kInt));
   p.workspace = workspace.data_ptr();
@@ -274,8 +290,7 @@ std::pair<at::Tensor, at::Tensor> kernel_forward(at::Tensor q, at::Tensor k, at:
 }
 
 std::vector<at::Tensor> kernel_backward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor o, const at::Tensor& lse,
-                                        at::Tensor dout, bool causal, std::int64_t window, const at::Tensor& doc_start,
-                                        const at::Tensor& doc_end, double scale) {
+                                        at::Tensor dout, const Mask& mask, double scale) {
   q = kernel_layout(q), k = kernel_layout(k), v = kernel_layout(v), o = kernel_layout(o), dout = kernel_layout(dout);
   const detail::DeviceGuard guard(q.device());
   auto dq = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options()).transpose(1, 2);
@@ -298,7 +313,7 @@ std::vector<at::Tensor> kernel_backward(at::Tensor q, at::Tensor k, at::Tensor v
   p.dq_stride = strides_of(dq);
   p.dk_stride = strides_of(dk);
   p.dv_stride = strides_of(dv);
-  fill_shape(p, q, k, causal, window, doc_start, doc_end, scale);
+  fill_shape(p, q, k, mask, scale);
   auto workspace = at::empty({static_cast<std::int64_t>(dtrain_attention_bwd_workspace_bytes(&p) / sizeof(float))},
                              q.options().dtype(at::kFloat));
   p.workspace = workspace.data_ptr();
@@ -307,44 +322,35 @@ std::vector<at::Tensor> kernel_backward(at::Tensor q, at::Tensor k, at::Tensor v
 }
 #endif
 
-// Each token's document bounds (document_bounds), or undefined: not a Tensor argument of
-// the Function, which would track it as a differentiable input.
-struct DocumentBounds {
-  at::Tensor start, end;
-};
-
 // The two passes on the kernel where it runs, else on the reference path.
 std::pair<at::Tensor, at::Tensor> forward_pass(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                               bool causal, std::int64_t window, const DocumentBounds& docs,
-                                               double scale) {
+                                               const Mask& mask, double scale) {
 #ifdef DTRAIN_WITH_CUDA
-  if (detail::on_kernel_device(q)) return kernel_forward(q, k, v, causal, window, docs.start, docs.end, scale);
+  if (detail::on_kernel_device(q)) return kernel_forward(q, k, v, mask, scale);
 #endif
-  return reference_forward(q, k, v, causal, window, docs.start, scale);
+  return reference_forward(q, k, v, mask, scale);
 }
 
 std::vector<at::Tensor> backward_pass(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                      const at::Tensor& o, const at::Tensor& lse, const at::Tensor& dout, bool causal,
-                                      std::int64_t window, const DocumentBounds& docs, double scale) {
+                                      const at::Tensor& o, const at::Tensor& lse, const at::Tensor& dout,
+                                      const Mask& mask, double scale) {
 #ifdef DTRAIN_WITH_CUDA
-  if (detail::on_kernel_device(q)) {
-    return kernel_backward(q, k, v, o, lse, dout, causal, window, docs.start, docs.end, scale);
-  }
+  if (detail::on_kernel_device(q)) return kernel_backward(q, k, v, o, lse, dout, mask, scale);
 #endif
-  return reference_backward(q, k, v, o, lse, dout, causal, window, docs.start, scale);
+  return reference_backward(q, k, v, o, lse, dout, mask, scale);
 }
 
 class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, bool causal, std::int64_t window, const DocumentBounds& docs,
-                            double scale) {
-    const auto [o, lse] = forward_pass(q, k, v, causal, window, docs, scale);
+                            const at::Tensor& v, const Mask& mask, double scale) {
+    const auto [o, lse] = forward_pass(q, k, v, mask, scale);
     ctx->save_for_backward({q, k, v, o, lse});
-    ctx->saved_data["doc_start"] = docs.start;
-    ctx->saved_data["doc_end"] = docs.end;
-    ctx->saved_data["causal"] = causal;
-    ctx->saved_data["window"] = window;
+    ctx->saved_data["doc_start"] = mask.doc_start;
+    ctx->saved_data["doc_end"] = mask.doc_end;
+    ctx->saved_data["causal"] = mask.causal;
+    ctx->saved_data["window"] = mask.window;
+    ctx->saved_data["query_offset"] = mask.query_offset;
     ctx->saved_data["scale"] = scale;
     return o;
   }
@@ -352,13 +358,15 @@ class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const bool causal = ctx->saved_data["causal"].toBool();
-    const std::int64_t window = ctx->saved_data["window"].toInt();
+    Mask mask;
+    mask.causal = ctx->saved_data["causal"].toBool();
+    mask.window = ctx->saved_data["window"].toInt();
+    mask.query_offset = ctx->saved_data["query_offset"].toInt();
+    mask.doc_start = ctx->saved_data["doc_start"].toTensor();
+    mask.doc_end = ctx->saved_data["doc_end"].toTensor();
     const double scale = ctx->saved_data["scale"].toDouble();
-    const DocumentBounds docs{ctx->saved_data["doc_start"].toTensor(), ctx->saved_data["doc_end"].toTensor()};
-    const auto g = backward_pass(saved[0], saved[1], saved[2], saved[3], saved[4], grads[0], causal, window, docs,
-                                 scale);
-    return {g[0], g[1], g[2], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    const auto g = backward_pass(saved[0], saved[1], saved[2], saved[3], saved[4], grads[0], mask, scale);
+    return {g[0], g[1], g[2], at::Tensor(), at::Tensor()};
   }
 };
 
@@ -376,6 +384,13 @@ struct Documents::Derived {
   static constexpr std::size_t kMasks = 4;
   std::pair<at::Tensor, at::Tensor> bounds;
   std::list<Mask> masks;
+  // Ring attention asks for the ranges of its blocks in every layer: all are kept (a
+  // list, so that a returned reference stays valid).
+  struct Slice {
+    std::int64_t first, tokens;
+    Documents documents;
+  };
+  std::list<Slice> slices;
 };
 
 Documents::Documents() : derived_(std::make_shared<Derived>()) {}
@@ -420,33 +435,59 @@ const at::Tensor& Documents::sdpa_mask(std::int64_t window, at::ScalarType dtype
   return d.masks.back().mask;
 }
 
+const Documents& Documents::slice(std::int64_t first, std::int64_t tokens) const {
+  DTRAIN_CHECK(defined() && first >= 0 && tokens >= 1 && first + tokens <= ids_.size(1),
+               "internal: a slice of documents past their tokens");
+  for (const auto& s : derived_->slices) {
+    if (s.first == first && s.tokens == tokens) return s.documents;
+  }
+  derived_->slices.push_back({first, tokens, Documents(ids_.narrow(1, first, tokens))});
+  return derived_->slices.back().documents;
+}
+
+namespace {
+
+// flash_attention's checks, then what its passes take.
+Mask checked_mask(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, std::int64_t window,
+                  const Documents& documents, std::int64_t query_offset) {
+  check_inputs(q, k, v, causal, window, query_offset);
+  check_documents(kOp, q, k, causal, documents, query_offset);
+  Mask mask{causal, window, query_offset, {}, {}};
+  if (documents.defined()) std::tie(mask.doc_start, mask.doc_end) = documents.bounds();
+  return mask;
+}
+
+double scale_or_default(double scale, const at::Tensor& q) {
+  return scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+}
+
+}  // namespace
+
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                           double scale, std::int64_t window, const Documents& documents) {
-  check_inputs(q, k, v, causal, window);
-  check_documents(kOp, q, k, causal, documents, /*exact=*/true);
-  if (scale <= 0) scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
-  DocumentBounds docs;
-  if (documents.defined()) std::tie(docs.start, docs.end) = documents.bounds();
-  return FlashAttentionFn::apply(q, k, v, causal, window, docs, scale);
+                           double scale, std::int64_t window, const Documents& documents, std::int64_t query_offset) {
+  const Mask mask = checked_mask(q, k, v, causal, window, documents, query_offset);
+  return FlashAttentionFn::apply(q, k, v, mask, scale_or_default(scale, q));
 }
 
 std::pair<at::Tensor, at::Tensor> flash_attention_forward(const at::Tensor& q, const at::Tensor& k,
-                                                          const at::Tensor& v, bool causal, double scale) {
-  check_inputs(q, k, v, causal, 0);
-  return forward_pass(q, k, v, causal, 0, {}, scale <= 0 ? 1.0 / std::sqrt(static_cast<double>(q.size(3))) : scale);
+                                                          const at::Tensor& v, bool causal, double scale,
+                                                          std::int64_t window, const Documents& documents,
+                                                          std::int64_t query_offset) {
+  const Mask mask = checked_mask(q, k, v, causal, window, documents, query_offset);
+  return forward_pass(q, k, v, mask, scale_or_default(scale, q));
 }
 
 std::vector<at::Tensor> flash_attention_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  const at::Tensor& o, const at::Tensor& lse, const at::Tensor& dout,
-                                                 bool causal, double scale) {
-  check_inputs(q, k, v, causal, 0);
+                                                 bool causal, double scale, std::int64_t window,
+                                                 const Documents& documents, std::int64_t query_offset) {
+  const Mask mask = checked_mask(q, k, v, causal, window, documents, query_offset);
   DTRAIN_OP_CHECK(o.sizes() == q.sizes() && dout.sizes() == q.sizes(), kOp, "o ", o.sizes(), " and dout ",
                   dout.sizes(), " must have q's shape ", q.sizes());
   DTRAIN_OP_CHECK(lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) && lse.size(2) == q.size(2),
                   kOp, "lse must be [batch, heads, seq_q] = [", q.size(0), ", ", q.size(1), ", ", q.size(2), "]; got ",
                   lse.sizes());
-  return backward_pass(q, k, v, o, lse.contiguous(), dout, causal, 0, {},
-                       scale <= 0 ? 1.0 / std::sqrt(static_cast<double>(q.size(3))) : scale);
+  return backward_pass(q, k, v, o, lse.contiguous(), dout, mask, scale_or_default(scale, q));
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
@@ -455,9 +496,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   if (backend == AttentionBackend::kFlash) {
     DTRAIN_CHECK_ARG(dropout_p == 0.0, "attention: the flash backend has no dropout (dropout_p=", dropout_p,
                      "); use the sdpa backend");
-    DTRAIN_CHECK_ARG(query_offset == 0, "attention: the flash backend has no query offset (query_offset=",
-                     query_offset, "); allowed: 0, or the sdpa backend");
-    return flash_attention(q, k, v, causal, 0.0, window, documents);
+    return flash_attention(q, k, v, causal, 0.0, window, documents, query_offset);
   }
   check_window("attention", causal, window);
   DTRAIN_CHECK_ARG(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
@@ -466,11 +505,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const auto h = q.size(1), hkv = k.size(1);
   DTRAIN_CHECK_ARG(hkv >= 1 && h % hkv == 0, "attention: ", h, " query heads are not a multiple of ",
                    hkv, " key/value heads");
-  DTRAIN_CHECK_ARG(query_offset >= 0 && (query_offset == 0 || (causal && query_offset + q.size(2) <= k.size(2))),
-                   "attention: query_offset=", query_offset, " with ", q.size(2), " queries and ", k.size(2),
-                   " keys", causal ? "" : " without causal", " is not allowed; allowed: 0, or with causal an offset ",
-                   "that keeps the queries among the keys (offset + queries <= keys)");
-  check_documents("attention", q, k, causal, documents, /*exact=*/false, query_offset);
+  check_query_offset("attention", causal, query_offset);
+  check_documents("attention", q, k, causal, documents, query_offset);
   // An explicit mask of the keys each query sees (sdpa has no window, no documents and no
   // query offset), made once for all the calls that share `documents`, additive in the
   // dtype sdpa computes in, so that sdpa uses it (and saves it for the backward) as it is:

@@ -81,15 +81,39 @@ at::Tensor exchange(const at::Tensor& x, const CommPtr& cp, bool to_heads) {
 // which reach their owner after the last hop; each block's gradients come from the
 // merged output and log-sum-exp (ops::flash_attention_backward).
 struct Block {
-  std::int64_t row, rows, col, cols;  // local positions: queries [row, row + rows), keys [col, col + cols)
-  bool causal;
+  std::int64_t row, col;  // local positions of the L queries and the L keys
+  std::int64_t offset;    // the query chunk's first token minus the key chunk's (>= 0)
+  std::int64_t first;     // the key chunk's first token in the sequence
 };
-// What rank r's queries see of rank s's keys (chunks r, 2N - 1 - r against s, 2N - 1 - s).
-std::vector<Block> visible_blocks(int r, int s, std::int64_t L) {
-  if (s == r) return {{0, L, 0, L, true}, {L, L, L, L, true}, {L, L, 0, L, false}};
-  if (s < r) return {{0, 2 * L, 0, L, false}};  // s's first chunk precedes both of r's
-  return {{L, L, 0, 2 * L, false}};             // only r's second chunk follows s's
+// What rank r's query chunks (r, 2N - 1 - r) see of rank s's key chunks (s, 2N - 1 - s):
+// causal attention over each pair whose key chunk is not after its query chunk, at query
+// offset (query chunk - key chunk) L: the diagonal for the same chunk, every key of an
+// earlier one (less what the window and the documents hide). A window of W keys drops the
+// pairs whose nearest key is W or more tokens back.
+std::vector<Block> visible_blocks(int n, int r, int s, std::int64_t L, std::int64_t window) {
+  const std::int64_t mine[2] = {r, 2 * n - 1 - r}, theirs[2] = {s, 2 * n - 1 - s};
+  std::vector<Block> blocks;
+  for (int i = 0; i < 2; ++i) {
+    for (int j = 0; j < 2; ++j) {
+      if (theirs[j] > mine[i]) continue;
+      const auto offset = (mine[i] - theirs[j]) * L;
+      if (window > 0 && offset - (L - 1) >= window) continue;
+      blocks.push_back({i * L, j * L, offset, theirs[j] * L});
+    }
+  }
+  return blocks;
 }
+
+// What a block's flash attention takes besides q, k, v: the window, and the documents of
+// the tokens from its key chunk's first to its query chunk's last (ops::Documents::slice,
+// made once per range for the forward's layers, again in each layer's backward).
+struct RingMask {
+  std::int64_t window;
+  ops::Documents documents;  // the whole sequence's; undefined: none
+  ops::Documents of(const Block& b, std::int64_t L) const {
+    return documents.defined() ? documents.slice(b.first, b.offset + L) : ops::Documents();
+  }
+};
 
 // Sends t to the next rank of the ring and receives the previous rank's into a new tensor.
 at::Tensor pass_on(Communicator& c, const at::Tensor& t, std::vector<WorkPtr>& works) {
@@ -105,27 +129,32 @@ void wait_all(std::vector<WorkPtr>& works) {
 
 struct RingAttention : public torch::autograd::Function<RingAttention> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            std::int64_t comm) {
+                            std::int64_t comm, const RingMask& mask) {
     auto& c = *reinterpret_cast<Communicator*>(comm);
     const int n = c.size(), r = c.rank();
     const auto L = q.size(2) / 2, hkv = k.size(1);
+    constexpr double kInf = std::numeric_limits<double>::infinity();
     // The merge runs in float32 (float64 for float64 inputs).
     const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
     auto o = at::zeros(q.sizes(), q.options().dtype(acc));
-    auto lse = at::full({q.size(0), q.size(1), q.size(2)}, -std::numeric_limits<double>::infinity(),
-                        q.options().dtype(acc));
+    auto lse = at::full({q.size(0), q.size(1), q.size(2)}, -kInf, q.options().dtype(acc));
     auto kv = at::cat({k, v}, 1).contiguous();
     std::vector<WorkPtr> works;
     for (int i = 0; i < n; ++i) {
       const auto next = i + 1 < n ? pass_on(c, kv, works) : at::Tensor();
-      for (const auto& b : visible_blocks(r, (r + n - i) % n, L)) {
-        const auto keys = kv.narrow(2, b.col, b.cols);
-        const auto [ob, lb] = ops::flash_attention_forward(q.narrow(2, b.row, b.rows), keys.narrow(1, 0, hkv),
-                                                           keys.narrow(1, hkv, hkv), b.causal);
-        auto rows_lse = lse.narrow(2, b.row, b.rows), rows_o = o.narrow(2, b.row, b.rows);
-        const auto merged = at::logaddexp(rows_lse, lb.to(acc));
-        rows_o.copy_(rows_o * (rows_lse - merged).exp().unsqueeze(-1) +
-                     ob.to(acc) * (lb.to(acc) - merged).exp().unsqueeze(-1));
+      for (const auto& b : visible_blocks(n, r, (r + n - i) % n, L, mask.window)) {
+        const auto keys = kv.narrow(2, b.col, L);
+        const auto [ob, lb] =
+            ops::flash_attention_forward(q.narrow(2, b.row, L), keys.narrow(1, 0, hkv), keys.narrow(1, hkv, hkv),
+                                         /*causal=*/true, 0.0, mask.window, mask.of(b, L), b.offset);
+        // A row that sees no key of this block (a window, a document) has log-sum-exp +inf
+        // and output 0: it adds nothing (-inf); a row that has seen no key yet keeps
+        // weights 0 rather than exp(-inf + inf).
+        const auto lbf = lb.to(acc).masked_fill(lb == kInf, -kInf);
+        auto rows_lse = lse.narrow(2, b.row, L), rows_o = o.narrow(2, b.row, L);
+        const auto merged = at::logaddexp(rows_lse, lbf);
+        const auto base = merged.masked_fill(merged == -kInf, 0.0);
+        rows_o.copy_(rows_o * (rows_lse - base).exp().unsqueeze(-1) + ob.to(acc) * (lbf - base).exp().unsqueeze(-1));
         rows_lse.copy_(merged);
       }
       wait_all(works);
@@ -134,10 +163,13 @@ struct RingAttention : public torch::autograd::Function<RingAttention> {
     auto out = o.to(q.scalar_type());
     ctx->save_for_backward({q, k, v, out, lse});
     ctx->saved_data["comm"] = comm;
+    ctx->saved_data["window"] = mask.window;
+    ctx->saved_data["documents"] = mask.documents.ids();
     return out;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto& c = *reinterpret_cast<Communicator*>(ctx->saved_data["comm"].toInt());
+    const RingMask mask{ctx->saved_data["window"].toInt(), ops::Documents(ctx->saved_data["documents"].toTensor())};
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &o = saved[3], &lse = saved[4];
     const auto dout = grads[0].contiguous();
@@ -150,14 +182,15 @@ struct RingAttention : public torch::autograd::Function<RingAttention> {
     std::vector<WorkPtr> works;
     for (int i = 0; i < n; ++i) {
       const auto next = i + 1 < n ? pass_on(c, kv, works) : at::Tensor();
-      for (const auto& b : visible_blocks(r, (r + n - i) % n, L)) {
-        const auto keys = kv.narrow(2, b.col, b.cols);
+      for (const auto& b : visible_blocks(n, r, (r + n - i) % n, L, mask.window)) {
+        const auto keys = kv.narrow(2, b.col, L);
         const auto g = ops::flash_attention_backward(
-            q.narrow(2, b.row, b.rows), keys.narrow(1, 0, hkv), keys.narrow(1, hkv, hkv), o.narrow(2, b.row, b.rows),
-            lse.narrow(2, b.row, b.rows), dout.narrow(2, b.row, b.rows), b.causal);
-        dq.narrow(2, b.row, b.rows).add_(g[0].to(acc));
-        dkv.narrow(2, b.col, b.cols).narrow(1, 0, hkv).add_(g[1].to(acc));
-        dkv.narrow(2, b.col, b.cols).narrow(1, hkv, hkv).add_(g[2].to(acc));
+            q.narrow(2, b.row, L), keys.narrow(1, 0, hkv), keys.narrow(1, hkv, hkv), o.narrow(2, b.row, L),
+            lse.narrow(2, b.row, L), dout.narrow(2, b.row, L), /*causal=*/true, 0.0, mask.window, mask.of(b, L),
+            b.offset);
+        dq.narrow(2, b.row, L).add_(g[0].to(acc));
+        dkv.narrow(2, b.col, L).narrow(1, 0, hkv).add_(g[1].to(acc));
+        dkv.narrow(2, b.col, L).narrow(1, hkv, hkv).add_(g[2].to(acc));
       }
       wait_all(works);
       // The gradients follow their keys: after the last hop each rank holds its own.
@@ -168,27 +201,23 @@ struct RingAttention : public torch::autograd::Function<RingAttention> {
       if (next.defined()) kv = next;
     }
     return {dq.to(q.scalar_type()), dkv.narrow(1, 0, hkv).to(k.scalar_type()),
-            dkv.narrow(1, hkv, hkv).to(v.scalar_type()), at::Tensor()};
+            dkv.narrow(1, hkv, hkv).to(v.scalar_type()), at::Tensor(), at::Tensor()};
   }
 };
 
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const CommPtr& cp,
                           ops::AttentionBackend backend, double dropout_p, std::int64_t window,
                           const ops::Documents& documents) {
-  DTRAIN_CHECK_ARG(backend == ops::AttentionBackend::kFlash && dropout_p == 0 && window == 0 && !documents.defined(),
-                   "context parallel attention: --cp-comm p2p runs flash attention on whole blocks of keys, without "
-                   "dropout, sliding windows or documents; got --attention ", ops::to_string(backend), ", dropout ",
-                   dropout_p, ", window ", window, documents.defined() ? ", documents" : "",
-                   "; allowed: --attention flash with none of them, or --cp-comm all_gather or a2a");
-  return RingAttention::apply(q, k, v, reinterpret_cast<std::int64_t>(cp.get()));
+  DTRAIN_CHECK_ARG(backend == ops::AttentionBackend::kFlash && dropout_p == 0,
+                   "context parallel attention: --cp-comm p2p runs flash attention's passes on blocks of keys, "
+                   "without dropout; got --attention ", ops::to_string(backend), ", dropout ", dropout_p,
+                   "; allowed: --attention flash without dropout, or --cp-comm all_gather or a2a");
+  return RingAttention::apply(q, k, v, reinterpret_cast<std::int64_t>(cp.get()), RingMask{window, documents});
 }
 
 at::Tensor all_gather_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const CommPtr& cp,
                                 ops::AttentionBackend backend, double dropout_p, std::int64_t window,
                                 const ops::Documents& documents) {
-  DTRAIN_CHECK_ARG(backend == ops::AttentionBackend::kSdpa, "context parallel attention: --cp-comm all_gather ",
-                   "runs sdpa (each query chunk at its offset into the keys); got --attention ",
-                   ops::to_string(backend), "; allowed: --attention sdpa, or --cp-comm a2a");
   const int n = cp->size();
   const auto hkv = k.size(1), L = q.size(2) / 2;
   // One all-gather for keys and values together.

@@ -137,12 +137,16 @@ if(MPIEXEC)
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --cp 2 --document-separator 10 --eod-mask-loss)
   expect(np2-cp-seq 2 "--seq-len=30 cannot be split across --cp=2 .*allowed: a multiple of 4"
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --cp 2 --seq-len 30)
-  expect(np2-cp-flash 2 "--attention flash with --cp=2 --cp-comm all_gather is not available.*allowed: --attention sdpa, or --cp-comm a2a"
-         NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --cp 2 --attention flash)
+  expect(np2-cp-flash 0 "attention window 12.*documents end at token 10.*context parallel: 2 ranks.*keys and values all-gathered per layer.*val loss"
+         CPU NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --cp 2 --attention flash --document-separator 10
+         --attention-window 12)
   expect(np2-cp-p2p 0 "context parallel: 2 ranks.*keys and values passed round the ring \\(p2p\\).*val loss"
          CPU NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --cp 2 --cp-comm p2p --attention flash)
-  expect(np2-cp-p2p-documents 2 "--cp-comm p2p \\(ring attention\\) runs flash attention on whole blocks.*--document-separator 10.*allowed: --attention flash, no window, no documents"
-         NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --cp 2 --cp-comm p2p --attention flash --document-separator 10)
+  expect(np2-cp-p2p-documents 0 "attention window 12.*documents end at token 10.*keys and values passed round the ring \\(p2p\\).*val loss"
+         CPU NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --cp 2 --cp-comm p2p --attention flash
+         --document-separator 10 --attention-window 12)
+  expect(np2-cp-p2p-sdpa 2 "--cp-comm p2p \\(ring attention\\) runs flash attention's passes on blocks of keys; got --attention sdpa.*allowed: --attention flash"
+         NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --cp 2 --cp-comm p2p)
   expect(np2-cp-a2a 0 "context parallel: 2 ranks.*heads exchanged for positions around attention \\(all-to-all\\).*val loss"
          CPU NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --cp 2 --cp-comm a2a --attention flash)
   expect(np2-pp-documents 0 "documents end at token 10.*pipeline: 2 stages x 1 chunk.*val loss"

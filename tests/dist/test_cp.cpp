@@ -34,11 +34,9 @@ class CpTest : public TrainTest {
     c.attention_window = 20;
     return c;
   }
-  // What ring attention takes: flash attention without documents or a window.
-  static models::GptConfig ring_llama() {
+  // The same on the flash backend (its reference path here), which ring attention needs.
+  static models::GptConfig flash_llama() {
     auto c = llama();
-    c.document_separator = -1, c.reset_position_ids = false;
-    c.attention_window = 0;
     c.attention = ops::AttentionBackend::kFlash;
     return c;
   }
@@ -97,7 +95,10 @@ TEST_F(CpTest, AttentionMatchesTheWholeSequence) {
   for (const auto& c : {Case{gather, 12, 0, false}, Case{gather, 2, 0, true}, Case{gather, 4, 7, false},
                         Case{gather, 12, 5, true}, Case{a2a, 12, 0, false}, Case{a2a, 2, 0, true},
                         Case{a2a, 4, 7, false}, Case{a2a, 12, 5, true}, Case{a2a, 2, 5, true, flash},
-                        Case{ring, 12, 0, false, flash}, Case{ring, 2, 0, false, flash}}) {
+                        Case{gather, 4, 0, false, flash}, Case{gather, 2, 5, true, flash},
+                        Case{ring, 12, 0, false, flash}, Case{ring, 2, 0, false, flash},
+                        Case{ring, 4, 7, false, flash}, Case{ring, 2, 5, true, flash}, Case{ring, 12, 0, true, flash},
+                        Case{ring, 12, 2, true, flash}}) {
     SCOPED_TRACE(format("{}, kv heads {}, window {}, documents {}, {}", to_string(c.comm), c.kv_heads, c.window,
                         c.documents, ops::to_string(c.backend)));
     auto q = torch::randn({B, H, T, D}, f64), k = torch::randn({B, c.kv_heads, T, D}, f64);
@@ -123,8 +124,10 @@ TEST_F(CpTest, AttentionMatchesTheWholeSequence) {
   }
 }
 
-// cp = world size: Llama with packed documents and a window in both forms (and a2a with
-// the flash backend), GPT-2 with learned positions and tied embeddings.
+// cp = world size: Llama with packed documents and a window in all_gather and a2a on sdpa,
+// and in all three forms on flash (its reference path, the kernel's function: query
+// offsets for all_gather and the ring's blocks), GPT-2 with learned positions and tied
+// embeddings.
 TEST_F(CpTest, TrainingMatchesSingleProcess) {
   const int n = nranks();
   TestCorpus corpus("cp" + std::to_string(rank()));
@@ -132,15 +135,9 @@ TEST_F(CpTest, TrainingMatchesSingleProcess) {
     SCOPED_TRACE(format("llama, documents, window, {}", to_string(comm)));
     expect_matches(context(n, comm), llama(), cp_options(corpus, /*eod_mask_loss=*/true));
   }
-  {
-    SCOPED_TRACE("llama, p2p (flash attention, no documents)");
-    expect_matches(context(n, CpComm::kRing), ring_llama(), cp_options(corpus, false));
-  }
-  {
-    SCOPED_TRACE("llama, a2a, flash attention");
-    auto cfg = llama();
-    cfg.attention = ops::AttentionBackend::kFlash;
-    expect_matches(context(n, CpComm::kAllToAll), cfg, cp_options(corpus, true));
+  for (const auto comm : {CpComm::kAllGather, CpComm::kAllToAll, CpComm::kRing}) {
+    SCOPED_TRACE(format("llama, documents, window, {}, flash attention", to_string(comm)));
+    expect_matches(context(n, comm), flash_llama(), cp_options(corpus, true));
   }
   {
     SCOPED_TRACE("gpt2");
@@ -197,6 +194,10 @@ TEST_F(CpTest, ComposesWithTheOtherStrategies) {
     auto cfg = llama();
     cfg.recompute_blocks = -1;
     expect_matches(context(3, CpComm::kAllToAll), cfg, sharded("full"));
+    SCOPED_TRACE("cp 3 p2p, recompute (the blocks' documents rebuilt from the saved numbers)");
+    cfg = flash_llama();
+    cfg.recompute_blocks = -1;
+    expect_matches(context(3, CpComm::kRing), cfg, o);
   }
   if (n == 4) {
     {
@@ -205,8 +206,7 @@ TEST_F(CpTest, ComposesWithTheOtherStrategies) {
     }
     for (const auto comm : {CpComm::kAllGather, CpComm::kAllToAll, CpComm::kRing}) {
       SCOPED_TRACE(format("cp 2 x tp 2, sequence parallel, {}", to_string(comm)));
-      const bool ring = comm == CpComm::kRing;  // no documents: no loss mask either
-      expect_matches(context(2, comm, 2, 1, true), ring ? ring_llama() : llama(), ring ? cp_options(corpus, false) : o);
+      expect_matches(context(2, comm, 2, 1, true), comm == CpComm::kRing ? flash_llama() : llama(), o);
     }
     {
       SCOPED_TRACE("hybrid sharding: 2 replicas x (1 dp shard x cp 2)");
@@ -230,21 +230,16 @@ TEST_F(CpTest, RefusesWhatItCannotSplit) {
   expect_has(error_message([&] { Trainer(context(n), llama(), o); }),
              {format("--seq-len={}", 2 * n + 1), format("--cp={}", n), format("multiple of {}", 2 * n)});
   o = cp_options(corpus, false);
-  auto cfg = llama();
-  cfg.attention = ops::AttentionBackend::kFlash;
-  expect_has(error_message([&] { Trainer(context(n), cfg, o); }),
-             {"--attention flash", "--cp-comm all_gather", "allowed: --attention sdpa, or --cp-comm a2a"});
   // a2a splits the heads: 5 heads over 2, 3 or 4 ranks cannot be.
   auto five = models::GptConfig::preset("tiny");
   five.n_head = five.n_kv_head = 5, five.d_model = 80;
   expect_has(error_message([&] { Trainer(context(n, CpComm::kAllToAll), five, o); }),
              {"n_head=5", format("--cp={} --cp-comm a2a cannot split", n), "or --cp-comm all_gather"});
   expect_has(error_message([&] { parse_cp_comm("ring"); }), {"--cp-comm=ring", "all_gather, a2a, p2p"});
-  // The ring runs flash attention on whole blocks: no sdpa, no window, no documents.
+  // The ring runs flash attention's passes on blocks.
   expect_has(error_message([&] { Trainer(context(n, CpComm::kRing), llama(), o); }),
-             {"--cp-comm p2p", "--attention sdpa", "--attention-window 20", "--document-separator 10",
-              "allowed: --attention flash"});
-  cfg = llama();
+             {"--cp-comm p2p", "--attention sdpa", "allowed: --attention flash"});
+  auto cfg = llama();
   cfg.dropout = 0.1;
   expect_has(error_message([&] { Trainer(context(n), cfg, o); }), {"--dropout=0.1", "allowed: --dropout 0"});
 }

@@ -447,13 +447,15 @@ struct AttnCase {
   at::ScalarType type;
   std::int64_t window = 0;  // a sliding window of this many keys (causal only); 0: none
   std::int64_t docs = 0;    // packed documents of random lengths from 1 to this (causal only); 0: none
+  std::int64_t offset = 0;  // the queries' first token among the keys' (causal only)
 };
 
 std::string name(const AttnCase& c) {
   return "b" + std::to_string(c.batch) + " h" + std::to_string(c.heads) + "/" + std::to_string(c.kv_heads) + " s" +
          std::to_string(c.seq_q) + "x" + std::to_string(c.seq_k) + " d" + std::to_string(c.dim) +
          (c.causal ? " causal " : " ") + (c.window > 0 ? "window " + std::to_string(c.window) + " " : "") +
-         (c.docs > 0 ? "docs " + std::to_string(c.docs) + " " : "") + c10::toString(c.type);
+         (c.docs > 0 ? "docs " + std::to_string(c.docs) + " " : "") +
+         (c.offset > 0 ? "offset " + std::to_string(c.offset) + " " : "") + c10::toString(c.type);
 }
 
 dtrain_attention_strides strides(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
@@ -462,7 +464,7 @@ dtrain_attention_strides strides(const at::Tensor& t) { return {t.stride(0), t.s
 // dim] and lse, in their own strides.
 dtrain_attention_fwd_params fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& o,
                                        at::Tensor& lse, bool causal, double scale, dtrain_attention_kernel kernel,
-                                       std::int64_t window = 0) {
+                                       std::int64_t window = 0, std::int64_t offset = 0) {
   dtrain_attention_fwd_params f{};
   f.q = q.data_ptr();
   f.k = k.data_ptr();
@@ -482,6 +484,7 @@ dtrain_attention_fwd_params fwd_params(const at::Tensor& q, const at::Tensor& k,
   f.scale = static_cast<float>(scale);
   f.causal = causal;
   f.window = window;
+  f.query_offset = offset;
   f.dtype = kernel_dtype(q);
   f.kernel = kernel;
   return f;
@@ -522,6 +525,7 @@ dtrain_attention_bwd_params bwd_params(const dtrain_attention_fwd_params& f, con
   g.causal = f.causal;
   g.window = f.window;
   g.documents = f.documents;
+  g.query_offset = f.query_offset;
   g.dtype = f.dtype;
   return g;
 }
@@ -546,18 +550,20 @@ cudaError_t run_bwd(dtrain_attention_bwd_params& g) {
 }
 
 // Which keys each query sees: [seq_q, seq_k], true where it sees the key (causal: keys j
-// <= i; a sliding window of w keys: i - w < j <= i); with packed documents (doc_ids
-// [batch, seq], a document number per token), [batch, 1, seq_q, seq_k], and only keys of
-// the query's own document.
+// <= o + i, query i being token o + i of the keys' sequence, o the offset; a sliding
+// window of w keys: o + i - w < j <= o + i); with packed documents (doc_ids [batch,
+// >= seq_k], a document number per token of the keys' sequence, which may go on past them),
+// [batch, 1, seq_q, seq_k], and only keys of the query's own document.
 at::Tensor visible(std::int64_t seq_q, std::int64_t seq_k, bool causal, std::int64_t window, const at::Device& device,
-                   const at::Tensor& doc_ids = {}) {
+                   const at::Tensor& doc_ids = {}, std::int64_t offset = 0) {
   auto ones = torch::ones({seq_q, seq_k}, torch::TensorOptions().dtype(torch::kBool).device(device));
   if (!causal) return ones;
-  auto mask = ones.tril();
-  if (window > 0) mask = mask.logical_and(ones.triu(-(window - 1)));
+  auto mask = ones.tril(offset);
+  if (window > 0) mask = mask.logical_and(ones.triu(offset - (window - 1)));
   if (!doc_ids.defined()) return mask;
   const auto ids = doc_ids.to(device);
-  return mask.logical_and(ids.unsqueeze(2).eq(ids.unsqueeze(1))).unsqueeze(1);
+  return mask.logical_and(ids.narrow(1, offset, seq_q).unsqueeze(2).eq(ids.narrow(1, 0, seq_k).unsqueeze(1)))
+      .unsqueeze(1);
 }
 
 // Document numbers [batch, seq] (int64, CPU) of packed documents whose lengths are drawn
@@ -598,13 +604,13 @@ std::pair<at::Tensor, at::Tensor> document_bounds(const at::Tensor& doc_ids) {
 // inputs, softmax in float32; the reference for float64); kv heads repeated for GQA. A
 // row that sees no key (a window past the keys' end) gives 0, as the kernels do.
 at::Tensor attention_math(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
-                          std::int64_t window = 0, const at::Tensor& doc_ids = {}) {
+                          std::int64_t window = 0, const at::Tensor& doc_ids = {}, std::int64_t offset = 0) {
   const auto group = q.size(1) / k.size(1);
   auto kk = k.repeat_interleave(group, 1), vv = v.repeat_interleave(group, 1);
   auto s = at::matmul(q, kk.transpose(-2, -1)) * scale;
   at::Tensor none;  // [..., seq_q, 1]: rows that see no key, whose scores stay finite (no NaN)
   if (causal) {
-    const auto vis = visible(q.size(2), k.size(2), causal, window, q.device(), doc_ids);
+    const auto vis = visible(q.size(2), k.size(2), causal, window, q.device(), doc_ids, offset);
     none = vis.any(-1, /*keepdim=*/true).logical_not();
     s = s.masked_fill(vis.logical_not().logical_and(none.logical_not()), -std::numeric_limits<double>::infinity());
   }
@@ -648,6 +654,20 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
       // itself alone), with a window, over 2 batches of their own splits.
       {2, 4, 2, 300, 300, 64, true, at::kBFloat16, 0, 40},  {1, 2, 1, 260, 260, 128, true, at::kHalf, 0, 150},
       {1, 2, 1, 130, 130, 96, true, at::kHalf, 0, 1},        {2, 2, 2, 200, 200, 32, true, at::kBFloat16, 30, 90},
+      // Query offsets (a context-parallel chunk of queries among the gathered keys): the
+      // queries end with the keys (bottom-right alignment; the diagonal crosses tiles at
+      // another phase), end before them (later keys no query sees: zero dk, dv), start past
+      // several key tiles; with a window (blocks skip the tiles before it), with documents
+      // (queries read theirs at their own tokens), GQA. And queries past the keys' end (a
+      // ring attention block of earlier keys): every key seen; with a window that leaves
+      // the last rows none (log-sum-exp +inf); with documents over the rows that hold both
+      // (queries 100-159 over keys 0-119: the later ones see a key only through a document
+      // that began among the keys).
+      {1, 4, 2, 70, 200, 64, true, at::kBFloat16, 0, 0, 130},  {2, 2, 1, 130, 300, 128, true, at::kHalf, 0, 0, 100},
+      {1, 2, 2, 100, 400, 32, true, at::kHalf, 0, 0, 290},     {1, 2, 1, 150, 330, 64, true, at::kBFloat16, 50, 0, 170},
+      {2, 4, 2, 90, 260, 128, true, at::kBFloat16, 0, 40, 150}, {1, 2, 1, 60, 250, 96, true, at::kHalf, 30, 25, 190},
+      {1, 2, 1, 100, 200, 64, true, at::kBFloat16, 0, 0, 300}, {1, 2, 1, 130, 150, 128, true, at::kHalf, 120, 0, 200},
+      {1, 4, 2, 60, 120, 64, true, at::kBFloat16, 0, 30, 100},
   };
   if (kLargeCases) {
     cases.insert(cases.end(), {{2, 8, 2, 1000, 1000, 128, true, at::kBFloat16},
@@ -662,7 +682,9 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
                                {1, 4, 2, 2049, 2049, 128, true, at::kBFloat16, 512},
                                {1, 4, 4, 1000, 1000, 64, true, at::kHalf, 300},
                                {2, 8, 2, 2049, 2049, 128, true, at::kBFloat16, 0, 700},
-                               {1, 4, 4, 1000, 1000, 64, true, at::kHalf, 200, 100}});
+                               {1, 4, 4, 1000, 1000, 64, true, at::kHalf, 200, 100},
+                               {2, 8, 2, 512, 2048, 128, true, at::kBFloat16, 0, 0, 1536},
+                               {1, 4, 2, 700, 2049, 128, true, at::kHalf, 300, 200, 1000}});
   }
   for (const auto& c : cases) {
     SCOPED_TRACE(name(c));
@@ -677,17 +699,19 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
          vr = v.to(at::kDouble).requires_grad_();
     at::Tensor doc_ids, doc_start, doc_end;
     if (c.docs > 0) {
-      doc_ids = random_documents(c.batch, c.seq_q, c.docs);
+      // With an offset, rows longer than the keys and the queries (documents.stride), as a
+      // context-parallel rank's numbers over the whole sequence are.
+      doc_ids = random_documents(c.batch, std::max(c.seq_k, c.offset + c.seq_q) + (c.offset > 0 ? 8 : 0), c.docs);
       std::tie(doc_start, doc_end) = document_bounds(doc_ids);
       doc_start = dev(doc_start), doc_end = dev(doc_end);
     }
-    auto want = attention_math(qr, kr, vr, c.causal, scale, c.window, doc_ids);
+    auto want = attention_math(qr, kr, vr, c.causal, scale, c.window, doc_ids, c.offset);
     want.backward(dout.to(at::kDouble));
     // The naive 16-bit implementation, on the kernels' device (CPU matmuls in float16 are
     // not what a GPU user would compare against).
     auto qn = dev(q).detach().requires_grad_(), kn = dev(k).detach().requires_grad_(),
          vn = dev(v).detach().requires_grad_();
-    auto naive = attention_math(qn, kn, vn, c.causal, scale, c.window, doc_ids);
+    auto naive = attention_math(qn, kn, vn, c.causal, scale, c.window, doc_ids, c.offset);
     naive.backward(dev(dout));
 
     auto qd = dev(q.transpose(1, 2).contiguous()).transpose(1, 2);  // keep the strided layout
@@ -701,19 +725,36 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
     SCOPED_TRACE(kernel == DTRAIN_ATTENTION_KERNEL_MMA ? "mma.sync forward" : "wgmma forward");
     o = poisoned({c.batch, c.heads, c.seq_q, c.dim}, c.type);
     lse = poisoned({c.batch, c.heads, c.seq_q}, at::kFloat);
-    f = fwd_params(qd, kd, vd, o, lse, c.causal, scale, kernel, c.window);
+    f = fwd_params(qd, kd, vd, o, lse, c.causal, scale, kernel, c.window, c.offset);
     if (c.docs > 0) {
-      f.documents = {doc_start.data_ptr<std::int32_t>(), doc_end.data_ptr<std::int32_t>()};
-      auto g = f;  // documents are causal only, over one sequence, and need both bounds
+      f.documents = {doc_start.data_ptr<std::int32_t>(), doc_end.data_ptr<std::int32_t>(),
+                     c.offset > 0 ? doc_start.size(1) : 0};
+      auto g = f;  // documents are causal only, number the keys' and the queries' tokens, need both bounds
       g.causal = 0;
       g.window = 0;
+      g.query_offset = 0;
       EXPECT_EQ(run_fwd(g), cudaErrorInvalidValue) << "documents without causal";
       g = f;
       g.documents.end = nullptr;
       EXPECT_EQ(run_fwd(g), cudaErrorInvalidValue) << "document starts alone";
       g = f;
-      g.seq_k = f.seq_q - 1;
-      EXPECT_EQ(run_fwd(g), cudaErrorInvalidValue) << "documents over seq_q != seq_k";
+      g.documents.stride = std::max(f.seq_k, f.query_offset + f.seq_q) - 1;
+      EXPECT_EQ(run_fwd(g), cudaErrorInvalidValue) << "document rows shorter than the keys and queries";
+      if (f.documents.stride == 0) {
+        g = f;
+        g.seq_q = f.seq_k + 1;
+        EXPECT_EQ(run_fwd(g), cudaErrorInvalidValue) << "rows of seq_k tokens, more queries";
+      }
+    }
+    if (c.offset > 0) {  // an offset is causal only, and never negative
+      auto g = f;
+      g.causal = 0;
+      g.window = 0;
+      g.documents = {};
+      EXPECT_EQ(run_fwd(g), cudaErrorInvalidValue) << "an offset without causal";
+      g = f;
+      g.query_offset = -1;
+      EXPECT_EQ(run_fwd(g), cudaErrorInvalidValue) << "offset -1";
     }
     EXPECT_EQ(dtrain_attention_fwd(&f, nullptr), cudaErrorInvalidValue) << "no workspace";
     if (c.window > 0) {  // a window is causal only, and never negative
@@ -733,7 +774,7 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
       auto s = at::matmul(q.to(at::kDouble), k.to(at::kDouble).repeat_interleave(c.heads / c.kv_heads, 1)
                                                  .transpose(-2, -1)) * scale;
       if (c.causal) {
-        s = s.masked_fill(visible(c.seq_q, c.seq_k, c.causal, c.window, s.device(), doc_ids).logical_not(),
+        s = s.masked_fill(visible(c.seq_q, c.seq_k, c.causal, c.window, s.device(), doc_ids, c.offset).logical_not(),
                           -std::numeric_limits<double>::infinity());
       }
       auto want_lse = s.logsumexp(-1);

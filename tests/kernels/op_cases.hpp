@@ -68,29 +68,33 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionAutogradMatchesTheReferencePath) {
   torch::manual_seed(11);
   // The emulator runs a block in milliseconds: fewer heads and tokens there.
   const std::int64_t nb = kLargeCases ? 2 : 1, nh = kLargeCases ? 8 : 4, nt = kLargeCases ? 300 : 70;
-  // (causal, sliding window, packed documents): a window that starts inside the first key
-  // tile and ends inside the last query tile's; documents of one token to more than a tile.
-  const std::int64_t w = kLargeCases ? 100 : 23;
+  // (causal, sliding window, packed documents, query offset): a window that starts inside
+  // the first key tile and ends inside the last query tile's; documents of one token to
+  // more than a tile; half as many queries as keys, from a quarter of the way in (a
+  // context-parallel chunk: keys on both sides of the queries), alone and with the others.
+  const std::int64_t w = kLargeCases ? 100 : 23, off = nt / 4;
   const auto docs = packed_documents(nb, nt, kLargeCases ? std::vector<std::int64_t>{150, 1, 77, 40, 200}
                                                         : std::vector<std::int64_t>{20, 1, 30, 45});
   struct Mask {
     bool causal;
     std::int64_t window;
     at::Tensor documents;
+    std::int64_t offset = 0;
   };
   for (const auto& mask : {Mask{true, 0, {}}, Mask{false, 0, {}}, Mask{true, w, {}}, Mask{true, 0, docs.first},
-                           Mask{true, w, docs.first}}) {
+                           Mask{true, w, docs.first}, Mask{true, 0, {}, off}, Mask{true, w, docs.first, off}}) {
     const bool causal = mask.causal;
-    const std::int64_t window = mask.window;
+    const std::int64_t window = mask.window, nq = mask.offset > 0 ? nt / 2 : nt;
     for (std::int64_t d : {64, 128, 32, 80}) {
-      auto q = torch::randn({nb, nh, nt, d}), k = torch::randn({nb, 2, nt, d}), v = torch::randn({nb, 2, nt, d});
-      auto dout = torch::randn({nb, nh, nt, d});
+      auto q = torch::randn({nb, nh, nq, d}), k = torch::randn({nb, 2, nt, d}), v = torch::randn({nb, 2, nt, d});
+      auto dout = torch::randn({nb, nh, nq, d});
       auto run = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, const at::Tensor& g,
                      bool sdpa) -> std::vector<at::Tensor> {
         auto qa = a.detach().requires_grad_(), kb = b.detach().requires_grad_(), vc = c.detach().requires_grad_();
         const auto documents = mask.documents.defined() ? mask.documents.to(a.device()) : at::Tensor();
-        auto o = sdpa ? ops::attention(qa, kb, vc, causal, 0.0, ops::AttentionBackend::kSdpa, window, documents)
-                      : ops::flash_attention(qa, kb, vc, causal, 0.0, window, documents);
+        auto o = sdpa ? ops::attention(qa, kb, vc, causal, 0.0, ops::AttentionBackend::kSdpa, window, documents,
+                                       mask.offset)
+                      : ops::flash_attention(qa, kb, vc, causal, 0.0, window, documents, mask.offset);
         o.backward(g);
         return {o.cpu().to(at::kDouble), qa.grad().cpu().to(at::kDouble), kb.grad().cpu().to(at::kDouble),
                 vc.grad().cpu().to(at::kDouble)};
@@ -103,7 +107,8 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionAutogradMatchesTheReferencePath) {
         const double e = (got[i] - want[i]).abs().max().item<double>();
         const double base = (sdpa[i] - want[i]).abs().max().item<double>();
         EXPECT_LE(e, 2 * base + 1e-3) << "output " << i << " d " << d << (causal ? " causal" : "") << " window "
-                                      << window << (mask.documents.defined() ? " documents" : "") << ": flash " << e
+                                      << window << (mask.documents.defined() ? " documents" : "") << " offset "
+                                      << mask.offset << ": flash " << e
                                       << ", sdpa " << base;
       }
     }
@@ -118,63 +123,87 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionAutogradMatchesTheReferencePath) {
 }
 
 // Flash attention's two passes on blocks of keys, as ring attention (context parallelism,
-// --cp-comm p2p) uses them: causal attention over 2L tokens as three blocks (the first L
-// queries on their keys, causal; the last L on the first L keys, whole, and on their own,
-// causal), merged by the blocks' log-sum-exp, and each block's backward run from the merged
+// --cp-comm p2p) uses them: causal attention over 3 chunks of L tokens as a block per pair
+// of chunks (query chunk c over key chunk c' <= c, at query offset (c - c') L: the
+// diagonals, and whole blocks of earlier keys), merged by the blocks' log-sum-exp (a row
+// that sees no key of a block adds nothing), and each block's backward run from the merged
 // output and log-sum-exp, its gradients summed: output and gradients within twice the
-// error of LibTorch's bf16 attention over the whole, against float64, on each kernel.
+// error of LibTorch's bf16 attention over the whole, against float64, on each kernel. Also
+// with a window of L keys (the pair 2 chunks apart skipped, as the ring skips it) and
+// packed documents (each block given the numbers of its tokens from its keys' first to its
+// queries' last).
 TEST(KERNEL_SUITE(Ops), FlashAttentionBlocksMergeToTheWhole) {
   KERNEL_DEVICE_OR_SKIP();
+  constexpr double kInf = std::numeric_limits<double>::infinity();
   for (auto kernel : attention_kernels()) {
     env::ScopedOverride only(env::kAttentionKernel, kernel == DTRAIN_ATTENTION_KERNEL_MMA ? "mma" : "wgmma");
     SCOPED_TRACE(kernel == DTRAIN_ATTENTION_KERNEL_MMA ? "mma.sync" : "wgmma");
     torch::manual_seed(12);
-    const std::int64_t nb = kLargeCases ? 2 : 1, nh = 4, L = kLargeCases ? 150 : 35, d = 64;
-    auto q = torch::randn({nb, nh, 2 * L, d}), k = torch::randn({nb, 2, 2 * L, d}), v = torch::randn({nb, 2, 2 * L, d});
-    auto dout = torch::randn({nb, nh, 2 * L, d});
-    struct Block {
-      std::int64_t row, rows, col, cols;
-      bool causal;
-    };
-    const std::vector<Block> blocks = {{0, L, 0, L, true}, {L, L, 0, L, false}, {L, L, L, L, true}};
-    auto cu = [](const at::Tensor& t) { return t.to(kernel_device(), at::kBFloat16); };
-    const auto qd = cu(q), kd = cu(k), vd = cu(v), dd = cu(dout);
-    auto o = torch::zeros(q.sizes(), torch::kFloat);
-    auto lse = torch::full({nb, nh, 2 * L}, -std::numeric_limits<double>::infinity(), torch::kFloat);
-    for (const auto& b : blocks) {
-      const auto [ob, lb] = ops::flash_attention_forward(qd.narrow(2, b.row, b.rows), kd.narrow(2, b.col, b.cols),
-                                                         vd.narrow(2, b.col, b.cols), b.causal);
-      auto rows_o = o.narrow(2, b.row, b.rows), rows_lse = lse.narrow(2, b.row, b.rows);
-      const auto l = lb.cpu().to(at::kFloat), merged = at::logaddexp(rows_lse, l);
-      rows_o.copy_(rows_o * (rows_lse - merged).exp().unsqueeze(-1) +
-                   ob.cpu().to(at::kFloat) * (l - merged).exp().unsqueeze(-1));
-      rows_lse.copy_(merged);
-    }
-    const auto od = cu(o), lsed = lse.to(kernel_device());
-    auto dq = torch::zeros(q.sizes(), torch::kDouble), dk = torch::zeros(k.sizes(), torch::kDouble);
-    auto dv = torch::zeros(v.sizes(), torch::kDouble);
-    for (const auto& b : blocks) {
-      const auto g = ops::flash_attention_backward(
-          qd.narrow(2, b.row, b.rows), kd.narrow(2, b.col, b.cols), vd.narrow(2, b.col, b.cols),
-          od.narrow(2, b.row, b.rows), lsed.narrow(2, b.row, b.rows), dd.narrow(2, b.row, b.rows), b.causal);
-      dq.narrow(2, b.row, b.rows).add_(g[0].cpu().to(at::kDouble));
-      dk.narrow(2, b.col, b.cols).add_(g[1].cpu().to(at::kDouble));
-      dv.narrow(2, b.col, b.cols).add_(g[2].cpu().to(at::kDouble));
-    }
-    auto whole = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, const at::Tensor& g, bool sdpa) {
-      auto qa = a.detach().requires_grad_(), kb = b.detach().requires_grad_(), vc = c.detach().requires_grad_();
-      auto out = sdpa ? ops::attention(qa, kb, vc, true) : ops::flash_attention(qa, kb, vc, true);
-      out.backward(g);
-      return std::vector<at::Tensor>{out.cpu().to(at::kDouble), qa.grad().cpu().to(at::kDouble),
-                                     kb.grad().cpu().to(at::kDouble), vc.grad().cpu().to(at::kDouble)};
-    };
-    const auto want = whole(q.to(at::kDouble), k.to(at::kDouble), v.to(at::kDouble), dout.to(at::kDouble), false);
-    const auto sdpa = whole(qd, kd, vd, dd, true);
-    const std::vector<at::Tensor> got = {o.to(at::kBFloat16).to(at::kDouble), dq, dk, dv};
-    for (int i = 0; i < 4; ++i) {
-      const double e = (got[i] - want[i]).abs().max().item<double>();
-      const double base = (sdpa[i] - want[i]).abs().max().item<double>();
-      EXPECT_LE(e, 2 * base + 1e-3) << "output " << i << ": blocks " << e << ", sdpa " << base;
+    const std::int64_t nb = kLargeCases ? 2 : 1, nh = 4, L = kLargeCases ? 150 : 35, d = 64, T = 3 * L;
+    const auto docs = packed_documents(nb, T, kLargeCases ? std::vector<std::int64_t>{90, 1, 200, 40}
+                                                         : std::vector<std::int64_t>{20, 1, 45, 12}).first;
+    for (const bool masked : {false, true}) {
+      SCOPED_TRACE(masked ? "window and documents" : "causal");
+      const std::int64_t window = masked ? L : 0;
+      const ops::Documents documents = masked ? ops::Documents(docs.to(kernel_device())) : ops::Documents();
+      auto q = torch::randn({nb, nh, T, d}), k = torch::randn({nb, 2, T, d}), v = torch::randn({nb, 2, T, d});
+      auto dout = torch::randn({nb, nh, T, d});
+      struct Block {
+        std::int64_t row, col;  // the query chunk's and the key chunk's first token
+      };
+      std::vector<Block> blocks;
+      for (std::int64_t c = 0; c < 3; ++c) {
+        for (std::int64_t c2 = 0; c2 <= c; ++c2) {
+          if (window == 0 || (c - c2) * L - (L - 1) < window) blocks.push_back({c * L, c2 * L});
+        }
+      }
+      auto block_docs = [&](const Block& b) {
+        return masked ? documents.slice(b.col, b.row - b.col + L) : ops::Documents();
+      };
+      auto cu = [](const at::Tensor& t) { return t.to(kernel_device(), at::kBFloat16); };
+      const auto qd = cu(q), kd = cu(k), vd = cu(v), dd = cu(dout);
+      auto o = torch::zeros(q.sizes(), torch::kFloat);
+      auto lse = torch::full({nb, nh, T}, -kInf, torch::kFloat);
+      for (const auto& b : blocks) {
+        const auto [ob, lb] = ops::flash_attention_forward(qd.narrow(2, b.row, L), kd.narrow(2, b.col, L),
+                                                           vd.narrow(2, b.col, L), true, 0.0, window, block_docs(b),
+                                                           b.row - b.col);
+        auto rows_o = o.narrow(2, b.row, L), rows_lse = lse.narrow(2, b.row, L);
+        const auto l = lb.cpu().to(at::kFloat).masked_fill(lb.cpu() == kInf, -kInf);
+        const auto merged = at::logaddexp(rows_lse, l), base = merged.masked_fill(merged == -kInf, 0.0);
+        rows_o.copy_(rows_o * (rows_lse - base).exp().unsqueeze(-1) +
+                     ob.cpu().to(at::kFloat) * (l - base).exp().unsqueeze(-1));
+        rows_lse.copy_(merged);
+      }
+      const auto od = cu(o), lsed = lse.to(kernel_device());
+      auto dq = torch::zeros(q.sizes(), torch::kDouble), dk = torch::zeros(k.sizes(), torch::kDouble);
+      auto dv = torch::zeros(v.sizes(), torch::kDouble);
+      for (const auto& b : blocks) {
+        const auto g = ops::flash_attention_backward(qd.narrow(2, b.row, L), kd.narrow(2, b.col, L),
+                                                     vd.narrow(2, b.col, L), od.narrow(2, b.row, L),
+                                                     lsed.narrow(2, b.row, L), dd.narrow(2, b.row, L), true, 0.0,
+                                                     window, block_docs(b), b.row - b.col);
+        dq.narrow(2, b.row, L).add_(g[0].cpu().to(at::kDouble));
+        dk.narrow(2, b.col, L).add_(g[1].cpu().to(at::kDouble));
+        dv.narrow(2, b.col, L).add_(g[2].cpu().to(at::kDouble));
+      }
+      auto whole = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, const at::Tensor& g, bool sdpa) {
+        auto qa = a.detach().requires_grad_(), kb = b.detach().requires_grad_(), vc = c.detach().requires_grad_();
+        const ops::Documents dm = masked ? ops::Documents(docs.to(a.device())) : ops::Documents();
+        auto out = sdpa ? ops::attention(qa, kb, vc, true, 0.0, ops::AttentionBackend::kSdpa, window, dm)
+                        : ops::flash_attention(qa, kb, vc, true, 0.0, window, dm);
+        out.backward(g);
+        return std::vector<at::Tensor>{out.cpu().to(at::kDouble), qa.grad().cpu().to(at::kDouble),
+                                       kb.grad().cpu().to(at::kDouble), vc.grad().cpu().to(at::kDouble)};
+      };
+      const auto want = whole(q.to(at::kDouble), k.to(at::kDouble), v.to(at::kDouble), dout.to(at::kDouble), false);
+      const auto sdpa = whole(qd, kd, vd, dd, true);
+      const std::vector<at::Tensor> got = {o.to(at::kBFloat16).to(at::kDouble), dq, dk, dv};
+      for (int i = 0; i < 4; ++i) {
+        const double e = (got[i] - want[i]).abs().max().item<double>();
+        const double base = (sdpa[i] - want[i]).abs().max().item<double>();
+        EXPECT_LE(e, 2 * base + 1e-3) << "output " << i << ": blocks " << e << ", sdpa " << base;
+      }
     }
   }
   auto q = torch::randn({1, 2, 8, 16}, torch::kDouble);

@@ -218,9 +218,11 @@ TEST(FlashAttentionReference, WindowMaskIsMadeOnce) {
 // Queries at an offset into the keys' sequence (a context-parallel rank's chunk): the rows
 // of the whole sequence's attention, forward and backward (the keys past the chunk get no
 // gradient from it), with grouped-query heads, a window and documents of the whole
-// sequence; the masks of several chunks are kept side by side. Offsets the keys cannot
-// hold, and offsets on the flash backend, are refused by name.
-TEST(SdpaAttention, QueryOffsetGivesTheRowsOfTheWholeSequence) {
+// sequence, on both backends (flash: its reference path, the kernel's function); sdpa's
+// masks of several chunks are kept side by side. Queries past the keys' end (a ring
+// attention block of earlier keys) against attention written out element by element.
+// Negative offsets and offsets without causal are refused by name.
+TEST(Attention, QueryOffsetGivesTheRowsOfTheWholeSequence) {
   torch::manual_seed(8);
   const std::int64_t T = 20;
   const auto f64 = torch::TensorOptions().dtype(torch::kDouble);
@@ -230,18 +232,20 @@ TEST(SdpaAttention, QueryOffsetGivesTheRowsOfTheWholeSequence) {
   struct Chunk {
     std::int64_t offset, queries, keys;
   };
+  for (const auto backend : {ops::AttentionBackend::kSdpa, ops::AttentionBackend::kFlash}) {
   for (const bool docs : {false, true}) {
     for (const std::int64_t window : {0, 6}) {
       const auto& d = docs ? documents : ops::Documents();
       auto qw = q.clone().requires_grad_(), kw = k.clone().requires_grad_(), vw = v.clone().requires_grad_();
+      // The whole sequence on sdpa, so that flash's chunks are checked against the other backend.
       const auto whole = ops::attention(qw, kw, vw, true, 0.0, ops::AttentionBackend::kSdpa, window, d);
       for (const auto& c : {Chunk{0, 5, 5}, Chunk{7, 6, 13}, Chunk{15, 5, 20}, Chunk{3, 4, 12}}) {
-        SCOPED_TRACE(::testing::Message() << "documents " << docs << " window " << window << " offset " << c.offset
-                                        << " queries " << c.queries << " keys " << c.keys);
+        SCOPED_TRACE(::testing::Message() << ops::to_string(backend) << " documents " << docs << " window " << window
+                                        << " offset " << c.offset << " queries " << c.queries << " keys " << c.keys);
         auto qc = q.narrow(2, c.offset, c.queries).clone().requires_grad_();
         auto kc = k.narrow(2, 0, c.keys).clone().requires_grad_(), vc = v.narrow(2, 0, c.keys).clone().requires_grad_();
         const auto rows = dy.narrow(2, c.offset, c.queries);
-        const auto got = ops::attention(qc, kc, vc, true, 0.0, ops::AttentionBackend::kSdpa, window, d, c.offset);
+        const auto got = ops::attention(qc, kc, vc, true, 0.0, backend, window, d, c.offset);
         (got * rows).sum().backward();
         EXPECT_LT(max_abs(got, whole.narrow(2, c.offset, c.queries)), 1e-12);
         for (auto* t : {&qw, &kw, &vw}) t->mutable_grad() = at::Tensor();
@@ -253,6 +257,45 @@ TEST(SdpaAttention, QueryOffsetGivesTheRowsOfTheWholeSequence) {
       }
     }
   }
+  }
+  // Queries 12-16 over keys 0-7, written out: query i (token 12 + i) sees key j when j <=
+  // 12 + i, 12 + i - W < j and both are in one document (documents of tokens 0-13, 14-15
+  // and 16-19: queries 14-16 see no key).
+  const auto past_ids = (torch::arange(T) >= 14).to(torch::kLong) + (torch::arange(T) >= 16).to(torch::kLong);
+  const ops::Documents past(past_ids.expand({2, T}).contiguous());
+  for (const auto backend : {ops::AttentionBackend::kSdpa, ops::AttentionBackend::kFlash}) {
+    for (const bool docs : {false, true}) {
+      for (const std::int64_t window : {0, 10}) {
+        SCOPED_TRACE(::testing::Message() << ops::to_string(backend) << " past the keys, documents " << docs
+                                          << " window " << window);
+        const std::int64_t O = 12, nq = 5, nk = 8;
+        const auto ids = past.ids();
+        auto allowed = torch::zeros({2, 1, nq, nk}, torch::kBool);
+        for (std::int64_t b = 0; b < 2; ++b) {
+          for (std::int64_t i = 0; i < nq; ++i) {
+            for (std::int64_t j = 0; j < nk; ++j) {
+              const bool seen = j <= O + i && (window == 0 || j > O + i - window) &&
+                                (!docs || ids[b][O + i].item<std::int64_t>() == ids[b][j].item<std::int64_t>());
+              allowed[b][0][i][j] = seen;
+            }
+          }
+        }
+        const auto qs = q.narrow(2, O, nq), ks = k.narrow(2, 0, nk), vs = v.narrow(2, 0, nk);
+        auto s = at::matmul(qs, ks.repeat_interleave(2, 1).transpose(-2, -1)) / std::sqrt(8.0);
+        s = s.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
+        const auto seen_any = allowed.any(-1, /*keepdim=*/true);
+        auto want = at::matmul(at::softmax(s, -1).masked_fill(seen_any.logical_not(), 0.0), vs.repeat_interleave(2, 1));
+        const auto got = ops::attention(qs, ks, vs, true, 0.0, backend, window, docs ? past : ops::Documents(), O);
+        // Rows that see no key: flash gives 0; sdpa's all-masked softmax is its own affair.
+        const auto rows = seen_any.expand_as(want);
+        EXPECT_LT(max_abs(got.masked_select(rows), want.masked_select(rows)), 1e-12);
+        if (backend == ops::AttentionBackend::kFlash) {
+          EXPECT_TRUE(got.masked_select(rows.logical_not()).eq(0).all().item<bool>());
+        }
+      }
+    }
+  }
+
   // Two chunks' masks, asked in turn, are each made once.
   const auto& first = documents.sdpa_mask(0, at::kDouble, 5, 5, at::kCPU, 0);
   const auto& second = documents.sdpa_mask(0, at::kDouble, 5, 20, at::kCPU, 15);
@@ -260,20 +303,19 @@ TEST(SdpaAttention, QueryOffsetGivesTheRowsOfTheWholeSequence) {
   EXPECT_TRUE(documents.sdpa_mask(0, at::kDouble, 5, 20, at::kCPU, 15).is_same(second));
   EXPECT_TRUE(torch::equal(second, documents.sdpa_mask(0, at::kDouble, T, T, at::kCPU).narrow(2, 15, 5)));
 
-  expect_has(error_message([&] { ops::attention(q, k, v, false, 0.0, ops::AttentionBackend::kSdpa, 0, {}, 2); }),
-             {"query_offset=2", "without causal", "allowed: 0"});
-  expect_has(error_message([&] {
-               ops::attention(q.narrow(2, 0, 8), k.narrow(2, 0, 10), v.narrow(2, 0, 10), true, 0.0,
-                              ops::AttentionBackend::kSdpa, 0, {}, 3);
-             }),
-             {"query_offset=3 with 8 queries and 10 keys", "offset + queries <= keys"});
-  expect_has(error_message([&] { ops::attention(q, k, v, true, 0.0, ops::AttentionBackend::kFlash, 0, {}, 0 + 1); }),
-             {"flash backend has no query offset", "query_offset=1"});
-  expect_has(error_message([&] {
-               ops::attention(q.narrow(2, 0, 4), k.narrow(2, 0, 12), v.narrow(2, 0, 12), true, 0.0,
-                              ops::AttentionBackend::kSdpa, 0, ops::Documents(torch::zeros({2, 10}, torch::kLong)), 3);
-             }),
-             {"documents must be [batch, time] = [2, >= 12]", "[2, 10]"});
+  for (const auto backend : {ops::AttentionBackend::kSdpa, ops::AttentionBackend::kFlash}) {
+    SCOPED_TRACE(ops::to_string(backend));
+    const std::string op = backend == ops::AttentionBackend::kFlash ? "flash_attention: " : "attention: ";
+    expect_has(error_message([&] { ops::attention(q, k, v, false, 0.0, backend, 0, {}, 2); }),
+               {op + "query_offset=2 without causal", "allowed: 0"});
+    expect_has(error_message([&] { ops::attention(q, k, v, true, 0.0, backend, 0, {}, -1); }),
+               {op + "query_offset=-1", "allowed: 0"});
+    expect_has(error_message([&] {
+                 ops::attention(q.narrow(2, 0, 4), k.narrow(2, 0, 12), v.narrow(2, 0, 12), true, 0.0, backend, 0,
+                                ops::Documents(torch::zeros({2, 10}, torch::kLong)), 3);
+               }),
+               {op + "documents must be [batch, time] = [2, >= 12]", "[2, 10]"});
+  }
 }
 
 // Under autocast, sdpa computes in autocast's dtype, and the documents' mask is made in it
@@ -390,11 +432,9 @@ TEST(FlashAttentionReference, NamedInputChecks) {
   expect_has(error_message([&] { ops::flash_attention(q, q, q, false, 0.0, 0, docs); }),
              {"flash_attention", "documents without causal", "allowed"});
   expect_has(error_message([&] { ops::flash_attention(q, q, q, true, 0.0, 0, docs.view({8})); }),
-             {"flash_attention", "documents must be [batch, time] = [1, 8]", "[8]"});
+             {"flash_attention", "documents must be [batch, time] = [1, >= 8]", "[8]"});
   expect_has(error_message([&] { ops::flash_attention(q, q, q, true, 0.0, 0, docs.to(at::kFloat)); }),
              {"flash_attention", "documents are Float", "integer"});
-  expect_has(error_message([&] { ops::flash_attention(q, q.narrow(2, 0, 5), q.narrow(2, 0, 5), true, 0.0, 0, docs); }),
-             {"flash_attention", "8 queries and 5 keys"});
   for (auto backend : {ops::AttentionBackend::kSdpa, ops::AttentionBackend::kFlash}) {
     expect_has(error_message([&] { ops::attention(q, q, q, true, 0.0, backend, 0, docs.narrow(1, 0, 7)); }),
                {"documents must be [batch, time]", "[1, 7]"});

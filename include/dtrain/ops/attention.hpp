@@ -38,6 +38,9 @@ class Documents {
   // others were made).
   const at::Tensor& sdpa_mask(std::int64_t window, at::ScalarType dtype, std::int64_t seq_q, std::int64_t seq_k,
                               c10::Device device, std::int64_t first_query = 0) const;
+  // The documents of tokens [first, first + tokens), as a Documents of their own (a
+  // document cut by `first` starts there), made once per range and kept with these.
+  const Documents& slice(std::int64_t first, std::int64_t tokens) const;
 
  private:
   struct Derived;
@@ -52,33 +55,34 @@ AttentionBackend parse_attention_backend(const std::string& name, const char* op
 const char* to_string(AttentionBackend backend);
 
 // dropout_p: dropout on the attention probabilities, drawn from the default generator
-// (sdpa only: flash raises InvalidArgument for dropout_p > 0). window, documents: as
-// flash_attention's (sdpa takes them as documents.sdpa_mask, made once for the calls that
-// share `documents`). query_offset (sdpa only, causal): the queries are tokens
-// [query_offset, query_offset + T_q) of the keys' sequence, so query i sees keys j <=
-// query_offset + i (a context-parallel rank's chunk of queries against the keys before
-// and at it); the documents (sdpa) may then cover a longer sequence whose first T_k tokens
-// are the keys. Grouped-query attention on sdpa: its own (enable_gqa) wherever a backend
-// other than math takes the call, else k and v repeated per query head.
+// (sdpa only: flash raises InvalidArgument for dropout_p > 0). window, documents,
+// query_offset: as flash_attention's (sdpa takes them as documents.sdpa_mask, made once
+// for the calls that share `documents`). Grouped-query attention on sdpa: its own (enable_gqa) wherever a
+// backend other than math takes the call, else k and v repeated per query head.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                      double dropout_p = 0.0, AttentionBackend backend = AttentionBackend::kSdpa,
                      std::int64_t window = 0, const Documents& documents = {}, std::int64_t query_offset = 0);
 
 // Flash attention with autograd: softmax(q k^T scale) v, causal masks top-left aligned as
-// in sdpa (query i sees keys j <= i); scale <= 0 means 1 / sqrt(D). window W > 0 (causal
-// only) is a sliding window: query i sees keys i - W < j <= i (a row that sees no key, past
-// the keys' end, gives 0). documents (packed sequences, causal only, as many queries as
-// keys): integer [B, T], a document number per token; a document is a run of equal numbers
+// in sdpa (query i sees keys j <= i); scale <= 0 means 1 / sqrt(D). query_offset O (causal
+// only): the queries are tokens [O, O + T_q) of a sequence whose first T_k tokens are the
+// keys, so query i sees keys j <= O + i: a context-parallel rank's chunk of queries against
+// the keys gathered up to it, or against a block of keys before it (O = T_k - T_q:
+// bottom-right alignment). window W > 0 (causal only) is a sliding window: query i sees
+// keys O + i - W < j <= O + i (a row that sees no key gives 0). documents (packed
+// sequences, causal only): integer [B, >= max(T_k, O + T_q)], a document number per token
+// of that sequence; a document is a run of equal numbers
 // (one that recurs after another starts a new one), and a query sees only keys of its own
 // (FlashAttention's varlen attention over sequences packed back to back, without
 // unpacking; Megatron's reset attention mask). The forward keeps the row log-sum-exp, the
 // backward recomputes the probabilities from it (the kernel tile by tile; the reference
 // path in chunks of query rows). InvalidArgument naming the input for mismatched shapes
-// and devices, a negative window or one without causal, documents of another shape,
-// dtype or device or without causal, and on CUDA for a dtype other than bfloat16/float16
-// or an unsupported head dim.
+// and devices, a negative window or offset or either without causal, documents of another
+// shape, dtype or device or without causal, and on CUDA for a dtype other than
+// bfloat16/float16 or an unsupported head dim.
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                           double scale = 0.0, std::int64_t window = 0, const Documents& documents = {});
+                           double scale = 0.0, std::int64_t window = 0, const Documents& documents = {},
+                           std::int64_t query_offset = 0);
 
 // Flash attention's two passes without autograd, for callers that split the keys into
 // blocks and merge the blocks' results themselves (ring attention): the forward's output
@@ -86,13 +90,16 @@ at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 // [B, H, Sq]; +inf for a row that sees no key), and the backward's {dq, dk, dv} given the
 // output and log-sum-exp the rows were normalised by (for one block of keys: the merged
 // ones of all blocks, which makes its dq a share of the whole and its dk, dv whole). The
-// kernel on CUDA (bfloat16/float16), the reference path elsewhere; input checks as
-// flash_attention's. No window or documents.
+// kernel on CUDA (bfloat16/float16), the reference path elsewhere; window, documents,
+// query_offset and the input checks as flash_attention's.
 std::pair<at::Tensor, at::Tensor> flash_attention_forward(const at::Tensor& q, const at::Tensor& k,
-                                                          const at::Tensor& v, bool causal, double scale = 0.0);
+                                                          const at::Tensor& v, bool causal, double scale = 0.0,
+                                                          std::int64_t window = 0, const Documents& documents = {},
+                                                          std::int64_t query_offset = 0);
 std::vector<at::Tensor> flash_attention_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  const at::Tensor& o, const at::Tensor& lse, const at::Tensor& dout,
-                                                 bool causal, double scale = 0.0);
+                                                 bool causal, double scale = 0.0, std::int64_t window = 0,
+                                                 const Documents& documents = {}, std::int64_t query_offset = 0);
 
 // Whether the CUDA kernel takes this head dim (multiples of 8 from 8 to 128); false in a
 // build without CUDA. The reference path takes any.

@@ -40,7 +40,7 @@ at::Tensor gather_sequence(const at::Tensor& x, std::int64_t dim, const CommPtr&
 // ops::attention.
 // - kAllGather: keys and values gathered in one all-gather; each of the two local chunks
 //   of queries attends to the keys up to its own end (ops::attention with the chunk's
-//   query offset). sdpa only: InvalidArgument for the flash backend.
+//   query offset), on either backend (sdpa with an explicit mask; flash in its kernel).
 // - kAllToAll: one all-to-all gives each rank H / cp query heads (and their key/value
 //   heads; repeated per query head when cp does not divide Hkv) over the whole sequence,
 //   ordinary causal attention on `backend` runs there, and a second all-to-all returns the

@@ -8,10 +8,15 @@
  * at::scaled_dot_product_attention: query i sees keys j <= i; with a sliding window of W
  * keys (window = W > 0, causal only), keys i - W < j <= i (Mistral's sliding window;
  * FlashAttention's window_size (W - 1, 0)), and only the key tiles a block can see are
- * visited. Packed documents (documents.start non-null; causal, seq_q == seq_k): each
- * (batch, token) names its document [start, end) of that batch's sequence, and a query sees
- * only keys of its own document (what FlashAttention's varlen interface gives sequences
- * packed back to back, without unpacking them); combined with a window, both apply.
+ * visited. A query offset O >= 0 (causal only) places the queries at tokens [O, O + seq_q)
+ * of a sequence whose first seq_k tokens are the keys: query i sees keys j <= O + i (the
+ * window: O + i - W < j), as a context-parallel rank's chunk of queries sees the keys
+ * gathered up to it, or a block of keys that precedes it (ring attention); O = seq_k -
+ * seq_q is FlashAttention's bottom-right causal alignment. Packed documents
+ * (documents.start non-null; causal): each (batch, token) of that sequence names its
+ * document [start, end), and a query sees only keys of its own document (what
+ * FlashAttention's varlen interface gives sequences packed back to back, without
+ * unpacking them); combined with a window, both apply.
  * The forward writes o and the log-sum-exp per query row (float32, [batch, heads, seq_q],
  * contiguous; +inf for a row that sees no key), by mma.sync or, on Hopper, by wgmma
  * (dtrain_attention_kernel). The backward recomputes the attention
@@ -39,13 +44,16 @@ typedef enum {
   DTRAIN_ATTENTION_KERNEL_WGMMA = 2,
 } dtrain_attention_kernel;
 
-/* Packed documents: int32 [batch, seq] each, contiguous. For token i of batch b, start[b, i]
- * is the first token of its document and end[b, i] one past its last: start[i] <= i <
- * end[i]; a document is a run of tokens (start and end equal along it). Zeroed: one
- * document per sequence. The forward reads start, the backward end. */
+/* Packed documents: int32 [batch, stride] each, a row per batch numbering the tokens of a
+ * sequence whose tokens [0, seq_k) are the keys and [O, O + seq_q) the queries (O the query
+ * offset). For token i of batch b, start[b, i] is the first token of its document and
+ * end[b, i] one past its last: start[i] <= i < end[i]; a document is a run of tokens (start
+ * and end equal along it). Zeroed: one document per sequence. The forward reads start (at
+ * the queries' tokens), the backward end (at the keys'). */
 typedef struct {
   const int32_t* start;
   const int32_t* end;
+  int64_t stride; /* tokens per row: 0 means seq_k; the rows must hold max(seq_k, O + seq_q) */
 } dtrain_attention_documents;
 
 typedef struct {
@@ -63,8 +71,9 @@ typedef struct {
   int causal;
   dtrain_kernel_dtype dtype; /* BF16 or F16 */
   dtrain_attention_kernel kernel;
-  int64_t window; /* 0: none; W > 0 (causal only): query i sees keys i - W < j <= i */
+  int64_t window; /* 0: none; W > 0 (causal only): query i sees keys O + i - W < j <= O + i */
   dtrain_attention_documents documents;
+  int64_t query_offset; /* O: 0, or with causal the queries' first token in the keys' sequence */
 } dtrain_attention_fwd_params;
 
 typedef struct {
@@ -86,6 +95,7 @@ typedef struct {
   dtrain_attention_kernel kernel;
   int64_t window; /* as the forward's */
   dtrain_attention_documents documents; /* as the forward's */
+  int64_t query_offset;                 /* as the forward's */
 } dtrain_attention_bwd_params;
 
 cudaError_t dtrain_attention_fwd(const dtrain_attention_fwd_params* params, cudaStream_t stream);
