@@ -133,6 +133,10 @@ phase kernel_bench_gqa_documents 90 "$build/benchmarks/kernel_bench" --only gqa 
 # split form against Megatron's and the one-call op, time and peak memory.
 phase kernel_bench_ce_split 60 "$build/benchmarks/kernel_bench" --only ce_split --tp 8 \
   --json "$out/kernel_bench_ce_split.jsonl"
+# One context-parallel rank's attention in the all-gather form (cp 4 at 16k, D 128): its two
+# query chunks on the flash kernel's query offset against sdpa with the chunks' masks.
+phase kernel_bench_cp_chunks 60 "$build/benchmarks/kernel_bench" --only cp_chunks --seq 16384 --dims 128 --cp 4 \
+  --json "$out/kernel_bench_cp_chunks.jsonl"
 # DTRAIN_CHECK_AB_BASE: another revision's tree (scripts/ab_tree.sh REV, carried as ab/):
 # its kernel_bench against this tree's, in turn (benchmarks/gpu/ab.sh, default cases).
 if [ -n "${DTRAIN_CHECK_AB_BASE:-}" ]; then
@@ -224,7 +228,7 @@ done
 [ -f "$out/kernel_bench_hdims.log" ] && { echo "-- kernel_bench, head dims 32, 80, 96"; grep -vE '^\{|^#' "$out/kernel_bench_hdims.log"; }
 [ -f "$out/kernel_bench_window.log" ] && { echo "-- kernel_bench, window 1024"; grep -vE '^\{' "$out/kernel_bench_window.log"; }
 [ -f "$out/kernel_bench_documents.log" ] && { echo "-- kernel_bench, documents of 2048"; grep -vE '^\{' "$out/kernel_bench_documents.log"; }
-for f in "$out"/kernel_bench_gqa*.log "$out"/kernel_bench_ce_split.log; do
+for f in "$out"/kernel_bench_gqa*.log "$out"/kernel_bench_ce_split.log "$out"/kernel_bench_cp_chunks.log; do
   [ -f "$f" ] && { echo "-- $(basename "$f" .log)"; grep -vE '^\{|^#' "$f"; }
 done
 # The issue's targets (a missed one is a result, not a failed phase).

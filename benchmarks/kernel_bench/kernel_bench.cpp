@@ -20,6 +20,9 @@
 // forward+backward time and peak memory (see gqa() below).
 // --only ce_split: one rank's share of the tensor-parallel loss, dtrain's fused form against
 // Megatron's (see ce_split() below).
+// --only cp_chunks: one context-parallel rank's attention in the all-gather form, its two
+// query chunks over the gathered keys at their offsets, on the flash kernel against sdpa
+// with the explicit mask (see cp_chunks() below).
 //
 //   build/benchmarks/kernel_bench                          (CUDA when present)
 //   build/benchmarks/kernel_bench --only attention --seq 1024,4096,16384 --json out.jsonl
@@ -27,6 +30,7 @@
 //   build/benchmarks/kernel_bench --only attention --seq 16384 --dims 128 --documents 2048
 //   build/benchmarks/kernel_bench --only gqa --seq 4096 --dims 128 [--kv-heads 4] [--documents 512]
 //   build/benchmarks/kernel_bench --only ce_split [--tp 8]
+//   build/benchmarks/kernel_bench --only cp_chunks --seq 16384 --dims 128 [--cp 4] [--window W] [--documents L]
 #include <ATen/SDPBackend.h>
 #include <torch/torch.h>
 
@@ -57,6 +61,7 @@ struct Options {
   std::int64_t documents = 0;     // attention: packed documents of this many tokens (0: none)
   std::int64_t kv_heads = 0;      // gqa: key/value heads (0: a quarter of the heads)
   int tp = 8;                     // ce_split: the vocabulary split across this many ranks
+  int cp = 4;                     // cp_chunks: the context-parallel degree
   int iters = 0, rounds = 3;      // iters 0: 20 on CUDA, 3 on CPU
 };
 
@@ -380,6 +385,75 @@ void gqa(const Options& o, const c10::Device& dev, int iters, Out& out) {
   }
 }
 
+// One context-parallel rank's attention in the all-gather form (--cp-comm all_gather): the
+// sequence of --seq tokens cut into 2 cp chunks, rank 0 holding chunks 0 and 2 cp - 1, each
+// of its query chunks attending to the gathered keys up to its own end at its offset
+// (ops::attention with query_offset, the calls cp::attention makes), causal, with the
+// --window and --documents given: forward+backward ms and peak tensor memory above the
+// start of dtrain's flash kernel (the offset in the kernel) against the sdpa backend (an
+// explicit additive mask per chunk, made once per forward and saved for the backward, as
+// the model's layers share it). The speedup and memory ratio are sdpa / flash. On the CPU
+// flash is its reference path: a run of the code, not a figure.
+void cp_chunks(const Options& o, const c10::Device& dev, int iters, Out& out) {
+  const auto dtype = cuda(dev) ? torch::kBFloat16 : torch::kFloat;
+  if (!cuda(dev)) dtrain::train::enable_cpu_memory_tracking();
+  std::printf("# context-parallel chunks (all_gather form, rank 0 of cp %d; %s, %s): fwd+bwd ms and peak MiB above the "
+              "start; flash = dtrain's kernel with the query offset, sdpa = sdpa with the chunks' masks; speedup and "
+              "memory = sdpa / flash\n",
+              o.cp, cuda(dev) ? "cuda" : "cpu", c10::toString(dtype));
+  std::printf("%6s %4s %3s %4s %5s %6s %5s %9s %9s %9s %9s %8s %8s\n", "seq", "dim", "cp", "B", "H", "window", "docs",
+              "flash_ms", "sdpa_ms", "flash_MiB", "sdpa_MiB", "speedup", "memory");
+  std::vector<std::int64_t> seqs = o.seq;
+  if (seqs.empty()) seqs = cuda(dev) ? std::vector<std::int64_t>{16384} : std::vector<std::int64_t>{512};
+  const std::int64_t tokens = o.tokens > 0 ? o.tokens : (cuda(dev) ? 16384 : 1024);
+  for (auto s : seqs) {
+    DTRAIN_CHECK_ARG(s % (2 * o.cp) == 0, "--seq ", s, " cannot be cut into 2 x --cp ", o.cp, " chunks; allowed: a ",
+                     "multiple of ", 2 * o.cp);
+    for (auto d : o.dims) {
+      const auto b = std::max<std::int64_t>(1, tokens / s), h = std::max<std::int64_t>(1, o.hidden / d);
+      const std::int64_t L = s / (2 * o.cp), chunks[2] = {0, 2 * o.cp - 1};
+      auto opts = torch::TensorOptions().device(dev).dtype(dtype);
+      auto q = torch::randn({b, h, 2 * L, d}, opts).requires_grad_();  // the rank's queries
+      auto k = torch::randn({b, h, s, d}, opts).requires_grad_();      // the gathered keys, values
+      auto v = torch::randn({b, h, s, d}, opts).requires_grad_();
+      auto dout = torch::randn({b, h, 2 * L, d}, opts);
+      dtrain::ops::Documents docs;
+      if (o.documents > 0) {
+        docs = torch::arange(s, opts.dtype(torch::kLong)).div(o.documents, "floor").expand({b, s}).contiguous();
+      }
+      auto chunks_of = [&](dtrain::ops::AttentionBackend backend) {
+        // A fresh Documents per forward, as the model makes one per micro-batch: sdpa's
+        // masks are made in every timed call.
+        const dtrain::ops::Documents fresh = docs.defined() ? dtrain::ops::Documents(docs.ids()) : dtrain::ops::Documents();
+        std::vector<at::Tensor> outs;
+        for (int c = 0; c < 2; ++c) {
+          const auto seen = (chunks[c] + 1) * L;
+          outs.push_back(dtrain::ops::attention(q.narrow(2, c * L, L), k.narrow(2, 0, seen), v.narrow(2, 0, seen),
+                                                true, 0.0, backend, o.window, fresh, chunks[c] * L));
+        }
+        return at::cat(outs, 2);
+      };
+      auto measure = [&](dtrain::ops::AttentionBackend backend) {
+        return time_and_peak(dev, iters, o.rounds, {&q, &k, &v}, [&] { chunks_of(backend).backward(dout); });
+      };
+      const auto [flash_ms, flash_mib] = measure(dtrain::ops::AttentionBackend::kFlash);
+      const auto [sdpa_ms, sdpa_mib] = measure(dtrain::ops::AttentionBackend::kSdpa);
+      auto div = [](std::optional<double> a, std::optional<double> b) { return a && b && *b > 0 ? *a / *b : 0.0; };
+      auto cell = [](std::optional<double> x) { return x ? *x : -1.0; };
+      const double speedup = div(sdpa_ms, flash_ms), memory = div(sdpa_mib, flash_mib);
+      std::printf("%6lld %4lld %3d %4lld %5lld %6lld %5lld %9.3f %9.3f %9.1f %9.1f %8.2f %8.2f\n",
+                  static_cast<long long>(s), static_cast<long long>(d), o.cp, static_cast<long long>(b),
+                  static_cast<long long>(h), static_cast<long long>(o.window), static_cast<long long>(o.documents),
+                  cell(flash_ms), cell(sdpa_ms), cell(flash_mib), cell(sdpa_mib), speedup, memory);
+      out.line({{"bench", "kernel"}, {"op", "attention_cp_chunks"}, {"device", cuda(dev) ? "cuda" : "cpu"},
+                {"dtype", c10::toString(dtype)}, {"seq", s}, {"head_dim", d}, {"cp", o.cp}, {"batch", b},
+                {"heads", h}, {"window", o.window}, {"documents", o.documents}, {"fwdbwd_ms_flash", opt(flash_ms)},
+                {"fwdbwd_ms_sdpa", opt(sdpa_ms)}, {"peak_mib_flash", opt(flash_mib)}, {"peak_mib_sdpa", opt(sdpa_mib)},
+                {"speedup", speedup}, {"memory_ratio", memory}});
+    }
+  }
+}
+
 // One rank's share of a vocabulary split across --tp ranks (a tensor-parallel head's
 // loss): forward+backward ms and peak tensor memory above the start of dtrain's fused form
 // (tp::fused_vocab_parallel_cross_entropy, in place as the model runs it) against
@@ -568,8 +642,8 @@ int main(int argc, char** argv) {
   CLI::App app{"kernel_bench: dtrain's attention, AdamW, norm and cross-entropy ops against LibTorch's"};
   app.add_option("--device", o.device, "auto (cuda when available), cuda or cpu")->check(CLI::IsMember({"auto", "cuda", "cpu"}));
   app.add_option("--only", o.only,
-                 "all (attention and the memory-bound ops), attention, gqa, adamw, norm, ce or ce_split")
-      ->check(CLI::IsMember({"all", "attention", "gqa", "adamw", "norm", "ce", "ce_split"}));
+                 "all (attention and the memory-bound ops), attention, gqa, adamw, norm, ce, ce_split or cp_chunks")
+      ->check(CLI::IsMember({"all", "attention", "gqa", "adamw", "norm", "ce", "ce_split", "cp_chunks"}));
   app.add_option("--seq", o.seq, "attention sequence lengths")->delimiter(',');
   app.add_option("--dims", o.dims, "attention head dims (multiples of 8 up to 128; default 64,128)")->delimiter(',');
   app.add_option("--tokens", o.tokens, "attention: batch x seq (0: 16384 on CUDA, 1024 on CPU)");
@@ -582,6 +656,8 @@ int main(int argc, char** argv) {
   app.add_option("--kv-heads", o.kv_heads, "gqa: key/value heads (0: a quarter of the heads)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--tp", o.tp, "ce_split: the vocabulary split across this many tensor-parallel ranks")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--cp", o.cp, "cp_chunks: the context-parallel degree (each sequence in 2 x cp chunks)")
       ->check(CLI::PositiveNumber);
   app.add_option("--iters", o.iters, "calls per timing (0: 20 on CUDA, 3 on CPU)");
   app.add_option("--rounds", o.rounds, "timings per case (the median is reported)");
@@ -601,6 +677,7 @@ int main(int argc, char** argv) {
     if (o.only == "all" || o.only == "attention") attention(o, dev, iters, out);
     if (o.only == "gqa") gqa(o, dev, iters, out);
     if (o.only == "ce_split") ce_split(o, dev, iters, out);
+    if (o.only == "cp_chunks") cp_chunks(o, dev, iters, out);
     if (o.only == "all" || o.only == "adamw" || o.only == "norm" || o.only == "ce") memory_bound(o, dev, iters, out);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kernel_bench: error: %s\n", e.what());
