@@ -77,9 +77,11 @@ at::Tensor exchange(const at::Tensor& x, const CommPtr& cp, bool to_heads) {
 // Ring attention (Megatron-Core's p2p): keys and values go round the ring of cp ranks,
 // cp - 1 hops, the next hop posted before this one's blocks are computed; each rank runs
 // flash attention on the blocks of (its query chunk, the visiting key chunk) it may see and
-// merges them by log-sum-exp. The backward sends them round again with their gradients,
-// which reach their owner after the last hop; each block's gradients come from the
-// merged output and log-sum-exp (ops::flash_attention_backward).
+// merges them by log-sum-exp. The backward sends them round again; their gradients follow
+// one hop behind (each rank adds its blocks' share to what the previous rank sent and
+// passes the sum on while it computes the next hop's blocks) and reach their owner after
+// the last hop; each block's gradients come from the merged output and log-sum-exp
+// (ops::flash_attention_backward).
 struct Block {
   std::int64_t row, col;  // local positions of the L queries and the L keys
   std::int64_t offset;    // the query chunk's first token minus the key chunk's (>= 0)
@@ -115,11 +117,12 @@ struct RingMask {
   }
 };
 
-// Sends t to the next rank of the ring and receives the previous rank's into a new tensor.
-at::Tensor pass_on(Communicator& c, const at::Tensor& t, std::vector<WorkPtr>& works) {
+// Sends t to the next rank of the ring and receives the previous rank's into a new tensor
+// (tag: keys 0, their gradients 1, which may be in flight together).
+at::Tensor pass_on(Communicator& c, const at::Tensor& t, std::vector<WorkPtr>& works, int tag = 0) {
   auto in = at::empty_like(t);
   const int n = c.size(), r = c.rank();
-  works = c.batch_p2p({{P2POp::Kind::kSend, t, (r + 1) % n, 0}, {P2POp::Kind::kRecv, in, (r + n - 1) % n, 0}});
+  works = c.batch_p2p({{P2POp::Kind::kSend, t, (r + 1) % n, tag}, {P2POp::Kind::kRecv, in, (r + n - 1) % n, tag}});
   return in;
 }
 void wait_all(std::vector<WorkPtr>& works) {
@@ -178,10 +181,13 @@ struct RingAttention : public torch::autograd::Function<RingAttention> {
     const auto acc = lse.scalar_type();
     auto dq = at::zeros(q.sizes(), q.options().dtype(acc));
     auto kv = at::cat({k, v}, 1).contiguous();
-    auto dkv = at::zeros(kv.sizes(), kv.options().dtype(acc));  // the visiting keys' gradients
-    std::vector<WorkPtr> works;
+    // The visiting keys' gradients: this rank's blocks' share (dkv), and the sum of the
+    // ranks' before it (arriving, one hop behind the keys; none for the rank's own keys).
+    at::Tensor arriving, sent;
+    std::vector<WorkPtr> works, grad_works;
     for (int i = 0; i < n; ++i) {
       const auto next = i + 1 < n ? pass_on(c, kv, works) : at::Tensor();
+      auto dkv = at::zeros(kv.sizes(), kv.options().dtype(acc));
       for (const auto& b : visible_blocks(n, r, (r + n - i) % n, L, mask.window)) {
         const auto keys = kv.narrow(2, b.col, L);
         const auto g = ops::flash_attention_backward(
@@ -193,15 +199,17 @@ struct RingAttention : public torch::autograd::Function<RingAttention> {
         dkv.narrow(2, b.col, L).narrow(1, hkv, hkv).add_(g[2].to(acc));
       }
       wait_all(works);
-      // The gradients follow their keys: after the last hop each rank holds its own.
-      std::vector<WorkPtr> passed;
-      auto incoming = pass_on(c, dkv, passed);
-      wait_all(passed);  // before the sent tensor may go
-      dkv = incoming;
+      // The previous hop's sum has gone and the previous rank's has arrived: add this
+      // rank's share and pass it on, to be waited for after the next hop's blocks. After
+      // the last hop each rank receives its own keys' gradients.
+      wait_all(grad_works);
+      sent = i == 0 ? dkv : arriving.add_(dkv);
+      arriving = pass_on(c, sent, grad_works, /*tag=*/1);
       if (next.defined()) kv = next;
     }
-    return {dq.to(q.scalar_type()), dkv.narrow(1, 0, hkv).to(k.scalar_type()),
-            dkv.narrow(1, hkv, hkv).to(v.scalar_type()), at::Tensor(), at::Tensor()};
+    wait_all(grad_works);
+    return {dq.to(q.scalar_type()), arriving.narrow(1, 0, hkv).to(k.scalar_type()),
+            arriving.narrow(1, hkv, hkv).to(v.scalar_type()), at::Tensor(), at::Tensor()};
   }
 };
 

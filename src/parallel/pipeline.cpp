@@ -129,7 +129,8 @@ double PipelineRuntime::forward_only(const at::Tensor& inputs, const at::Tensor&
       if (g == last) {
         const double weight = loss_weight(weights, i, m);
         if (chunk.before_loss) chunk.before_loss(weight);
-        loss_sum += chunk.loss(y, targets.narrow(0, micro * i, micro)).item<double>() * weight;
+        const double loss = chunk.loss(y, targets.narrow(0, micro * i, micro)).item<double>();
+        if (weight > 0) loss_sum += loss * weight;  // weight 0: no loss tokens, a mean of 0/0
       } else {
         io.send(y, g + 1, io.tag(g, false));
         io.flush();
@@ -192,7 +193,7 @@ double PipelineRuntime::run(const at::Tensor& inputs, const at::Tensor& targets,
         if (chunk.before_loss) chunk.before_loss(weight);
         const auto loss = chunk.loss(st.output, targets.narrow(0, micro * a.microbatch, micro));
         st.loss = weights.empty() ? loss / m : loss * weight;
-        loss_sum += st.loss.item<double>();
+        if (weight > 0) loss_sum += st.loss.item<double>();  // weight 0: no loss tokens, a mean of 0/0
         span.reset();
       } else {
         span.reset();

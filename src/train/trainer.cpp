@@ -879,7 +879,8 @@ StepMetrics Trainer::train_step() {
     }
     timed_sync();
     m.backward_ms += ms_since(t);
-    loss_sum += loss.detach().to(torch::kFloat) * weight;
+    // A micro-batch without loss tokens here (weight 0) has the mean 0/0: it adds nothing.
+    if (weight > 0) loss_sum += loss.detach().to(torch::kFloat) * weight;
   }
   auto t = Clock::now();
   {
@@ -1067,10 +1068,11 @@ double Trainer::evaluate() {
     const auto [batch, weights] = step_batch(*val_, val_sampler_->indices(b));
     for (std::int64_t k = 0; k < accum_; ++k) {
       AutocastScope autocast(precision_dtype(options_.precision), device.type());
-      sum += model_->loss(batch.inputs.narrow(0, k * micro_batch_, micro_batch_).to(device),
-                          batch.targets.narrow(0, k * micro_batch_, micro_batch_).to(device))
-                 .to(torch::kFloat) *
-             weights[static_cast<std::size_t>(k)];
+      // Every rank runs the forward (its collectives); one without loss tokens adds nothing.
+      const auto loss = model_->loss(batch.inputs.narrow(0, k * micro_batch_, micro_batch_).to(device),
+                                     batch.targets.narrow(0, k * micro_batch_, micro_batch_).to(device));
+      const double weight = weights[static_cast<std::size_t>(k)];
+      if (weight > 0) sum += loss.to(torch::kFloat) * weight;
     }
   }
   model_->train();

@@ -145,6 +145,29 @@ TEST_F(CpTest, TrainingMatchesSingleProcess) {
   }
 }
 
+// A rank whose positions hold no loss token (--eod-mask-loss over chunks of separators)
+// weighs that micro-batch 0: the step's loss and the validation loss are the other
+// micro-batches' and ranks' share, as the single process's, never a 0/0 that spoils the
+// rank's sum. Every other 16-token sample is "abcd" and 12 separators (at cp 2 rank 1
+// holds positions 4-11: all separators), the others 16 letters; micro-batches of one
+// sample. At 4 ranks through two pipeline stages (the last stage's loss).
+TEST_F(CpTest, RankWithoutLossTokensAddsNothing) {
+  const int n = nranks();
+  if (n != 2 && n != 4) GTEST_SKIP() << "cp 2, or cp 2 x pp 2";
+  std::string text;
+  for (int i = 0; i < 160; ++i) text += "abcd" + std::string(12, '#') + "efghijklmnopqrst";  // samples aligned in both shards
+  TestCorpus corpus("cpnoloss" + std::to_string(rank()), text);
+  auto o = cp_options(corpus, /*eod_mask_loss=*/true);
+  o.seq_len = 16;
+  o.val_data = corpus.val();
+  auto cfg = llama();
+  cfg.document_separator = '#';
+  o.micro_batch = 1;
+  Trainer parallel(context(2, CpComm::kAllGather, 1, n / 2), cfg, o);
+  EXPECT_TRUE(std::isfinite(parallel.evaluate()));
+  expect_equivalent(parallel, single_process_reference(cfg, o));
+}
+
 // The whole model's logits (gathered from every rank's positions) and the validation loss
 // (averaged over dp x cp) of the initial model equal the single process's, in both forms.
 TEST_F(CpTest, LogitsAndValidationLossMatchSingleProcess) {
