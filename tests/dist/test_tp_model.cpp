@@ -41,7 +41,8 @@ class TpModelTest : public TrainTest {
   }
   // lr > 0: instead of the harness's.
   void expect_matches(const ContextPtr& ctx, const models::GptConfig& cfg,
-                      const std::string& fsdp = "none", bool eod_mask_loss = false, double lr = 0) {
+                      const std::string& fsdp = "none", bool eod_mask_loss = false, double lr = 0,
+                      double param_atol = 5e-5) {
     TestCorpus corpus("tp" + std::to_string(rank()));
     auto o = options(corpus);
     o.eod_mask_loss = eod_mask_loss;
@@ -50,7 +51,7 @@ class TpModelTest : public TrainTest {
     auto ref_o = o;
     o.fsdp = fsdp;
     Trainer parallel(ctx, cfg, o);
-    expect_equivalent(parallel, single_process_reference(cfg, ref_o));
+    expect_equivalent(parallel, single_process_reference(cfg, ref_o), param_atol);
   }
 };
 
@@ -123,14 +124,17 @@ TEST_F(TpModelTest, TpWithActivationCheckpointingMatchesSingleProcess) {
 // without QK-norm 1.6e-6), spread over the weight matrices (attn_proj, mlp_fc) while the
 // norm weights themselves stayed within 2.3e-6 and every loss and gradient norm within
 // tolerance: Adam amplifying roundings in near-zero gradients, not a wrong gradient (that
-// would move the norm weights by O(lr) a step). At 1e-3 the worst is 2.9e-5.
+// would move the norm weights by O(lr) a step). At 1e-3 the worst was 2.9e-5, and is
+// 5.5e-5 (Llama at tp 4, attn_proj) on a machine whose LibTorch runs AVX-512 kernels
+// (2026-12-06; 06b05f0 gives the same): parameters are held to 1e-4 here. The norm
+// weights' gradient left unsummed across tp fails it by far (checked).
 TEST_F(TpModelTest, QkNormMatchesSingleProcess) {
   const int n = nranks();
   for (auto cfg : {gpt2(n), llama(n)}) {
     cfg.qk_norm = true;
     for (bool sp : {false, true}) {
       SCOPED_TRACE(cfg.family + (sp ? " sequence parallel" : " tensor parallel"));
-      expect_matches(context(n, sp), cfg, "none", false, 1e-3);
+      expect_matches(context(n, sp), cfg, "none", false, 1e-3, /*param_atol=*/1e-4);
     }
   }
 }
