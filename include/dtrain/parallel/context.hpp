@@ -14,11 +14,12 @@
 namespace dtrain {
 
 // How attention crosses the context-parallel ranks (--cp-comm): kAllGather gathers every
-// rank's keys and values (Llama 3's form: any head count, sdpa only); kAllToAll exchanges
-// heads for positions around attention (DeepSpeed-Ulysses: each rank attends over the
-// whole sequence with n_head / cp of the heads, on any attention backend); kRing passes
-// keys and values round the ranks (ring attention: flash attention on whole blocks,
-// merged by log-sum-exp; no windows or documents).
+// rank's keys and values (Llama 3's form: any head count, either attention backend, the
+// queries at their offset); kAllToAll exchanges heads for positions around attention
+// (DeepSpeed-Ulysses: each rank attends over the whole sequence with n_head / cp of the
+// heads, on any attention backend); kRing passes keys and values round the ranks (ring
+// attention: flash attention on blocks of keys at their query offsets, merged by
+// log-sum-exp; the flash backend only).
 enum class CpComm { kAllGather, kAllToAll, kRing };
 // "all_gather" | "a2a" | "p2p" (Megatron-Core's names); InvalidArgument naming `option`,
 // the value and the allowed ones.
