@@ -104,6 +104,17 @@ struct Out {
 };
 
 nlohmann::json opt(const std::optional<double>& v) { return v ? nlohmann::json(*v) : nlohmann::json(nullptr); }
+// A table cell: the value, -1 when unknown.
+double cell(std::optional<double> x) { return x ? *x : -1.0; }
+// a / b; 0 when either is unknown or b is not positive.
+double ratio_of(std::optional<double> a, std::optional<double> b) { return a && b && *b > 0 ? *a / *b : 0.0; }
+
+// The dtype of the time-and-memory comparisons (gqa, cp_chunks, ce_split): bfloat16 on
+// CUDA; float32 on the CPU, whose live tensors are then tracked for the peaks.
+at::ScalarType measured_dtype(const c10::Device& dev) {
+  if (!cuda(dev)) dtrain::train::enable_cpu_memory_tracking();
+  return cuda(dev) ? torch::kBFloat16 : torch::kFloat;
+}
 
 // ---- attention -------------------------------------------------------------------------
 
@@ -254,7 +265,6 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
         };
         const double rf = ratio(r_ours.f, r_flash.f, r_cudnn.f), rfb = ratio(r_ours.fb, r_flash.fb, r_cudnn.fb),
                      rb = ratio(r_ours.b, r_flash.b, r_cudnn.b);
-        auto cell = [](std::optional<double> v) { return v ? *v : -1.0; };
         std::printf(
             "%6lld %4lld %6d %4lld %5lld %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f %8.2f "
             "%8.2f %8.2f\n",
@@ -317,8 +327,7 @@ Measured time_and_peak(const c10::Device& dev, int iters, int rounds, const std:
 // of tensor memory above the start (what the graph saves, the copies among it). Causal, or
 // over packed documents with --documents.
 void gqa(const Options& o, const c10::Device& dev, int iters, Out& out) {
-  const auto dtype = cuda(dev) ? torch::kBFloat16 : torch::kFloat;
-  if (!cuda(dev)) dtrain::train::enable_cpu_memory_tracking();
+  const auto dtype = measured_dtype(dev);
   std::printf("# grouped-query attention, sdpa backend (%s, %s): fwd+bwd ms and peak MiB above the start; dtrain = "
               "ops::attention (sdpa's enable_gqa where a fused backend takes it), repeat = sdpa over k, v repeated, "
               "flash = dtrain's kernel (CUDA); speedup and memory = repeat / dtrain\n",
@@ -366,9 +375,7 @@ void gqa(const Options& o, const c10::Device& dev, int iters, Out& out) {
       const auto choice = at::_fused_sdp_choice(q, k, v, mask, 0.0, !documents, std::nullopt, true);
       const auto choice_repeat =
           at::_fused_sdp_choice(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), mask, 0.0, !documents);
-      auto div = [](std::optional<double> a, std::optional<double> b) { return a && b && *b > 0 ? *a / *b : 0.0; };
-      const double speedup = div(rep_ms, ours_ms), memory = div(rep_mib, ours_mib);
-      auto cell = [](std::optional<double> x) { return x ? *x : -1.0; };
+      const double speedup = ratio_of(rep_ms, ours_ms), memory = ratio_of(rep_mib, ours_mib);
       std::printf("%6lld %4lld %4lld %5lld %4lld %5lld %-9s %-9s %9.3f %9.3f %9.3f %9.1f %9.1f %9.1f %8.2f %8.2f\n",
                   static_cast<long long>(s), static_cast<long long>(d), static_cast<long long>(b),
                   static_cast<long long>(h), static_cast<long long>(hkv), static_cast<long long>(o.documents),
@@ -395,8 +402,7 @@ void gqa(const Options& o, const c10::Device& dev, int iters, Out& out) {
 // the model's layers share it). The speedup and memory ratio are sdpa / flash. On the CPU
 // flash is its reference path: a run of the code, not a figure.
 void cp_chunks(const Options& o, const c10::Device& dev, int iters, Out& out) {
-  const auto dtype = cuda(dev) ? torch::kBFloat16 : torch::kFloat;
-  if (!cuda(dev)) dtrain::train::enable_cpu_memory_tracking();
+  const auto dtype = measured_dtype(dev);
   std::printf("# context-parallel chunks (all_gather form, rank 0 of cp %d; %s, %s): fwd+bwd ms and peak MiB above the "
               "start; flash = dtrain's kernel with the query offset, sdpa = sdpa with the chunks' masks; speedup and "
               "memory = sdpa / flash\n",
@@ -438,9 +444,7 @@ void cp_chunks(const Options& o, const c10::Device& dev, int iters, Out& out) {
       };
       const auto [flash_ms, flash_mib] = measure(dtrain::ops::AttentionBackend::kFlash);
       const auto [sdpa_ms, sdpa_mib] = measure(dtrain::ops::AttentionBackend::kSdpa);
-      auto div = [](std::optional<double> a, std::optional<double> b) { return a && b && *b > 0 ? *a / *b : 0.0; };
-      auto cell = [](std::optional<double> x) { return x ? *x : -1.0; };
-      const double speedup = div(sdpa_ms, flash_ms), memory = div(sdpa_mib, flash_mib);
+      const double speedup = ratio_of(sdpa_ms, flash_ms), memory = ratio_of(sdpa_mib, flash_mib);
       std::printf("%6lld %4lld %3d %4lld %5lld %6lld %5lld %9.3f %9.3f %9.1f %9.1f %8.2f %8.2f\n",
                   static_cast<long long>(s), static_cast<long long>(d), o.cp, static_cast<long long>(b),
                   static_cast<long long>(h), static_cast<long long>(o.window), static_cast<long long>(o.documents),
@@ -462,8 +466,7 @@ void cp_chunks(const Options& o, const c10::Device& dev, int iters, Out& out) {
 // forms run over a one-rank communicator: their collectives become copies, so the figure
 // is the per-rank work without the network.
 void ce_split(const Options& o, const c10::Device& dev, int iters, Out& out) {
-  const auto dtype = cuda(dev) ? torch::kBFloat16 : torch::kFloat;
-  if (!cuda(dev)) dtrain::train::enable_cpu_memory_tracking();
+  const auto dtype = measured_dtype(dev);
   const std::int64_t rows = cuda(dev) ? 8192 : 512, vocab = cuda(dev) ? 50304 : 8192;
   const std::int64_t cols = dtrain::tp::padded_vocab_size(vocab, o.tp) / o.tp;
   auto self = dtrain::make_self_communicator("tp", 0);
@@ -487,8 +490,6 @@ void ce_split(const Options& o, const c10::Device& dev, int iters, Out& out) {
       run([&] { return dtrain::tp::fused_vocab_parallel_cross_entropy(logits, target, cols, self, in_place); });
   const auto [meg_ms, meg_mib] = run([&] { return dtrain::tp::vocab_parallel_cross_entropy(logits, target, cols, self); });
   const auto [one_ms, one_mib] = run([&] { return dtrain::ops::cross_entropy(logits, target, in_place); });
-  auto div = [](std::optional<double> a, std::optional<double> b) { return a && b && *b > 0 ? *a / *b : 0.0; };
-  auto cell = [](std::optional<double> x) { return x ? *x : -1.0; };
   std::printf("# vocabulary-parallel cross-entropy, one rank's share (%s, %s): %lld rows x %lld of %lld columns (tp "
               "%d); fwd+bwd ms and peak MiB above the start; dtrain = fused split form, megatron = "
               "tp::vocab_parallel_cross_entropy, one_call = ops::cross_entropy unsplit (each time includes one copy "
@@ -498,12 +499,12 @@ void ce_split(const Options& o, const c10::Device& dev, int iters, Out& out) {
   std::printf("%9s %11s %11s %10s %12s %12s %8s %8s\n", "dtrain_ms", "megatron_ms", "one_call_ms", "dtrain_MiB",
               "megatron_MiB", "one_call_MiB", "speedup", "memory");
   std::printf("%9.3f %11.3f %11.3f %10.1f %12.1f %12.1f %8.2f %8.2f\n", cell(ours_ms), cell(meg_ms), cell(one_ms),
-              cell(ours_mib), cell(meg_mib), cell(one_mib), div(meg_ms, ours_ms), div(meg_mib, ours_mib));
+              cell(ours_mib), cell(meg_mib), cell(one_mib), ratio_of(meg_ms, ours_ms), ratio_of(meg_mib, ours_mib));
   out.line({{"bench", "kernel"}, {"op", "cross_entropy_split"}, {"device", cuda(dev) ? "cuda" : "cpu"},
             {"dtype", c10::toString(dtype)}, {"rows", rows}, {"cols", cols}, {"vocab", vocab}, {"tp", o.tp},
             {"fwdbwd_ms", opt(ours_ms)}, {"fwdbwd_ms_megatron", opt(meg_ms)}, {"fwdbwd_ms_one_call", opt(one_ms)},
             {"peak_mib", opt(ours_mib)}, {"peak_mib_megatron", opt(meg_mib)}, {"peak_mib_one_call", opt(one_mib)},
-            {"speedup", div(meg_ms, ours_ms)}, {"memory_ratio", div(meg_mib, ours_mib)}});
+            {"speedup", ratio_of(meg_ms, ours_ms)}, {"memory_ratio", ratio_of(meg_mib, ours_mib)}});
 }
 
 // ---- memory-bound ops --------------------------------------------------------------------
