@@ -15,7 +15,6 @@
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
-#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "common/bench_util.hpp"
@@ -162,8 +161,7 @@ int main(int argc, char** argv) {
                 device.str().c_str(), o.dir.c_str());
     std::printf("%-6s %10s %9s %9s %10s %10s %9s %9s %9s %9s %10s\n", "mode", "MiB/rank", "save ms", "load ms",
                 "save GB/s", "load GB/s", "write GB/s", "read GB/s", "save/wr", "stall ms", "step+w ms");
-    std::ofstream json;
-    if (!o.json.empty()) json.open(o.json, std::ios::app);
+    dtrain::bench::JsonLines json(o.json);
     for (const auto& r : rows) {
       const double save = gbps(r.bytes, r.save_ms), load = gbps(r.bytes, r.load_ms);
       const double write = gbps(r.bytes, r.write_ms), read = gbps(r.bytes, r.read_ms);
@@ -179,8 +177,7 @@ int main(int argc, char** argv) {
         j["step_ms_during_write"] = r.step_async_ms;
         j["step_ms"] = r.step_ms;
       }
-      std::printf("%s\n", j.dump().c_str());
-      if (json.is_open()) json << j.dump() << '\n';
+      json.line(j);
     }
     fs::remove_tree(root);
   }

@@ -1,6 +1,6 @@
 // What the benchmark programs share: the median of timings, the largest of a figure over
 // the ranks, a synthetic token shard (random ids; contents do not change timing) for runs
-// through the Trainer, and the exit of a benchmark that caught an error.
+// through the Trainer, their JSON lines, and the exit of a benchmark that caught an error.
 #pragma once
 
 #include <torch/torch.h>
@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <exception>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -19,6 +21,23 @@
 #include "dtrain/data/token_shard.hpp"
 
 namespace dtrain::bench {
+
+// A benchmark's JSON lines: each printed to stdout after the table and, with a --json path,
+// appended to that file.
+class JsonLines {
+ public:
+  explicit JsonLines(const std::string& path) {
+    if (!path.empty()) file_.open(path, std::ios::app);
+  }
+  void line(const nlohmann::json& j) {
+    const auto text = j.dump();
+    std::printf("%s\n", text.c_str());
+    if (file_.is_open()) file_ << text << '\n';
+  }
+
+ private:
+  std::ofstream file_;
+};
 
 inline double median(std::vector<double> v) {
   if (v.empty()) return 0;

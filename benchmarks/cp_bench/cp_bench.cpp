@@ -19,7 +19,6 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
-#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 
@@ -167,8 +166,7 @@ int main(int argc, char** argv) {
       std::printf("%-14s %3s %3s %9s %8s %10s %8s %12s %12s\n", "layout", "cp", "dp", "step_ms", "vs_dp",
                   "peak_MiB", "vs_dp", "cp_MB/step", "theory_MB");
       const auto& base = rows.front();
-      std::ofstream json;
-      if (!o.json.empty()) json.open(o.json, std::ios::app);
+      dtrain::bench::JsonLines json(o.json);
       for (const auto& r : rows) {
         const std::string layout = r.cp == 1 ? "dp" : std::string("cp ") + dtrain::to_string(r.comm);
         const bool measured = r.cp == 1 || r.comm == dtrain::CpComm::kAllGather;
@@ -185,8 +183,7 @@ int main(int argc, char** argv) {
                             {"peak_vs_dp", r.peak_bytes / base.peak_bytes},
                             {"cp_comm_bytes", measured ? nlohmann::json(r.comm_bytes) : nlohmann::json()},
                             {"cp_comm_bytes_theory", r.theory}};
-        std::printf("%s\n", j.dump().c_str());
-        if (json.is_open()) json << j.dump() << '\n';
+        json.line(j);
       }
     }
   } catch (const std::exception& e) {

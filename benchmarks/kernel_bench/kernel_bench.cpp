@@ -37,7 +37,6 @@
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
-#include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -95,13 +94,7 @@ std::optional<double> try_time(const c10::Device& d, int iters, int rounds, cons
   }
 }
 
-struct Out {
-  std::ofstream file;
-  void line(const nlohmann::json& j) {
-    std::printf("%s\n", j.dump().c_str());
-    if (file.is_open()) file << j.dump() << '\n';
-  }
-};
+using Out = dtrain::bench::JsonLines;
 
 nlohmann::json opt(const std::optional<double>& v) { return v ? nlohmann::json(*v) : nlohmann::json(nullptr); }
 // A table cell: the value, -1 when unknown.
@@ -673,8 +666,7 @@ int main(int argc, char** argv) {
                                                                                        : c10::Device(c10::kCPU);
     const int iters = o.iters > 0 ? o.iters : (cuda(dev) ? 20 : 3);
     torch::manual_seed(0);
-    Out out;
-    if (!o.json.empty()) out.file.open(o.json, std::ios::app);
+    Out out(o.json);
     if (o.only == "all" || o.only == "attention") attention(o, dev, iters, out);
     if (o.only == "gqa") gqa(o, dev, iters, out);
     if (o.only == "ce_split") ce_split(o, dev, iters, out);

@@ -13,7 +13,6 @@
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
-#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 
@@ -140,8 +139,7 @@ int main(int argc, char** argv) {
                   runtime.device().str().c_str());
       std::printf("%4s %10s %12s %9s %10s %9s %10s %12s %10s\n", "ep", "layer_ms", "tokens/s", "a2a_ms",
                   "a2a_share", "a2a_MiB", "dense_ms", "moe/dense", "imbalance");
-      std::ofstream json;
-      if (!o.json.empty()) json.open(o.json, std::ios::app);
+      dtrain::bench::JsonLines json(o.json);
       for (const auto& r : rows) {
         std::printf("%4d %10.2f %12.0f %9.2f %10.3f %9.2f %10.2f %12.2f %10.3f\n", r.ep, r.layer_ms,
                     r.tokens_per_s, r.a2a_ms, r.a2a_ms / r.layer_ms, r.a2a_mib, r.dense_ms,
@@ -155,8 +153,7 @@ int main(int argc, char** argv) {
                             {"a2a_share", r.a2a_ms / r.layer_ms}, {"a2a_mib_per_rank", r.a2a_mib},
                             {"dense_ms", r.dense_ms},  {"moe_over_dense", r.layer_ms / r.dense_ms},
                             {"load_imbalance", r.imbalance}};
-        std::printf("%s\n", j.dump().c_str());
-        if (json.is_open()) json << j.dump() << '\n';
+        json.line(j);
       }
     }
   } catch (const std::exception& e) {

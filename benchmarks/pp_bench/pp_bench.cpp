@@ -19,7 +19,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <memory>
-#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 
@@ -199,8 +198,7 @@ int main(int argc, char** argv) {
                   dtrain::train::device_name(device).c_str(), static_cast<long long>(o.steps));
       std::printf("%-12s %3s %3s %9s %9s %9s %9s %8s %7s %7s %7s %7s %14s\n", "schedule", "m", "v", "step_ms",
                   "measured", "theory", "sim", "vs_thry", "F_ms", "B_ms", "Bi_ms", "W_ms", "act_MiB r0/last");
-      std::ofstream json;
-      if (!o.json.empty()) json.open(o.json, std::ios::app);
+      dtrain::bench::JsonLines json(o.json);
       for (const auto& r : rows) {
         std::printf("%-12s %3lld %3d %9.1f %9.4f %9.4f %9.4f %8.3f %7.2f %7.2f %7.2f %7.2f %6.1f/%-6.1f\n",
                     r.schedule.c_str(), static_cast<long long>(r.m), r.v, r.step_ms, r.measured, r.theory,
@@ -213,8 +211,7 @@ int main(int argc, char** argv) {
                             {"backward_weight_ms", r.w_ms}, {"peak_act_mib", r.peak_act_mib},
                             {"d_model", o.d_model}, {"seq", o.seq}, {"micro", o.micro}, {"blocks", o.blocks},
                             {"device", dtrain::train::device_name(device)}};
-        std::printf("%s\n", j.dump().c_str());
-        if (json.is_open()) json << j.dump() << '\n';
+        json.line(j);
       }
     }
   } catch (const std::exception& e) {

@@ -15,7 +15,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <memory>
-#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "common/bench_util.hpp"
@@ -164,8 +163,7 @@ int main(int argc, char** argv) {
       std::printf("%-6s %3s %3s %9s %10s %8s %14s %14s %8s %14s\n", "layout", "tp", "dp", "step_ms",
                   "tokens/s", "vs_tp1", "tp_MB/step", "theory_MB", "ratio", "dp_MB/step");
       const double base = rows.front().tp == 1 ? rows.front().tokens_per_s : 0;
-      std::ofstream json;
-      if (!o.json.empty()) json.open(o.json, std::ios::app);
+      dtrain::bench::JsonLines json(o.json);
       for (const auto& r : rows) {
         const char* layout = r.tp == 1 ? "dp" : r.sp ? "tp+sp" : "tp";
         const double vs = base > 0 ? r.tokens_per_s / base : 0;
@@ -180,8 +178,7 @@ int main(int argc, char** argv) {
                             {"tokens_per_s_vs_tp1", base > 0 ? nlohmann::json(vs) : nlohmann::json()},
                             {"comm_bytes", r.comm_bytes}, {"comm_bytes_theory", r.theory},
                             {"dp_comm_bytes", r.dp_bytes}};
-        std::printf("%s\n", j.dump().c_str());
-        if (json.is_open()) json << j.dump() << '\n';
+        json.line(j);
       }
     }
   } catch (const std::exception& e) {

@@ -24,7 +24,6 @@
 #include <cstdio>
 #include <memory>
 #include <string>
-#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "common/bench_util.hpp"
@@ -291,8 +290,7 @@ int main(int argc, char** argv) {
                   "nranks", "tokens/s", "step_ms", "fwd_ms", "bwd_ms", "opt_ms", "comm_total",
                   "comm_exposed", "hidden", "vs_plain", "state_MiB", "peak_MiB", "comm_MB", "comm/ddp",
                   "TFLOP/s", "mfu");
-      std::ofstream json;
-      if (!o.json.empty()) json.open(o.json, std::ios::app);
+      dtrain::bench::JsonLines json(o.json);
       // DDP's traffic per step in theory: one all-reduce of every gradient.
       const double ddp_theory = dtrain::wire_bytes(dtrain::OpKind::kAllReduce, param_bytes, n);
       std::vector<const Row*> all = {&prow};
@@ -329,8 +327,7 @@ int main(int argc, char** argv) {
                             {"comm_bytes_vs_ddp_theory", is_plain ? nlohmann::json() : nlohmann::json(comm_ratio)},
                             {"tflops", tflops},
                             {"mfu", peak > 0 ? nlohmann::json(tflops / peak) : nlohmann::json()}};
-        std::printf("%s\n", j.dump().c_str());
-        if (json.is_open()) json << j.dump() << '\n';
+        json.line(j);
       }
     }
     return 0;
