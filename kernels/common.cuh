@@ -239,6 +239,13 @@ inline bool aligned(const void* p, std::uintptr_t bytes) {
   return (reinterpret_cast<std::uintptr_t>(p) % bytes) == 0;
 }
 
+// Rows of T at ptr with this stride (elements) start 16-byte aligned: with a row length
+// that is a multiple of 16 bytes, they move in 16-byte accesses.
+template <typename T>
+bool rows_aligned(const void* ptr, int64_t stride) {
+  return aligned(ptr, 16) && stride % vec16<T>() == 0;
+}
+
 inline bool known_dtype(dtrain_kernel_dtype d) {
   return d == DTRAIN_KERNEL_F32 || d == DTRAIN_KERNEL_BF16 || d == DTRAIN_KERNEL_F16;
 }

@@ -182,6 +182,12 @@ phase pp_bench 120 "$build/benchmarks/pp_bench" --d-model 1024 --seq 256 --sched
 train train_tiny_fused_bf16 --precision bf16 --attention flash --fused-norm --fused-ce --fused-adamw
 train train_tiny_fused_full_bf16 --n-head 1 --fsdp full --param-dtype bfloat16 --attention flash --fused-norm \
   --fused-ce --fused-adamw
+# Llama (SwiGLU MLPs, rotary embeddings, grouped-query attention) with every kernel, and
+# with LibTorch's SwiGLU and rotation: the fused run's losses should track the plain one's.
+train train_tiny_llama_fused_bf16 --family llama --n-kv-head 2 --precision bf16 --attention flash --fused-norm \
+  --fused-ce --fused-adamw --fused-swiglu --fused-rope
+train train_tiny_llama_plain_bf16 --family llama --n-kv-head 2 --precision bf16 --attention flash --fused-norm \
+  --fused-ce --fused-adamw --no-fused-swiglu --no-fused-rope
 
 # Throughput and memory: dtrain's trainer against a plain LibTorch loop, gpt2-124m.
 for precision in fp32 bf16; do

@@ -4,8 +4,9 @@
 // forward's) against at::scaled_dot_product_attention's flash and
 // cuDNN backends (CUDA) or its default (CPU); fused AdamW GB/s against at::_fused_adamw_
 // (CUDA) or torch::optim::AdamW (CPU) and against a device copy of the same bytes; RMSNorm,
-// LayerNorm and cross-entropy GB/s (forward, backward) against at::rms_norm,
-// at::layer_norm and at::cross_entropy_loss and the same copy. On CUDA the dtrain side is
+// LayerNorm, SwiGLU, RoPE and cross-entropy GB/s (forward, backward) against at::rms_norm,
+// at::layer_norm, silu(gate) * up, the rotation in ATen ops and at::cross_entropy_loss and
+// the same copy. On CUDA the dtrain side is
 // the kernels of kernels/; elsewhere it is their reference paths (a sanity run, not a
 // performance claim). Prints a table and JSON lines (--json appends them to a file).
 // --window W: causal sliding-window attention only, against LibTorch's FlashAttention-2
@@ -23,6 +24,8 @@
 // --only cp_chunks: one context-parallel rank's attention in the all-gather form, its two
 // query chunks over the gathered keys at their offsets, on the flash kernel against sdpa
 // with the explicit mask (see cp_chunks() below).
+// --only linear_ce: the head and the loss in chunks of rows against the matmul then the
+// loss (see linear_ce() below).
 //
 //   build/benchmarks/kernel_bench                          (CUDA when present)
 //   build/benchmarks/kernel_bench --only attention --seq 1024,4096,16384 --json out.jsonl
@@ -31,6 +34,7 @@
 //   build/benchmarks/kernel_bench --only gqa --seq 4096 --dims 128 [--kv-heads 4] [--documents 512]
 //   build/benchmarks/kernel_bench --only ce_split [--tp 8]
 //   build/benchmarks/kernel_bench --only cp_chunks --seq 16384 --dims 128 [--cp 4] [--window W] [--documents L]
+//   build/benchmarks/kernel_bench --only linear_ce
 #include <ATen/SDPBackend.h>
 #include <torch/torch.h>
 
@@ -500,6 +504,44 @@ void ce_split(const Options& o, const c10::Device& dev, int iters, Out& out) {
             {"speedup", ratio_of(meg_ms, ours_ms)}, {"memory_ratio", ratio_of(meg_mib, ours_mib)}});
 }
 
+// The head and the loss of a Llama-3-sized vocabulary (CUDA: 8192 tokens, hidden 2048,
+// 128256 ids, bf16; CPU: 1024, 256, 8192, float32): forward+backward ms and peak tensor
+// memory above the start of ops::linear_cross_entropy (chunks of rows, never all the
+// logits) against the head's matmul then ops::cross_entropy in place (--fused-ce) and then
+// LibTorch's cross-entropy.
+void linear_ce(const Options& o, const c10::Device& dev, int iters, Out& out) {
+  const auto dtype = measured_dtype(dev);
+  const std::int64_t rows = cuda(dev) ? 8192 : 1024, hidden = cuda(dev) ? 2048 : 256, vocab = cuda(dev) ? 128256 : 8192;
+  auto opts = torch::TensorOptions().device(dev).dtype(dtype);
+  auto h = torch::randn({rows, hidden}, opts).requires_grad_();
+  auto w = (torch::randn({vocab, hidden}, opts) * 0.02).requires_grad_();
+  auto target = torch::randint(0, vocab, {rows}, opts.dtype(torch::kLong));
+  dtrain::ops::CrossEntropyOptions in_place;
+  in_place.in_place = true;
+  auto run = [&](const std::function<at::Tensor()>& loss) {
+    return time_and_peak(dev, iters, o.rounds, {&h, &w}, [&] { loss().backward(); });
+  };
+  const auto [ours_ms, ours_mib] = run([&] { return dtrain::ops::linear_cross_entropy(h, w, target); });
+  const auto [fused_ms, fused_mib] =
+      run([&] { return dtrain::ops::cross_entropy(at::matmul(h, w.t()), target, in_place); });
+  const auto [plain_ms, plain_mib] = run([&] { return at::cross_entropy_loss(at::matmul(h, w.t()), target); });
+  std::printf("# head + loss (%s, %s): %lld rows x hidden %lld x vocab %lld; fwd+bwd ms and peak MiB above the start; "
+              "linear_ce = ops::linear_cross_entropy, fused_ce = matmul + ops::cross_entropy in place, aten = matmul "
+              "+ at::cross_entropy_loss; speedup and memory = fused_ce / linear_ce\n",
+              cuda(dev) ? "cuda" : "cpu", c10::toString(dtype), static_cast<long long>(rows),
+              static_cast<long long>(hidden), static_cast<long long>(vocab));
+  std::printf("%12s %11s %9s %13s %12s %10s %8s %8s\n", "linear_ce_ms", "fused_ce_ms", "aten_ms", "linear_ce_MiB",
+              "fused_ce_MiB", "aten_MiB", "speedup", "memory");
+  std::printf("%12.3f %11.3f %9.3f %13.1f %12.1f %10.1f %8.2f %8.2f\n", cell(ours_ms), cell(fused_ms), cell(plain_ms),
+              cell(ours_mib), cell(fused_mib), cell(plain_mib), ratio_of(fused_ms, ours_ms),
+              ratio_of(fused_mib, ours_mib));
+  out.line({{"bench", "kernel"}, {"op", "linear_cross_entropy"}, {"device", cuda(dev) ? "cuda" : "cpu"},
+            {"dtype", c10::toString(dtype)}, {"rows", rows}, {"hidden", hidden}, {"vocab", vocab},
+            {"fwdbwd_ms", opt(ours_ms)}, {"fwdbwd_ms_fused_ce", opt(fused_ms)}, {"fwdbwd_ms_aten", opt(plain_ms)},
+            {"peak_mib", opt(ours_mib)}, {"peak_mib_fused_ce", opt(fused_mib)}, {"peak_mib_aten", opt(plain_mib)},
+            {"speedup", ratio_of(fused_ms, ours_ms)}, {"memory_ratio", ratio_of(fused_mib, ours_mib)}});
+}
+
 // ---- memory-bound ops --------------------------------------------------------------------
 
 // GB/s of a device copy moving `bytes` (read + write) in all.
@@ -528,6 +570,21 @@ void memory_bound(const Options& o, const c10::Device& dev, int iters, Out& out)
               "copy = fraction of a device copy of the same bytes\n", cuda(dev) ? "cuda" : "cpu");
   std::printf("%-14s %-5s %10s %10s %-22s %8s %8s\n", "op", "pass", "dtrain", "baseline", "(baseline)", "ratio", "copy");
   const bool all = o.only == "all";
+  // Backward alone: the forward once (at the first call, so that a baseline that throws
+  // does so inside try_time), then the backward with the graph retained.
+  auto bwd_of = [](const std::function<at::Tensor()>& f, std::vector<at::Tensor> inputs, const at::Tensor& dy) {
+    auto y = std::make_shared<at::Tensor>();
+    return [f, y, inputs, dy] {
+      if (!y->defined()) *y = f();
+      torch::autograd::grad({*y}, inputs, {dy}, /*retain_graph=*/true);
+    };
+  };
+  auto no_grad = [](const std::function<at::Tensor()>& f) {
+    return [f] {
+      torch::NoGradGuard guard;
+      f();
+    };
+  };
   if (all || o.only == "adamw") {
     // AdamW over 100 tensors: p, m, v read and written, g read (float32): 28 bytes/element.
     const std::int64_t total = cuda(dev) ? (64 << 20) : (4 << 20);
@@ -582,26 +639,53 @@ void memory_bound(const Options& o, const c10::Device& dev, int iters, Out& out)
       const std::string name = layer ? "layer_norm" : "rms_norm";
       auto ours = [&] { return layer ? dtrain::ops::layer_norm(x, w, b, 1e-5) : dtrain::ops::rms_norm(x, w, 1e-5); };
       auto theirs = [&] { return layer ? at::layer_norm(x, {cols}, wt, bt, 1e-5) : at::rms_norm(x, {cols}, wt, 1e-5); };
-      auto fwd = [](const std::function<at::Tensor()>& f) {
-        return [f] {
-          torch::NoGradGuard no_grad;
-          f();
-        };
-      };
-      // Backward alone: forward once (at the first call, so that a baseline that throws
-      // does so inside try_time), then backward with retained graph.
-      auto bwd = [&](const std::function<at::Tensor()>& f, const at::Tensor& weight) {
-        auto y = std::make_shared<at::Tensor>();
-        return [&, f, y, weight] {
-          if (!y->defined()) *y = f();
-          torch::autograd::grad({*y}, {x, weight}, {dy}, /*retain_graph=*/true);
-        };
-      };
-      row(out, dev, name, "fwd", 2 * elt, time_ms(dev, iters, o.rounds, fwd(ours)),
-          try_time(dev, iters, o.rounds, fwd(theirs)), "at::" + name, copy);
-      row(out, dev, name, "bwd", 3 * elt, time_ms(dev, iters, o.rounds, bwd(ours, w)),
-          try_time(dev, iters, o.rounds, bwd(theirs, wt)), "at::" + name, copy_gbps(dev, iters, o.rounds, 3 * elt));
+      row(out, dev, name, "fwd", 2 * elt, time_ms(dev, iters, o.rounds, no_grad(ours)),
+          try_time(dev, iters, o.rounds, no_grad(theirs)), "at::" + name, copy);
+      row(out, dev, name, "bwd", 3 * elt, time_ms(dev, iters, o.rounds, bwd_of(ours, {x, w}, dy)),
+          try_time(dev, iters, o.rounds, bwd_of(theirs, {x, wt}, dy)), "at::" + name,
+          copy_gbps(dev, iters, o.rounds, 3 * elt));
     }
+  }
+  if (all || o.only == "swiglu") {
+    // Llama-3 8B's MLP width over 8192 tokens. Bytes: gate and up read, y written (fwd);
+    // dy, gate and up read, both gradients written (bwd). LibTorch's silu then multiply
+    // moves 5 tensors forward and more backward, and saves silu(gate) as well.
+    const std::int64_t rows = cuda(dev) ? 8192 : 1024, cols = cuda(dev) ? 14336 : 2048;
+    auto g = torch::randn({rows, cols}, opts.dtype(act)).requires_grad_();
+    auto u = torch::randn({rows, cols}, opts.dtype(act)).requires_grad_();
+    auto dy = torch::randn({rows, cols}, opts.dtype(act));
+    const double elt = static_cast<double>(rows * cols) * static_cast<double>(g.element_size());
+    auto ours = [&] { return dtrain::ops::swiglu(g, u); };
+    auto theirs = [&] { return torch::silu(g) * u; };
+    row(out, dev, "swiglu", "fwd", 3 * elt, time_ms(dev, iters, o.rounds, no_grad(ours)),
+        try_time(dev, iters, o.rounds, no_grad(theirs)), "silu(gate) * up", copy_gbps(dev, iters, o.rounds, 3 * elt));
+    row(out, dev, "swiglu", "bwd", 5 * elt, time_ms(dev, iters, o.rounds, bwd_of(ours, {g, u}, dy)),
+        try_time(dev, iters, o.rounds, bwd_of(theirs, {g, u}, dy)), "silu(gate) * up",
+        copy_gbps(dev, iters, o.rounds, 5 * elt));
+  }
+  if (all || o.only == "rope") {
+    // q of a Llama-3 8B layer (32 heads of 128) over 4 x 4096 tokens, as the model holds it:
+    // [B, H, T, D] over [B, T, H, D] storage. Bytes: x read and y written, and the float32
+    // angles read once. The baseline is the rotation in LibTorch's ops as the model wrote it
+    // (angles cast to x's dtype, the halves' products, a cat).
+    const std::int64_t B = cuda(dev) ? 4 : 2, T = cuda(dev) ? 4096 : 512, H = cuda(dev) ? 32 : 8, D = 128;
+    auto x = torch::randn({B, T, H, D}, opts.dtype(act)).permute({0, 2, 1, 3}).requires_grad_();
+    auto angles = torch::rand({T, D / 2}, opts) * 100;
+    auto cs = angles.cos(), sn = angles.sin();
+    auto dy = torch::randn({B, H, T, D}, opts.dtype(act));
+    const double elt = static_cast<double>(x.numel()) * static_cast<double>(x.element_size());
+    const double bytes = 2 * elt + 2.0 * static_cast<double>(cs.numel()) * 4;
+    auto ours = [&] { return dtrain::ops::rope(x, cs, sn); };
+    auto theirs = [&] {
+      auto c = cs.to(act), s = sn.to(act);
+      auto x1 = x.narrow(3, 0, D / 2), x2 = x.narrow(3, D / 2, D / 2);
+      return torch::cat({x1 * c - x2 * s, x1 * s + x2 * c}, 3);
+    };
+    const double copy = copy_gbps(dev, iters, o.rounds, bytes);
+    row(out, dev, "rope", "fwd", bytes, time_ms(dev, iters, o.rounds, no_grad(ours)),
+        try_time(dev, iters, o.rounds, no_grad(theirs)), "ATen rotation", copy);
+    row(out, dev, "rope", "bwd", bytes, time_ms(dev, iters, o.rounds, bwd_of(ours, {x}, dy)),
+        try_time(dev, iters, o.rounds, bwd_of(theirs, {x}, dy)), "ATen rotation", copy);
   }
   if (all || o.only == "ce") {
     const std::int64_t rows = cuda(dev) ? 8192 : 512, vocab = cuda(dev) ? 50304 : 8192;
@@ -610,17 +694,11 @@ void memory_bound(const Options& o, const c10::Device& dev, int iters, Out& out)
     const double elt = static_cast<double>(rows * vocab) * static_cast<double>(logits.element_size());
     auto ours = [&] { return dtrain::ops::cross_entropy(logits, target); };
     auto theirs = [&] { return at::cross_entropy_loss(logits, target); };
-    auto fwd = [](const std::function<at::Tensor()>& f) {
-      return [f] {
-        torch::NoGradGuard no_grad;
-        f();
-      };
-    };
     auto fwdbwd = [&](const std::function<at::Tensor()>& f) {
       return [&, f] { torch::autograd::grad({f()}, {logits}); };
     };
-    row(out, dev, "cross_entropy", "fwd", elt, time_ms(dev, iters, o.rounds, fwd(ours)),
-        try_time(dev, iters, o.rounds, fwd(theirs)), "at::cross_entropy_loss", copy_gbps(dev, iters, o.rounds, 2 * elt));
+    row(out, dev, "cross_entropy", "fwd", elt, time_ms(dev, iters, o.rounds, no_grad(ours)),
+        try_time(dev, iters, o.rounds, no_grad(theirs)), "at::cross_entropy_loss", copy_gbps(dev, iters, o.rounds, 2 * elt));
     // Forward + backward: the least they can move is the logits read once and the gradient
     // written once (ours reads each row a second time, from L2 when it is still there).
     row(out, dev, "cross_entropy", "fwdbwd", 2 * elt, time_ms(dev, iters, o.rounds, fwdbwd(ours)),
@@ -633,11 +711,13 @@ void memory_bound(const Options& o, const c10::Device& dev, int iters, Out& out)
 
 int main(int argc, char** argv) {
   Options o;
-  CLI::App app{"kernel_bench: dtrain's attention, AdamW, norm and cross-entropy ops against LibTorch's"};
+  CLI::App app{"kernel_bench: dtrain's attention, AdamW, norm, SwiGLU, RoPE and cross-entropy ops against LibTorch's"};
   app.add_option("--device", o.device, "auto (cuda when available), cuda or cpu")->check(CLI::IsMember({"auto", "cuda", "cpu"}));
   app.add_option("--only", o.only,
-                 "all (attention and the memory-bound ops), attention, gqa, adamw, norm, ce, ce_split or cp_chunks")
-      ->check(CLI::IsMember({"all", "attention", "gqa", "adamw", "norm", "ce", "ce_split", "cp_chunks"}));
+                 "all (attention and the memory-bound ops), attention, gqa, adamw, norm, swiglu, rope, ce, ce_split, "
+                 "cp_chunks or linear_ce")
+      ->check(CLI::IsMember({"all", "attention", "gqa", "adamw", "norm", "swiglu", "rope", "ce", "ce_split", "cp_chunks",
+                             "linear_ce"}));
   app.add_option("--seq", o.seq, "attention sequence lengths")->delimiter(',');
   app.add_option("--dims", o.dims, "attention head dims (multiples of 8 up to 128; default 64,128)")->delimiter(',');
   app.add_option("--tokens", o.tokens, "attention: batch x seq (0: 16384 on CUDA, 1024 on CPU)");
@@ -671,7 +751,10 @@ int main(int argc, char** argv) {
     if (o.only == "gqa") gqa(o, dev, iters, out);
     if (o.only == "ce_split") ce_split(o, dev, iters, out);
     if (o.only == "cp_chunks") cp_chunks(o, dev, iters, out);
-    if (o.only == "all" || o.only == "adamw" || o.only == "norm" || o.only == "ce") memory_bound(o, dev, iters, out);
+    if (o.only == "linear_ce") linear_ce(o, dev, iters, out);
+    for (const char* op : {"all", "adamw", "norm", "swiglu", "rope", "ce"}) {
+      if (o.only == op) memory_bound(o, dev, iters, out);
+    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kernel_bench: error: %s\n", e.what());
     return 1;

@@ -152,8 +152,8 @@ int main(int argc, char** argv) {
       ->delimiter(',')->check(CLI::IsMember({"none", "zero1", "zero2", "full"}));
   app.add_option("--precision", o.precision, "fp32, or bf16 autocast for both loops")
       ->check(CLI::IsMember({"fp32", "bf16"}));
-  app.add_option("--kernels", o.kernels, "dtrain's kernels on the trainer side (the plain loop is unchanged): plain (LibTorch ops), fused (all four), or a comma list of flash (--attention flash), norm (--fused-norm), ce (--fused-ce), adamw (--fused-adamw)")
-      ->delimiter(',')->check(CLI::IsMember({"plain", "fused", "flash", "norm", "ce", "adamw"}));
+  app.add_option("--kernels", o.kernels, "dtrain's kernels on the trainer side (the plain loop is unchanged): plain (LibTorch ops), fused (all six), or a comma list of flash (--attention flash), norm (--fused-norm), ce (--fused-ce), adamw (--fused-adamw), swiglu (--fused-swiglu), rope (--fused-rope), linear_ce (--fused-linear-ce; not part of fused)")
+      ->delimiter(',')->check(CLI::IsMember({"plain", "fused", "flash", "norm", "ce", "adamw", "swiglu", "rope", "linear_ce"}));
   app.add_option("-J,--json", o.json, "append one JSON object per strategy to this file");
   CLI11_PARSE(app, argc, argv);
   std::string kernels_named;  // as given, for the header and the JSON lines
@@ -221,6 +221,9 @@ int main(int argc, char** argv) {
       if (uses("flash")) tcfg.attention = dtrain::ops::AttentionBackend::kFlash;
       tcfg.fused_norm = uses("norm");
       tcfg.fused_ce = uses("ce");
+      tcfg.fused_swiglu = uses("swiglu");
+      tcfg.fused_rope = uses("rope");
+      tcfg.fused_linear_ce = std::count(o.kernels.begin(), o.kernels.end(), "linear_ce") > 0;
       tcfg.recompute_blocks = o.recompute_blocks;
       to.adamw.fused = uses("adamw");
       dtrain::train::Trainer trainer(ctx, tcfg, to);

@@ -57,8 +57,10 @@ struct Options {
   // The fused norm, loss and optimizer: on by default on CUDA (the faster choice on an H200,
   // docs/benchmarks.md), LibTorch's ops on the CPU, where the kernels' reference paths are
   // slower; --fused-* / --no-fused-* force either way.
-  bool fused_norm = false, fused_ce = false, fused_adamw = false;
-  bool no_fused_norm = false, no_fused_ce = false, no_fused_adamw = false;
+  bool fused_norm = false, fused_ce = false, fused_adamw = false, fused_swiglu = false, fused_rope = false;
+  bool no_fused_norm = false, no_fused_ce = false, no_fused_adamw = false, no_fused_swiglu = false, no_fused_rope = false;
+  // The head and the loss over chunks of rows (memory, not speed: off unless asked for).
+  bool fused_linear_ce = false;
   dtrain::train::TrainOptions train;
 };
 
@@ -113,6 +115,14 @@ void define(CLI::App& app, Options& o) {
   };
   on_off("fused-norm", o.fused_norm, o.no_fused_norm, "fused RMSNorm/LayerNorm (one kernel each way)");
   on_off("fused-ce", o.fused_ce, o.no_fused_ce, "fused softmax cross-entropy from the logits' own dtype (with --tp: over each rank's vocabulary columns)");
+  on_off("fused-swiglu", o.fused_swiglu, o.no_fused_swiglu,
+         "fused SwiGLU, silu(gate) * up (llama MLPs and MoE experts; one kernel each way, silu(gate) not saved)");
+  on_off("fused-rope", o.fused_rope, o.no_fused_rope,
+         "fused rotary embeddings (llama; one kernel each way, float32 angles)");
+  app.add_flag("--fused-linear-ce", o.fused_linear_ce,
+               "the head's matmul and the loss over chunks of rows, never all the logits in memory (Liger's fused "
+               "linear cross-entropy; --tp 1 only; default off)")
+      ->group(kernels);
   on_off("fused-adamw", o.fused_adamw, o.no_fused_adamw,
          "one multi-tensor AdamW pass per step (with --fsdp: the 16-bit parameter shard written in the same pass)");
 
@@ -236,6 +246,8 @@ void resolve_kernels(const CLI::App& app, Options& o, bool cuda) {
   o.fused_norm = pick("fused-norm", o.fused_norm, o.no_fused_norm);
   o.fused_ce = pick("fused-ce", o.fused_ce, o.no_fused_ce);
   o.fused_adamw = pick("fused-adamw", o.fused_adamw, o.no_fused_adamw);
+  o.fused_swiglu = pick("fused-swiglu", o.fused_swiglu, o.no_fused_swiglu);
+  o.fused_rope = pick("fused-rope", o.fused_rope, o.no_fused_rope);
   o.train.adamw.fused = o.fused_adamw;
 }
 
@@ -284,6 +296,9 @@ dtrain::models::GptConfig model_config(const Options& o) {
   c.attention = dtrain::ops::parse_attention_backend(o.attention);
   c.fused_norm = o.fused_norm;
   c.fused_ce = o.fused_ce;
+  c.fused_swiglu = o.fused_swiglu;
+  c.fused_rope = o.fused_rope;
+  c.fused_linear_ce = o.fused_linear_ce;
   c.moe = o.moe;
   if (o.moe_dropless) c.moe.capacity_factor = 0;
   c.validate();
@@ -323,8 +338,10 @@ int main(int argc, char** argv) {
     if (runtime->rank() == 0) {
       dtrain::log_info("pretrain_gpt resolved config:\n{}", app.config_to_str(true, false));
       auto on = [](bool b) { return b ? "on" : "off"; };
-      dtrain::log_info("kernels: attention {}, fused norm {}, fused cross-entropy {}, fused AdamW {}", o.attention,
-                       on(o.fused_norm), on(o.fused_ce), on(o.fused_adamw));
+      dtrain::log_info("kernels: attention {}, fused norm {}, fused cross-entropy {}, fused AdamW {}, fused SwiGLU {}, "
+                       "fused RoPE {}, fused linear cross-entropy {}",
+                       o.attention, on(o.fused_norm), on(o.fused_ce), on(o.fused_adamw), on(o.fused_swiglu),
+                       on(o.fused_rope), on(o.fused_linear_ce));
     }
     const auto model = model_config(o);
     DTRAIN_CHECK_ARG(o.bucket_mb > 0, "--bucket-mb=", o.bucket_mb, " must be positive");

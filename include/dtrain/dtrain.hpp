@@ -23,6 +23,8 @@
 #include "dtrain/ops/attention.hpp"
 #include "dtrain/ops/cross_entropy.hpp"
 #include "dtrain/ops/norm.hpp"
+#include "dtrain/ops/rope.hpp"
+#include "dtrain/ops/swiglu.hpp"
 #include "dtrain/optim/loss_scaler.hpp"
 #include "dtrain/optim/optim.hpp"
 #include "dtrain/parallel/context.hpp"

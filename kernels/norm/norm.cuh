@@ -26,12 +26,6 @@ inline int row_threads(int64_t n) {
   return static_cast<int>(std::min<int64_t>(kMaxThreads, std::max<int64_t>(32, (n + 31) / 32 * 32)));
 }
 
-// Rows of T at ptr with this stride can be read in 16-byte accesses.
-template <typename T>
-bool rows_aligned(const void* ptr, int64_t stride) {
-  return aligned(ptr, 16) && stride % vec16<T>() == 0;
-}
-
 // Calls f(k, j) for each access j (V elements) of this thread: j = threadIdx.x +
 // k blockDim.x, unrolled over k < kVecs when the row is held, else in a loop (k = 0).
 template <int kVecs, typename F>

@@ -12,6 +12,8 @@
 #include "dtrain/ops/attention.hpp"
 #include "dtrain/ops/cross_entropy.hpp"
 #include "dtrain/ops/norm.hpp"
+#include "dtrain/ops/rope.hpp"
+#include "dtrain/ops/swiglu.hpp"
 #include "dtrain/parallel/context_parallel.hpp"
 
 namespace dtrain::models {
@@ -84,6 +86,8 @@ void GptConfig::validate_tp(int tp) const {
   DTRAIN_CHECK_ARG(!moe.enabled() || expert_hidden() % tp == 0, "the expert width ", expert_hidden(),
                    " (--moe-ffn-hidden) is not divisible by --tp=", tp,
                    "; tensor parallelism splits it across tp ranks");
+  DTRAIN_CHECK_ARG(!fused_linear_ce || tp == 1, "fused_linear_ce (--fused-linear-ce) takes the head over the whole ",
+                   "vocabulary; --tp=", tp, " splits it (allowed: tp 1; --fused-ce runs the loss over a split one)");
 }
 
 std::int64_t GptConfig::mlp_hidden() const {
@@ -212,7 +216,9 @@ BlockImpl::BlockImpl(const GptConfig& c, TpEnv tp, std::int64_t index) : config_
   if (gpt2) qkv_b_ = qkv->register_parameter("bias", torch::zeros({qkv_rows}));
   proj_ = register_module("attn_proj", tp::RowParallelLinear(c.n_head * hd, c.d_model, tp_.comm, row_));
   if (c.moe.is_moe_block(index)) {
-    moe_ = register_module("moe", Moe(c.moe, c.d_model, c.expert_hidden(), tp_.comm,
+    auto moe = c.moe;
+    moe.fused_swiglu = c.fused_swiglu;
+    moe_ = register_module("moe", Moe(moe, c.d_model, c.expert_hidden(), tp_.comm,
                                       tp_.sequence_parallel,
                                       tp_.ep ? tp_.ep : make_self_communicator("ep", 0), tp_.cp));
     return;
@@ -267,7 +273,9 @@ torch::Tensor BlockImpl::norm(const torch::Tensor& x, const torch::Tensor& w,
 namespace {
 // Rotary embedding on [B, H, T, D] with the half-split convention; cos and sin are
 // [>= T, D / 2] (position t's angles in row t) or [B, 1, T, D / 2] (each token's own).
-torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+// fused: ops::rope (float32 angles); else LibTorch's ops with the angles in x's dtype.
+torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, bool fused) {
+  if (fused) return ops::rope(x, cos, sin);
   const auto T = x.size(2), half = x.size(3) / 2;
   // In the activations' dtype (bfloat16 parameters give bfloat16 q and k).
   const bool rows = cos.dim() == 2;
@@ -314,8 +322,8 @@ torch::Tensor BlockImpl::attention(const torch::Tensor& in, const torch::Tensor&
   }
   q = q.transpose(1, 2), k = k.transpose(1, 2), v = v.transpose(1, 2);
   if (config_.family == "llama") {
-    q = rope(q, rope_cos, rope_sin);
-    k = rope(k, rope_cos, rope_sin);
+    q = rope(q, rope_cos, rope_sin, config_.fused_rope);
+    k = rope(k, rope_cos, rope_sin, config_.fused_rope);
   }
   const double p = is_training() ? config_.dropout : 0.0;
   torch::Tensor y;
@@ -346,7 +354,8 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& ro
   if (config_.family == "gpt2") {
     m = torch::gelu(fc_->forward_entered(n2), "tanh");
   } else {
-    m = torch::silu(gate_->forward_entered(n2)) * fc_->forward_entered(n2);
+    const auto g = gate_->forward_entered(n2), u = fc_->forward_entered(n2);
+    m = config_.fused_swiglu ? ops::swiglu(g, u) : torch::silu(g) * u;
   }
   return h + tp::dropout(down_->forward(m), p, is_training(), rng, stream_of(tp_));
 }
@@ -767,8 +776,15 @@ torch::Tensor GptImpl::loss(const torch::Tensor& idx, const torch::Tensor& targe
 
 torch::Tensor GptImpl::loss_from_hidden(const torch::Tensor& hidden, const torch::Tensor& whole_targets) {
   DTRAIN_CHECK_ARG(stage_.head, "loss_from_hidden needs the stage that holds the head (the last)");
-  auto logits = local_logits(hidden);
   const auto targets = cp::take_local(whole_targets, 1, ctx_->cp_size(), ctx_->cp_rank());
+  if (config_.fused_linear_ce) {  // tp 1 (validate_tp): the whole head, no region to enter
+    ops::CrossEntropyOptions o;
+    o.grad_scale = loss_grad_scale_;
+    o.ignore_index = kIgnoreTarget;
+    const auto& w = config_.tie_embeddings ? tok_emb_->weight : lm_head_->weight;
+    return ops::linear_cross_entropy(hidden.reshape({-1, hidden.size(-1)}), w, targets.reshape({-1}), o);
+  }
+  auto logits = local_logits(hidden);
   if (config_.fused_ce) {
     // The logits are this call's own: their gradient may take their place.
     ops::CrossEntropyOptions o;

@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include "dtrain/core/error.hpp"
+#include "dtrain/ops/swiglu.hpp"
 #include "dtrain/parallel/tensor_parallel.hpp"
 
 namespace dtrain::models {
@@ -80,7 +81,8 @@ at::Tensor MoeImpl::experts(const at::Tensor& rows, const std::vector<std::int64
     const auto x = rows.narrow(0, at, rows_per_expert[j]);
     at += rows_per_expert[j];
     const auto e = static_cast<std::int64_t>(j);
-    const auto h = torch::silu(torch::mm(x, w_gate[e].t())) * torch::mm(x, w_fc[e].t());
+    const auto g = torch::mm(x, w_gate[e].t()), u = torch::mm(x, w_fc[e].t());
+    const auto h = options_.fused_swiglu ? ops::swiglu(g, u) : torch::silu(g) * u;
     outs.push_back(torch::mm(h, w_proj[e].t()));
   }
   return torch::cat(outs, 0);

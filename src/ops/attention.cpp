@@ -126,8 +126,6 @@ std::pair<at::Tensor, at::Tensor> document_bounds(const at::Tensor& documents) {
 
 // ---- reference path --------------------------------------------------------------------
 
-at::ScalarType compute_type(const at::Tensor& q) { return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
-
 // Whether query i may not see key j, for the queries at tokens [r0, r0 + n) of the keys'
 // sequence and its first sk tokens as keys: [n, sk], or with documents (doc_start: each
 // token's document start, [B, >= max(r0 + n, sk)]) [B, 1, n, sk] (undefined without a
@@ -164,7 +162,7 @@ at::Tensor scores(const at::Tensor& qf, const at::Tensor& kf, std::int64_t r0, s
 std::pair<at::Tensor, at::Tensor> reference_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     const Mask& mask, double scale) {
   detail::NoAutocast no_autocast;
-  const auto ct = compute_type(q);
+  const auto ct = detail::compute_type(q);
   const auto group = q.size(1) / k.size(1);
   auto qf = q.to(ct), kf = k.to(ct).repeat_interleave(group, 1), vf = v.to(ct).repeat_interleave(group, 1);
   auto o = at::empty(q.sizes(), qf.options());
@@ -185,7 +183,7 @@ std::vector<at::Tensor> reference_backward(const at::Tensor& q, const at::Tensor
                                            const at::Tensor& o, const at::Tensor& lse, const at::Tensor& dout,
                                            const Mask& mask, double scale) {
   detail::NoAutocast no_autocast;
-  const auto ct = compute_type(q);
+  const auto ct = detail::compute_type(q);
   const auto B = q.size(0), H = q.size(1), Hkv = k.size(1), Sk = k.size(2), D = q.size(3), group = H / Hkv;
   auto qf = q.to(ct), kf = k.to(ct).repeat_interleave(group, 1), vf = v.to(ct).repeat_interleave(group, 1);
   auto dof = dout.to(ct);

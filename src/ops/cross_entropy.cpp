@@ -128,7 +128,7 @@ class CrossEntropyFn : public torch::autograd::Function<CrossEntropyFn> {
     const auto bad = valid & ((target < 0) | (target >= ids));
     DTRAIN_OP_CHECK(!bad.any().item<bool>(), kOp, "a target is outside [0, ", ids, ") and is not ignore_index ",
                     o.ignore_index, " (the CUDA kernel gives that row a NaN loss)");
-    auto lf = logits.to(logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
+    auto lf = logits.to(detail::compute_type(logits));
     const auto local = target - cols.start, inside = (local >= 0) & (local < cols.valid);
     auto lse = cols.valid > 0 ? lf.narrow(1, 0, cols.valid).logsumexp(1)
                               : at::full({rows}, -std::numeric_limits<double>::infinity(), lf.options());

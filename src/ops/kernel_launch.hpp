@@ -1,5 +1,5 @@
 // What the ops share around a kernel call: whether a tensor is on a device the kernels
-// run on, the kernel dtype of a tensor, the device guard, current CUDA stream and
+// run on, the kernel dtype of a tensor, the dtype the reference paths compute in, the device guard, current CUDA stream and
 // device-to-device copy of its device, and a guard that keeps autocast out of the reference
 // paths (they choose their float32 math).
 //
@@ -38,6 +38,17 @@ inline bool on_kernel_device(const at::Tensor& t) {
   (void)t;
   return false;
 #endif
+}
+
+// The dtype the reference paths compute in: float64 for float64 inputs, else float32.
+inline at::ScalarType compute_type(const at::Tensor& t) {
+  return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// float32, bfloat16 or float16: the element types the kernels take.
+inline bool kernel_float(const at::Tensor& t) {
+  const auto s = t.scalar_type();
+  return s == at::kFloat || s == at::kBFloat16 || s == at::kHalf;
 }
 
 // The reference paths compute in the dtypes they name, whatever autocast is on.

@@ -16,8 +16,6 @@
 namespace dtrain::ops {
 namespace {
 
-at::ScalarType compute_type(const at::Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
-
 void check_inputs(const char* op, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   DTRAIN_OP_CHECK(x.dim() >= 1 && x.size(-1) >= 1, op, "x ", x.sizes(), " needs a non-empty last dim");
   for (const auto& [what, t] : {std::make_pair("weight", weight), std::make_pair("bias", bias)}) {
@@ -32,10 +30,7 @@ void check_inputs(const char* op, const at::Tensor& x, const at::Tensor& weight,
 
 #ifdef DTRAIN_WITH_CUDA
 bool kernel_takes(const at::Tensor& x2, const at::Tensor& weight, const at::Tensor& bias) {
-  auto ok_type = [](const at::Tensor& t) {
-    return !t.defined() || t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 ||
-           t.scalar_type() == at::kHalf;
-  };
+  auto ok_type = [](const at::Tensor& t) { return !t.defined() || detail::kernel_float(t); };
   return detail::on_kernel_device(x2) && ok_type(x2) && ok_type(weight) && ok_type(bias) &&
          x2.size(1) <= dtrain_norm_max_cols();
 }
@@ -97,7 +92,7 @@ class NormFn : public torch::autograd::Function<NormFn> {
 #endif
     {
       detail::NoAutocast no_autocast;
-      auto xf = x2.to(compute_type(x2));
+      auto xf = x2.to(detail::compute_type(x2));
       if (layer) {
         mean = xf.mean(-1);
         xf = xf - mean.unsqueeze(1);
@@ -156,7 +151,7 @@ class NormFn : public torch::autograd::Function<NormFn> {
 #endif
     {
       detail::NoAutocast no_autocast;
-      const auto ct = compute_type(x2);
+      const auto ct = detail::compute_type(x2);
       auto xf = x2.to(ct), dyf = dy.to(ct);
       auto r = rstd.to(ct).unsqueeze(1);
       auto xhat = (layer ? xf - mean.to(ct).unsqueeze(1) : xf) * r;

@@ -76,6 +76,13 @@ expect(reset-positions-without-documents 2 "reset_position_ids \\(--reset-positi
 # and whose separators get no loss.
 expect(fused-ops-on-cpu 0 "device cpu.*kernels: attention flash, fused norm on, fused cross-entropy on, fused AdamW on.*context 64 \\(attention window 16\\) \\(documents end at token 10, positions restart, no loss at separators\\).*done: 5 steps" CPU ARGS ${DATA} --global-batch 8 --steps 5 --warmup-steps 1 --attention flash --fused-norm
        --fused-ce --fused-adamw --fsdp zero1 --attention-window 16 --document-separator 10 --reset-position-ids --eod-mask-loss)
+# The same for Llama (SwiGLU, rotary embeddings with each document's own positions, GQA).
+expect(fused-llama-on-cpu 0 "kernels: attention flash, fused norm on, fused cross-entropy on, fused AdamW on, fused SwiGLU on, fused RoPE on, fused linear cross-entropy on.*done: 5 steps" CPU
+       ARGS ${DATA} --family llama --n-kv-head 2 --global-batch 8 --steps 5 --warmup-steps 1 --attention flash
+       --fused-norm --fused-ce --fused-adamw --fused-swiglu --fused-rope --fused-linear-ce --document-separator 10
+       --reset-position-ids)
+expect(linear-ce-with-tp nonzero "fused_linear_ce \\(--fused-linear-ce\\) takes the head over the whole vocabulary; --tp=2 splits it"
+       CPU NP 2 ARGS ${DATA} --tp 2 --fused-linear-ce --steps 1)
 expect(fused-on-and-off nonzero "--fused-ce excludes --no-fused-ce" ARGS ${DATA} --fused-ce --no-fused-ce)
 expect(param-dtype-needs-fsdp 2 "--param-dtype / --reduce-dtype other than float32 need --fsdp"
        ARGS ${DATA} --param-dtype bfloat16)

@@ -192,7 +192,8 @@ TEST_F(FsdpTest, FusedAdamWIsBitwiseTheUnfusedShardedStep) {
 }
 
 // Every kernel option (the ops' reference paths on the CPU: flash attention, the fused
-// norms and cross-entropy, fused AdamW over the shards) under zero2 and full sharding
+// norms and cross-entropy (Llama: the head with it, fused linear cross-entropy), SwiGLU and
+// RoPE, fused AdamW over the shards) under zero2 and full sharding
 // against the plain single-process run: GPT-2 and Llama, packed documents with
 // eod-mask-loss, the harness's ten steps and tolerances.
 TEST_F(FsdpTest, FusedOpsMatchSingleProcess) {
@@ -210,7 +211,8 @@ TEST_F(FsdpTest, FusedOpsMatchSingleProcess) {
       o.adamw.lr = 1e-3;  // as dist_pp's: the fused ops' roundings, amplified by Adam, stay small
       const auto reference = single_process_reference(cfg, o);
       auto fused = cfg;
-      fused.fused_ce = fused.fused_norm = true;
+      fused.fused_ce = fused.fused_norm = fused.fused_swiglu = fused.fused_rope = true;
+      fused.fused_linear_ce = cfg.family == "llama";  // the sharded head read in chunks
       fused.attention = ops::AttentionBackend::kFlash;
       o.adamw.fused = true;
       o.fsdp = strategy;

@@ -227,7 +227,7 @@ TEST_F(MoeTrainTest, ExpertParallelMatchesSingleProcessForTenSteps) {
   expect_moe_equivalent(context(n), cfg);
   {  // the model's kernel options (their reference paths on the CPU) on both sides
     auto fused = cfg;
-    fused.fused_ce = fused.fused_norm = true;
+    fused.fused_ce = fused.fused_norm = fused.fused_swiglu = fused.fused_rope = true;
     fused.attention = ops::AttentionBackend::kFlash;
     SCOPED_TRACE(format("ep={} dropless, flash attention, fused norms and cross-entropy", n));
     expect_moe_equivalent(context(n), fused);

@@ -276,7 +276,7 @@ TEST_F(PpTrainTest, FusedOpsMatchSingleProcess) {
     o.eod_mask_loss = true;
     o.adamw.lr = 1e-3;
     const auto reference = single_process_reference(cfg, o);
-    cfg.fused_ce = cfg.fused_norm = true;
+    cfg.fused_ce = cfg.fused_norm = cfg.fused_swiglu = cfg.fused_rope = true;
     cfg.attention = ops::AttentionBackend::kFlash;
     o.adamw.fused = true;
     o.micro_batch = 1;

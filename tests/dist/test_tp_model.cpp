@@ -170,7 +170,7 @@ TEST_F(TpModelTest, FusedOpsMatchSingleProcess) {
     o.adamw.lr = 1e-3;  // as dist_pp's: the fused ops' roundings, amplified by Adam, stay small
     if (n == 3) o.seq_len = 30;  // sequence parallelism: divisible by tp
     auto fused = cfg;
-    fused.fused_ce = fused.fused_norm = true;
+    fused.fused_ce = fused.fused_norm = fused.fused_swiglu = fused.fused_rope = true;
     fused.attention = ops::AttentionBackend::kFlash;
     auto fused_o = o;
     fused_o.adamw.fused = true;

@@ -63,7 +63,7 @@ TEST_F(TrainTest, EodMaskLossUnderDataParallelMatchesSingleProcess) {
 
 // Every kernel option (the ops' reference paths on the CPU) under replicated data
 // parallelism with accumulation and eod-mask-loss, Llama (grouped-query attention, untied
-// head), against the plain single-process run.
+// head, the head and loss as fused linear cross-entropy), against the plain single-process run.
 TEST_F(TrainTest, FusedOpsUnderDataParallelMatchSingleProcess) {
   TestCorpus corpus("dpfused" + std::to_string(rank()));
   auto cfg = tiny_llama();
@@ -72,7 +72,8 @@ TEST_F(TrainTest, FusedOpsUnderDataParallelMatchSingleProcess) {
   o.eod_mask_loss = true;
   o.adamw.lr = 1e-3;  // as dist_pp's: the fused ops' roundings, amplified by Adam, stay small
   const auto reference = single_process_reference(cfg, o);
-  cfg.fused_ce = cfg.fused_norm = true;
+  cfg.fused_ce = cfg.fused_norm = cfg.fused_swiglu = cfg.fused_rope = true;
+  cfg.fused_linear_ce = true;  // the head and the loss in chunks (the loss kernel per chunk)
   cfg.attention = ops::AttentionBackend::kFlash;
   o.adamw.fused = true;
   o.micro_batch = 1;

@@ -53,7 +53,7 @@ inline std::string describe(const models::GptConfig& c) {
     << c.dropout << " moe " << c.moe.experts << ' ' << c.moe.topk << ' ' << c.moe.every << ' ' << c.moe.ffn_hidden
     << ' ' << c.moe.capacity_factor << ' ' << c.moe.score << ' ' << c.moe.aux_loss_coeff << ' '
     << c.moe.z_loss_coeff << ' ' << c.moe.bias_update_rate << " ops " << static_cast<int>(c.attention) << ' '
-    << c.fused_norm << ' ' << c.fused_ce;
+    << c.fused_norm << ' ' << c.fused_ce << ' ' << c.fused_swiglu << ' ' << c.fused_rope << ' ' << c.fused_linear_ce;
   return s.str();
 }
 

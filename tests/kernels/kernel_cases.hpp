@@ -1,7 +1,7 @@
 // The kernels' test cases, compiled twice: against the CPU emulator of the same sources
 // (test_kernels_emulated.cpp: DTRAIN_KERNELS_EMULATE, host tensors, runs everywhere) and
 // against the compiled kernels on a GPU (test_kernels_gpu.cpp: CUDA tensors, skipped
-// without a device). Fused AdamW, RMSNorm/LayerNorm, cross-entropy and flash attention
+// without a device). Fused AdamW, RMSNorm/LayerNorm, SwiGLU, RoPE, cross-entropy and flash attention
 // forward and backward against float64 references on random inputs (never zeros), every
 // output poisoned with NaN before the call, sizes that are not multiples of the tiles;
 // attention within twice the error of a naive implementation in the same dtype.
@@ -20,6 +20,8 @@
 #include "dtrain_kernels/attention.h"
 #include "dtrain_kernels/cross_entropy.h"
 #include "dtrain_kernels/norm.h"
+#include "dtrain_kernels/rope.h"
+#include "dtrain_kernels/swiglu.h"
 #include "kernel_device.hpp"
 
 namespace {
@@ -224,6 +226,155 @@ TEST(KERNEL_SUITE(Norm), ForwardAndBackwardMatchFloat64) {
       }
     }
   }
+}
+
+// ---- SwiGLU and RoPE ------------------------------------------------------------------------
+
+// The largest error a result in `type` may have against its float64 value, relative to the
+// largest magnitude of the result: a rounding to the type (plus the exponential's few ulp
+// in float32).
+inline double pointwise_tol(at::ScalarType type) {
+  return type == at::kFloat ? 1e-5 : type == at::kHalf ? 2e-3 : 1e-2;
+}
+inline void expect_close(const at::Tensor& got, const at::Tensor& want, at::ScalarType type, const char* what) {
+  const double scale = want.abs().max().item<double>();
+  EXPECT_LE(max_abs(got, want), pointwise_tol(type) * scale) << what;
+}
+
+// silu(gate) * up and both gradients against float64 autograd of the same rounded inputs:
+// contiguous rows (16-byte accesses), 1001 columns and a pointer one element in (one element
+// per access), and gate and up as the two halves of one [rows, 2 cols] matrix (strided rows).
+TEST(KERNEL_SUITE(Swiglu), ForwardAndBackwardMatchFloat64) {
+  KERNEL_DEVICE_OR_SKIP();
+  torch::manual_seed(4);
+  struct Shape {
+    std::int64_t rows, cols;
+    bool halves;  // gate and up side by side in one matrix
+    std::int64_t offset;  // elements before every matrix's first
+  };
+  // 70001 rows (bf16 only: 4 s in the emulator): more than a grid's 65535 rows, so that
+  // blocks take a second row.
+  std::vector<Shape> shapes = {{37, 96, false, 0}, {37, 1001, false, 0}, {19, 96, true, 0}, {5, 200, false, 1},
+                               {1, 3000, false, 0}, {70001, 8, false, 0}};
+  if (kLargeCases) shapes.insert(shapes.end(), {{4099, 768, false, 0}, {1, (1 << 22) + 3, false, 0}, {333, 11008, true, 0}});
+  for (auto type : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (const auto& sh : shapes) {
+      if (sh.rows > 65535 && type != at::kBFloat16) continue;
+      SCOPED_TRACE(std::string(c10::toString(type)) + " " + std::to_string(sh.rows) + "x" + std::to_string(sh.cols) +
+                   (sh.halves ? " halves" : "") + (sh.offset ? " offset" : ""));
+      const auto rows = sh.rows, cols = sh.cols, off = sh.offset;
+      // Values over silu's whole range: its minimum near -1.28, saturation both ways.
+      auto both = (torch::randn({rows, 2 * cols}) * 3).to(type);
+      auto dy = torch::randn({rows, cols}).to(type);
+      auto gr = both.narrow(1, 0, cols).to(at::kDouble).requires_grad_();
+      auto ur = both.narrow(1, cols, cols).to(at::kDouble).requires_grad_();
+      auto yr = gr * torch::sigmoid(gr) * ur;
+      yr.backward(dy.to(at::kDouble));
+
+      // Device matrices [rows, cols] of row stride `stride` starting `off` elements into a
+      // buffer (poisoned where nothing is copied).
+      auto place = [&](const at::Tensor& t, std::int64_t stride) {
+        auto buf = poisoned({off + rows * stride}, type);
+        auto m = buf.narrow(0, off, rows * stride).view({rows, stride}).narrow(1, 0, t.size(1));
+        m.copy_(dev(t));
+        return m;
+      };
+      at::Tensor g, u;
+      if (sh.halves) {
+        auto m = place(both, 2 * cols);
+        g = m.narrow(1, 0, cols), u = m.narrow(1, cols, cols);
+      } else {
+        g = place(both.narrow(1, 0, cols), cols), u = place(both.narrow(1, cols, cols), cols);
+      }
+      auto y = place(poisoned({rows, cols}, type), cols), dyd = place(dy, cols);
+      dtrain_swiglu_fwd_params f{};
+      f.gate = g.data_ptr(), f.up = u.data_ptr(), f.y = y.data_ptr();
+      f.rows = rows, f.cols = cols;
+      f.gate_stride = g.stride(0), f.up_stride = u.stride(0), f.y_stride = y.stride(0);
+      f.dtype = kernel_dtype(g);
+      ASSERT_EQ(dtrain_swiglu_fwd(&f, nullptr), cudaSuccess);
+      kernel_sync();
+      expect_close(y, yr, type, "y");
+
+      auto dg = place(poisoned({rows, cols}, type), cols), du = place(poisoned({rows, cols}, type), cols);
+      dtrain_swiglu_bwd_params b{};
+      b.dy = dyd.data_ptr(), b.gate = g.data_ptr(), b.up = u.data_ptr(), b.dgate = dg.data_ptr(), b.dup = du.data_ptr();
+      b.rows = rows, b.cols = cols;
+      b.dy_stride = dyd.stride(0), b.gate_stride = g.stride(0), b.up_stride = u.stride(0);
+      b.dgate_stride = dg.stride(0), b.dup_stride = du.stride(0);
+      b.dtype = f.dtype;
+      ASSERT_EQ(dtrain_swiglu_bwd(&b, nullptr), cudaSuccess);
+      kernel_sync();
+      expect_close(dg, gr.grad(), type, "dgate");
+      expect_close(du, ur.grad(), type, "dup");
+    }
+  }
+  dtrain_swiglu_fwd_params f{};
+  EXPECT_EQ(dtrain_swiglu_fwd(&f, nullptr), cudaErrorInvalidValue) << "no columns";
+  auto t = dev(torch::ones({4, 8}));
+  f.gate = f.up = f.y = t.data_ptr();
+  f.rows = 4, f.cols = 8, f.gate_stride = f.up_stride = 8, f.y_stride = 4;
+  f.dtype = DTRAIN_KERNEL_F32;
+  EXPECT_EQ(dtrain_swiglu_fwd(&f, nullptr), cudaErrorInvalidValue) << "output rows overlapping";
+}
+
+// The rotation on [B, H, T, D] views of [B, T, H, D] storage (the model's q and k) and of
+// contiguous [B, H, T, D], angles shared by the batch or each token's own, the inverse
+// rotation, in place, head dims whose half is a multiple of 16 bytes and not, and a
+// pointer one element in: against float64 of the same rounded inputs and float32 angles.
+TEST(KERNEL_SUITE(Rope), RotationAndItsInverseMatchFloat64) {
+  KERNEL_DEVICE_OR_SKIP();
+  torch::manual_seed(5);
+  struct Case {
+    std::int64_t B, H, T, D;
+    bool bthd, per_token, inverse, in_place;
+    std::int64_t offset;
+  };
+  std::vector<Case> cases = {{2, 3, 17, 64, true, false, false, false, 0}, {2, 3, 17, 64, false, true, true, false, 0},
+                             {1, 2, 9, 20, true, false, false, false, 0},  {2, 1, 5, 96, true, true, false, true, 0},
+                             {1, 2, 7, 64, false, false, true, false, 1}};
+  if (kLargeCases) cases.insert(cases.end(), {{4, 32, 1024, 128, true, false, false, false, 0}, {2, 8, 4099, 64, true, true, true, false, 0}});
+  for (auto type : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (const auto& c : cases) {
+      SCOPED_TRACE(std::string(c10::toString(type)) + " " + std::to_string(c.B) + "x" + std::to_string(c.H) + "x" +
+                   std::to_string(c.T) + "x" + std::to_string(c.D) + (c.bthd ? " bthd" : "") +
+                   (c.per_token ? " per-token" : "") + (c.inverse ? " inverse" : "") + (c.in_place ? " in place" : "") +
+                   (c.offset ? " offset" : ""));
+      const auto half = c.D / 2;
+      auto x = (torch::randn({c.B, c.H, c.T, c.D}) * 2).to(type);
+      // Angles as the model makes them (float32), rows for 3 more positions than T.
+      auto angles = c.per_token ? torch::rand({c.B, 1, c.T, half}) * 50 : torch::rand({c.T + 3, half}) * 50;
+      auto cs = angles.cos(), sn = angles.sin();
+      auto cr = (c.per_token ? cs : cs.narrow(0, 0, c.T)).to(at::kDouble);
+      auto sr = (c.per_token ? sn : sn.narrow(0, 0, c.T)).to(at::kDouble) * (c.inverse ? -1 : 1);
+      auto xr = x.to(at::kDouble), x1 = xr.narrow(3, 0, half), x2 = xr.narrow(3, half, half);
+      auto want = torch::cat({x1 * cr - x2 * sr, x1 * sr + x2 * cr}, 3);
+
+      // x on the device in the case's layout, `offset` elements into its buffer.
+      const auto n = x.numel();
+      auto buf = poisoned({c.offset + n}, type);
+      auto flat = buf.narrow(0, c.offset, n);
+      auto xd = c.bthd ? flat.view({c.B, c.T, c.H, c.D}).permute({0, 2, 1, 3}) : flat.view({c.B, c.H, c.T, c.D});
+      xd.copy_(dev(x));
+      auto y = c.in_place ? xd : poisoned({c.B, c.T, c.H, c.D}, type).permute({0, 2, 1, 3});
+      auto cd = dev(cs), sd = dev(sn);
+      dtrain_rope_params p{};
+      p.x = xd.data_ptr(), p.y = y.data_ptr();
+      p.cos = cd.data_ptr<float>(), p.sin = sd.data_ptr<float>();
+      p.batch = c.B, p.heads = c.H, p.seq = c.T, p.head_dim = c.D;
+      for (int d = 0; d < 3; ++d) p.x_stride[d] = xd.stride(d), p.y_stride[d] = y.stride(d);
+      p.angle_stride[0] = c.per_token ? cd.stride(0) : 0;
+      p.angle_stride[1] = c.per_token ? cd.stride(2) : cd.stride(0);
+      p.inverse = c.inverse;
+      p.dtype = kernel_dtype(x);
+      ASSERT_EQ(dtrain_rope(&p, nullptr), cudaSuccess);
+      kernel_sync();
+      expect_close(y, want, type, "y");
+    }
+  }
+  dtrain_rope_params p{};
+  p.batch = p.heads = p.seq = 1, p.head_dim = 7;
+  EXPECT_EQ(dtrain_rope(&p, nullptr), cudaErrorInvalidValue) << "odd head dim";
 }
 
 // ---- cross-entropy -----------------------------------------------------------------------

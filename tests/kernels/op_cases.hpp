@@ -26,6 +26,8 @@
 #include "dtrain/ops/attention.hpp"
 #include "dtrain/ops/cross_entropy.hpp"
 #include "dtrain/ops/norm.hpp"
+#include "dtrain/ops/rope.hpp"
+#include "dtrain/ops/swiglu.hpp"
 #include "dtrain/parallel/context.hpp"
 #include "dtrain/train/trainer.hpp"
 #include "kernel_device.hpp"
@@ -389,6 +391,89 @@ TEST(KERNEL_SUITE(Ops), NormsMatchTheReferencePath) {
   }
 }
 
+// SwiGLU and RoPE through autograd against their reference paths in float64: the op's
+// params (the contiguous copies, the [B, T, H, D] output of rope, its inverse rotation in
+// the backward, per-token angles) and the gradients it hands back.
+TEST(KERNEL_SUITE(Ops), SwigluAndRopeMatchTheReferencePath) {
+  KERNEL_DEVICE_OR_SKIP();
+  torch::manual_seed(13);
+  auto close = [](const at::Tensor& got, const at::Tensor& want, const char* what) {
+    const double scale = want.abs().max().item<double>() + 1e-3;
+    EXPECT_LT((got.cpu().to(at::kDouble) - want).abs().max().item<double>(), 1e-2 * scale) << what;
+  };
+  {
+    const std::vector<std::int64_t> shape = kLargeCases ? std::vector<std::int64_t>{4, 129, 2752}
+                                                        : std::vector<std::int64_t>{2, 9, 40};
+    // gate as a transposed view: the op takes it contiguous
+    auto g = (torch::randn({shape[1], shape[0], shape[2]}) * 3).to(at::kBFloat16).transpose(0, 1);
+    auto u = torch::randn(shape).to(at::kBFloat16), dy = torch::randn(shape).to(at::kBFloat16);
+    auto run = [&](bool exact) {
+      auto in = [&](const at::Tensor& t) { return (exact ? t.to(at::kDouble) : dev(t)).requires_grad_(); };
+      auto gg = in(g), uu = in(u);
+      auto y = ops::swiglu(gg, uu);
+      EXPECT_EQ(y.scalar_type(), exact ? at::kDouble : at::kBFloat16);
+      y.backward(exact ? dy.to(at::kDouble) : dev(dy));
+      return std::vector<at::Tensor>{y.cpu().to(at::kDouble), gg.grad().cpu().to(at::kDouble),
+                                     uu.grad().cpu().to(at::kDouble)};
+    };
+    const auto want = run(true), got = run(false);
+    close(got[0], want[0], "swiglu y");
+    close(got[1], want[1], "swiglu dgate");
+    close(got[2], want[2], "swiglu dup");
+  }
+  for (bool per_token : {false, true}) {
+    SCOPED_TRACE(per_token ? "rope, per-token angles" : "rope, angle rows");
+    const std::int64_t B = 2, H = kLargeCases ? 8 : 3, T = kLargeCases ? 257 : 11, D = 64;
+    // q as the model makes it: [B, T, H, D] storage seen as [B, H, T, D]
+    auto x = torch::randn({B, T, H, D}).to(at::kBFloat16).permute({0, 2, 1, 3});
+    auto dy = torch::randn({B, H, T, D}).to(at::kBFloat16);
+    auto angles = per_token ? torch::rand({B, 1, T, D / 2}) * 30 : torch::rand({T + 5, D / 2}) * 30;
+    auto run = [&](bool exact) {
+      auto to = [&](const at::Tensor& t) { return exact ? t.to(at::kDouble) : dev(t); };
+      auto xx = to(x).requires_grad_();
+      auto y = ops::rope(xx, to(angles.cos()), to(angles.sin()));
+      EXPECT_EQ(y.sizes(), x.sizes());
+      EXPECT_EQ(y.permute({0, 2, 1, 3}).is_contiguous(), true) << "stored as [B, T, H, D]";
+      y.backward(to(dy));
+      return std::vector<at::Tensor>{y.cpu().to(at::kDouble), xx.grad().cpu().to(at::kDouble)};
+    };
+    const auto want = run(true), got = run(false);
+    close(got[0], want[0], "rope y");
+    close(got[1], want[1], "rope dx");
+  }
+}
+
+// linear_cross_entropy in bf16 (the loss kernel per chunk, its gradient in place) against
+// its float64 reference path: loss and both gradients, chunks that do not divide the rows,
+// ignored rows, an upstream gradient other than the announced one.
+TEST(KERNEL_SUITE(Ops), LinearCrossEntropyMatchesTheReferencePath) {
+  KERNEL_DEVICE_OR_SKIP();
+  torch::manual_seed(14);
+  const std::int64_t N = kLargeCases ? 1000 : 45, d = 64, V = kLargeCases ? 5003 : 301;
+  auto h = torch::randn({N, d}).to(at::kBFloat16), w = (torch::randn({V, d}) * 0.2).to(at::kBFloat16);
+  auto t = torch::randint(0, V, {N}, torch::kLong);
+  t.narrow(0, 3, 7).fill_(-100);
+  auto run = [&](bool exact, std::int64_t chunk) {
+    auto to = [&](const at::Tensor& x) { return (exact ? x.to(at::kDouble) : dev(x)).requires_grad_(); };
+    auto hh = to(h), ww = to(w);
+    ops::CrossEntropyOptions o;
+    o.grad_scale = 0.5;
+    auto loss = ops::linear_cross_entropy(hh, ww, exact ? t : dev(t), o, chunk);
+    (loss * 0.25).backward();
+    return std::vector<at::Tensor>{loss.detach().cpu().to(at::kDouble), hh.grad().cpu().to(at::kDouble),
+                                   ww.grad().cpu().to(at::kDouble)};
+  };
+  const auto want = run(true, 0);
+  for (std::int64_t chunk : {std::int64_t{16}, N}) {
+    SCOPED_TRACE("chunk rows " + std::to_string(chunk));
+    const auto got = run(false, chunk);
+    for (int i = 0; i < 3; ++i) {
+      const double scale = want[i].abs().max().item<double>() + 1e-6;
+      EXPECT_LT((got[i] - want[i]).abs().max().item<double>(), 2e-2 * scale) << "output " << i;
+    }
+  }
+}
+
 // The cross-entropy op writes the gradient in its forward for the upstream gradient it is
 // told: told right (2), told wrong (the default 1: the backward rescales), in place, and
 // graphs that backpropagate twice (2, then 3: the gradients add up to 5 times the unit
@@ -654,7 +739,7 @@ TEST(KERNEL_SUITE(Ops), TrainerWithFusedOpsTracksTheUnfusedRun) {
   train::Trainer plain(ctx, cfg, o);
   auto fcfg = cfg;
   fcfg.attention = ops::AttentionBackend::kFlash;
-  fcfg.fused_norm = fcfg.fused_ce = true;
+  fcfg.fused_norm = fcfg.fused_ce = fcfg.fused_swiglu = fcfg.fused_rope = true;
   auto fo = o;
   fo.adamw.fused = true;
   train::Trainer fused(ctx, fcfg, fo);

@@ -1,6 +1,7 @@
 // The ops' reference paths (what runs off CUDA, and the reference of the GPU tests)
 // against LibTorch's own ops: flash attention against scaled_dot_product_attention, the
-// norms against at::rms_norm / at::layer_norm, cross-entropy against at::cross_entropy,
+// norms against at::rms_norm / at::layer_norm, SwiGLU against silu then multiply, RoPE against
+// the half-split rotation in ATen ops, cross-entropy against at::cross_entropy,
 // forward and backward; fused AdamW bitwise against torch::optim::AdamW; the named input
 // checks; and the trainer with every fused option against the plain one.
 #include <gtest/gtest.h>
@@ -17,6 +18,8 @@
 #include "dtrain/ops/attention.hpp"
 #include "dtrain/ops/cross_entropy.hpp"
 #include "dtrain/ops/norm.hpp"
+#include "dtrain/ops/rope.hpp"
+#include "dtrain/ops/swiglu.hpp"
 #include "dtrain/optim/optim.hpp"
 #include "dtrain/parallel/context.hpp"
 #include "dtrain/train/autocast.hpp"
@@ -489,6 +492,73 @@ TEST(NormReference, MatchesLibTorchForwardAndBackward) {
              {"layer_norm", "must match"});
 }
 
+// ---- SwiGLU and RoPE -----------------------------------------------------------------------
+
+// The reference path against LibTorch's silu then multiply, forward and backward.
+TEST(SwigluReference, MatchesLibTorchSiluTimesUp) {
+  torch::manual_seed(2);
+  for (auto type : {at::kDouble, at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(type));
+    auto g = (torch::randn({3, 5, 40}, torch::kDouble) * 3).to(type).requires_grad_();
+    auto u = torch::randn({3, 5, 40}, torch::kDouble).to(type).requires_grad_();
+    auto dy = torch::randn({3, 5, 40}, torch::kDouble).to(type);
+    auto y = ops::swiglu(g, u);
+    EXPECT_EQ(y.scalar_type(), type);
+    y.backward(dy);
+    auto gr = g.detach().to(at::kDouble).requires_grad_(), ur = u.detach().to(at::kDouble).requires_grad_();
+    auto yr = torch::silu(gr) * ur;
+    yr.backward(dy.to(at::kDouble));
+    const double tol = type == at::kBFloat16 ? 0.1 : type == at::kFloat ? 1e-5 : 1e-12;
+    EXPECT_LT(max_abs(y, yr), tol);
+    EXPECT_LT(max_abs(g.grad(), gr.grad()), tol);
+    EXPECT_LT(max_abs(u.grad(), ur.grad()), tol);
+  }
+  auto a = torch::randn({2, 8});
+  expect_has(error_message([&] { ops::swiglu(a, torch::randn({2, 7})); }), {"swiglu", "up is [2, 7]", "same shape"});
+  expect_has(error_message([&] { ops::swiglu(a, a.to(at::kDouble)); }), {"swiglu", "must match"});
+  expect_has(error_message([&] { ops::swiglu(a.to(at::kInt), a.to(at::kInt)); }), {"swiglu", "gate is Int", "allowed"});
+}
+
+// The reference path against the rotation written with LibTorch's ops as the model had it
+// (half-split, angles of position t in row t, or each token's own), its backward against
+// autograd through that; the result in [B, T, H, D] storage; the checks.
+TEST(RopeReference, MatchesTheHalfSplitRotation) {
+  torch::manual_seed(3);
+  const std::int64_t B = 2, H = 3, T = 7, D = 8;
+  auto rotate = [](const at::Tensor& x, const at::Tensor& c, const at::Tensor& s) {
+    auto x1 = x.narrow(3, 0, x.size(3) / 2), x2 = x.narrow(3, x.size(3) / 2, x.size(3) / 2);
+    return torch::cat({x1 * c - x2 * s, x1 * s + x2 * c}, 3);
+  };
+  for (bool per_token : {false, true}) {
+    for (auto type : {at::kDouble, at::kFloat, at::kBFloat16}) {
+      SCOPED_TRACE(std::string(c10::toString(type)) + (per_token ? " per-token" : " rows"));
+      const auto angle_type = type == at::kDouble ? at::kDouble : at::kFloat;
+      auto angles = (per_token ? torch::rand({B, 1, T, D / 2}) : torch::rand({T + 2, D / 2})).to(angle_type) * 10;
+      auto x = torch::randn({B, H, T, D}, torch::kDouble).to(type).requires_grad_();
+      auto dy = torch::randn({B, H, T, D}, torch::kDouble).to(type);
+      auto y = ops::rope(x, angles.cos(), angles.sin());
+      EXPECT_EQ(y.scalar_type(), type);
+      EXPECT_TRUE(y.permute({0, 2, 1, 3}).is_contiguous()) << "stored as [B, T, H, D]";
+      y.backward(dy);
+      auto a = (per_token ? angles : angles.narrow(0, 0, T)).to(at::kDouble);
+      auto xr = x.detach().to(at::kDouble).requires_grad_();
+      auto yr = rotate(xr, a.cos(), a.sin());
+      yr.backward(dy.to(at::kDouble));
+      const double tol = type == at::kBFloat16 ? 0.05 : type == at::kFloat ? 1e-5 : 1e-12;
+      EXPECT_LT(max_abs(y, yr), tol);
+      EXPECT_LT(max_abs(x.grad(), xr.grad()), tol);
+    }
+  }
+  auto x = torch::randn({B, H, T, D});
+  auto c = torch::ones({T, D / 2});
+  expect_has(error_message([&] { ops::rope(x.view({B, H, T * D}), c, c); }), {"rope", "x is [2, 3, 56]", "[B, H, T, D]"});
+  expect_has(error_message([&] { ops::rope(x, c.narrow(0, 0, T - 1), c.narrow(0, 0, T - 1)); }),
+             {"rope", "cos and sin are [6, 4]", "needs [>= 7, 4] or [2, 1, 7, 4]"});
+  expect_has(error_message([&] { ops::rope(x, c.to(at::kBFloat16), c.to(at::kBFloat16)); }),
+             {"rope", "cos is BFloat16", "needs Float"});
+  expect_has(error_message([&] { ops::rope(x, c, torch::ones({T, 3})); }), {"rope", "one shape"});
+}
+
 // ---- cross-entropy -----------------------------------------------------------------------
 
 TEST(CrossEntropyReference, MatchesLibTorchWithIgnoredRows) {
@@ -545,6 +615,77 @@ TEST(CrossEntropyReference, OptionsLeaveTheFunctionAlone) {
   EXPECT_TRUE(torch::equal(got.second, want.second));
   o.ignore_index = 5;  // row 4's target: its row has no loss and no gradient
   EXPECT_EQ(run(o).second[4].abs().sum().item<double>(), 0.0);
+}
+
+// linear_cross_entropy against the head's matmul then LibTorch's cross-entropy, float64:
+// loss and both gradients for chunks that divide the rows and not (one chunk, one row
+// each, more than the rows, automatic), ignored rows (a chunk with none counted), an
+// upstream gradient other than the announced one, twice through a retained graph, the
+// weight used elsewhere too (its gradients add), a frozen weight, no grad mode, every
+// row ignored; the checks.
+TEST(LinearCrossEntropy, MatchesTheMatmulThenTheLoss) {
+  torch::manual_seed(4);
+  const std::int64_t N = 37, d = 16, V = 50;
+  const auto h0 = torch::randn({N, d}, torch::kDouble), w0 = torch::randn({V, d}, torch::kDouble) * 0.3;
+  auto t = torch::randint(0, V, {N}, torch::kLong);
+  t.narrow(0, 0, 10).fill_(-100);  // chunks of 8: the first counts no row
+  t[20] = -100;
+  auto reference = [&](const at::Tensor& target, double upstream) {
+    auto h = h0.clone().requires_grad_(), w = w0.clone().requires_grad_();
+    auto loss = at::cross_entropy_loss(at::matmul(h, w.t()), target, {}, at::Reduction::Mean, -100);
+    (loss * upstream).backward();
+    return std::vector<at::Tensor>{loss.detach(), h.grad(), w.grad()};
+  };
+  for (std::int64_t chunk : {0, 1, 8, 37, 100}) {
+    for (double announced : {1.0, 0.25}) {
+      SCOPED_TRACE("chunk rows " + std::to_string(chunk) + ", announced " + std::to_string(announced));
+      ops::CrossEntropyOptions o;
+      o.grad_scale = announced;
+      auto h = h0.clone().requires_grad_(), w = w0.clone().requires_grad_();
+      auto loss = ops::linear_cross_entropy(h, w, t, o, chunk);
+      (loss * 0.25).backward();
+      const auto want = reference(t, 0.25);
+      EXPECT_NEAR(loss.item<double>(), want[0].item<double>(), 1e-12);
+      EXPECT_LT(max_abs(h.grad(), want[1]), 1e-12);
+      EXPECT_LT(max_abs(w.grad(), want[2]), 1e-12);
+    }
+  }
+  {  // twice through a retained graph, the weight also used elsewhere
+    auto h = h0.clone().requires_grad_(), w = w0.clone().requires_grad_();
+    auto loss = ops::linear_cross_entropy(h, w, t, {}, 8) + w.sum();
+    loss.backward({}, /*retain_graph=*/true);
+    loss.backward();
+    const auto want = reference(t, 2.0);
+    EXPECT_LT(max_abs(h.grad(), want[1]), 1e-12);
+    EXPECT_LT(max_abs(w.grad(), want[2] + 2), 1e-12);
+  }
+  {  // a frozen weight: the hidden states' gradient alone
+    auto h = h0.clone().requires_grad_();
+    ops::linear_cross_entropy(h, w0, t, {}, 8).backward();
+    EXPECT_LT(max_abs(h.grad(), reference(t, 1.0)[1]), 1e-12);
+  }
+  {  // no grad mode: the loss, no graph
+    const double want = reference(t, 1.0)[0].item<double>();
+    torch::NoGradGuard no_grad;
+    auto h = h0.clone().requires_grad_();
+    auto loss = ops::linear_cross_entropy(h, w0, t, {}, 8);
+    EXPECT_FALSE(loss.requires_grad());
+    EXPECT_NEAR(loss.item<double>(), want, 1e-12);
+  }
+  {  // every row ignored: 0, and no gradient
+    auto h = h0.clone().requires_grad_();
+    auto loss = ops::linear_cross_entropy(h, w0, torch::full({N}, -100, torch::kLong), {}, 8);
+    loss.backward();
+    EXPECT_EQ(loss.item<double>(), 0.0);
+    EXPECT_EQ(h.grad().abs().sum().item<double>(), 0.0);
+  }
+  expect_has(error_message([&] { ops::linear_cross_entropy(h0, w0.narrow(1, 0, 8), t); }),
+             {"linear_cross_entropy", "hidden is [37, 16], weight [50, 8]"});
+  expect_has(error_message([&] { ops::linear_cross_entropy(h0, w0, t, {}, -1); }),
+             {"linear_cross_entropy", "chunk_rows is -1", "allowed"});
+  ops::CrossEntropyOptions split;
+  split.combine = [](const at::Tensor& x) { return x; };
+  expect_has(error_message([&] { ops::linear_cross_entropy(h0, w0, t, split); }), {"linear_cross_entropy", "combine"});
 }
 
 // ---- fused AdamW ---------------------------------------------------------------------------
@@ -626,37 +767,43 @@ TEST(FusedOps, TrainerMatchesThePlainRun) {
     o.warmup_steps = 1;
     o.seq_len = 32;
     o.global_batch = 4;
-    train::Trainer plain(ParallelContext::single_process(), cfg, o);
-    auto fused_cfg = cfg;
-    fused_cfg.attention = ops::AttentionBackend::kFlash;
-    fused_cfg.fused_norm = fused_cfg.fused_ce = true;
-    auto fo = o;
-    fo.adamw.fused = true;
-    train::Trainer fused(ParallelContext::single_process(), fused_cfg, fo);
-    for (int s = 0; s < o.steps; ++s) {
-      const auto a = plain.train_step(), b = fused.train_step();
-      EXPECT_NEAR(a.loss, b.loss, 1e-4 * std::abs(a.loss)) << "step " << s;
-      EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-3 * a.grad_norm) << "step " << s;
+    for (bool linear : {false, true}) {  // the loss alone, or with the head (fused_linear_ce)
+      SCOPED_TRACE(linear ? "fused linear cross-entropy" : "fused cross-entropy");
+      train::Trainer plain(ParallelContext::single_process(), cfg, o);
+      auto fused_cfg = cfg;
+      fused_cfg.attention = ops::AttentionBackend::kFlash;
+      fused_cfg.fused_norm = fused_cfg.fused_ce = fused_cfg.fused_swiglu = fused_cfg.fused_rope = true;
+      fused_cfg.fused_linear_ce = linear;
+      auto fo = o;
+      fo.adamw.fused = true;
+      train::Trainer fused(ParallelContext::single_process(), fused_cfg, fo);
+      for (int s = 0; s < o.steps; ++s) {
+        const auto a = plain.train_step(), b = fused.train_step();
+        EXPECT_NEAR(a.loss, b.loss, 1e-4 * std::abs(a.loss)) << "step " << s;
+        EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-3 * a.grad_norm) << "step " << s;
+      }
+      // The fused run's graph is made of the ops' Functions (a run ignoring the options
+      // would match the plain one too).
+      auto idx = torch::randint(0, cfg.vocab_size, {2, 16}, torch::kLong);
+      auto loss = fused.model()->loss(idx, idx);
+      std::set<std::string> names;
+      std::vector<torch::autograd::Node*> todo{loss.grad_fn().get()};
+      while (!todo.empty()) {
+        auto* node = todo.back();
+        todo.pop_back();
+        if (node == nullptr || !names.insert(node->name() + "@" + std::to_string(reinterpret_cast<std::uintptr_t>(node))).second) continue;
+        for (const auto& e : node->next_edges()) todo.push_back(e.function.get());
+      }
+      std::string all;
+      for (const auto& n : names) all += n + "\n";
+      std::vector<const char*> fns = {"FlashAttentionFn", "NormFn", linear ? "LinearCrossEntropyFn" : "CrossEntropyFn"};
+      if (family == "llama") fns.insert(fns.end(), {"SwigluFn", "RopeFn"});
+      for (const char* fn : fns) {
+        EXPECT_NE(all.find(fn), std::string::npos) << fn << " is not in the fused model's graph";
+      }
+      const auto pa = plain.full_parameters(), pb = fused.full_parameters();
+      for (std::size_t i = 0; i < pa.size(); ++i) EXPECT_LT(max_abs(pa[i].second, pb[i].second), 1e-4) << pa[i].first;
     }
-    // The fused run's graph is made of the ops' Functions (a run ignoring the options
-    // would match the plain one too).
-    auto idx = torch::randint(0, cfg.vocab_size, {2, 16}, torch::kLong);
-    auto loss = fused.model()->loss(idx, idx);
-    std::set<std::string> names;
-    std::vector<torch::autograd::Node*> todo{loss.grad_fn().get()};
-    while (!todo.empty()) {
-      auto* node = todo.back();
-      todo.pop_back();
-      if (node == nullptr || !names.insert(node->name() + "@" + std::to_string(reinterpret_cast<std::uintptr_t>(node))).second) continue;
-      for (const auto& e : node->next_edges()) todo.push_back(e.function.get());
-    }
-    std::string all;
-    for (const auto& n : names) all += n + "\n";
-    for (const char* fn : {"FlashAttentionFn", "NormFn", "CrossEntropyFn"}) {
-      EXPECT_NE(all.find(fn), std::string::npos) << fn << " is not in the fused model's graph";
-    }
-    const auto pa = plain.full_parameters(), pb = fused.full_parameters();
-    for (std::size_t i = 0; i < pa.size(); ++i) EXPECT_LT(max_abs(pa[i].second, pb[i].second), 1e-4) << pa[i].first;
   }
   auto cfg = models::GptConfig::preset("tiny");
   cfg.attention = ops::AttentionBackend::kFlash;

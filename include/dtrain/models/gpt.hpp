@@ -72,10 +72,16 @@ struct GptConfig {
   // under any choice). attention: sdpa (LibTorch) or flash (ops::flash_attention; no
   // dropout); fused_norm: ops::rms_norm / ops::layer_norm; fused_ce: ops::cross_entropy
   // (with tp > 1 over each rank's vocabulary columns: tp::fused_vocab_parallel_cross_entropy),
-  // whose logit gradient replaces the logits in the forward.
+  // whose logit gradient replaces the logits in the forward; fused_swiglu: ops::swiglu for
+  // the SwiGLU MLPs (llama, and every MoE expert); fused_rope: ops::rope for llama's rotary
+  // embeddings; fused_linear_ce: ops::linear_cross_entropy, the head's matmul and the loss
+  // over chunks of rows, never all the logits at once (tp 1 only: validate_tp).
   ops::AttentionBackend attention = ops::AttentionBackend::kSdpa;
   bool fused_norm = false;
   bool fused_ce = false;
+  bool fused_swiglu = false;
+  bool fused_rope = false;
+  bool fused_linear_ce = false;
 
   // Raises InvalidArgument listing the known presets.
   static GptConfig preset(const std::string& name);

@@ -4,7 +4,8 @@
 // gradient the caller announces); the backward returns it. A reference path computes the
 // same function with ATen ops in float32 on other devices. The logits may be one rank's
 // columns of a vocabulary split across ranks (options.combine): then one kernel call for
-// the statistics, the exchange, and one for the gradient.
+// the statistics, the exchange, and one for the gradient. linear_cross_entropy runs the
+// head's matmul and the loss in chunks of rows, never holding all the logits.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -42,5 +43,18 @@ struct CrossEntropyOptions {
 // row is ignored. InvalidArgument naming the input or option for other shapes, dtypes or
 // values.
 at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& target, const CrossEntropyOptions& options = {});
+
+// cross_entropy(hidden weight^T, target) without the [rows, vocab] logits in memory at
+// once (Liger-Kernel's fused linear cross-entropy): chunks of chunk_rows rows each get
+// their logits, the loss kernel's in-place gradient, and that chunk's share of the hidden
+// states' and the weight's gradients, all in the forward; the backward hands those over
+// (scaled when autograd's upstream gradient is not options.grad_scale). Peak memory: one
+// chunk's logits, the hidden states' gradient and a float32 [vocab, hidden] weight
+// gradient, instead of [rows, vocab] logits. The same matmuls as the unfused form.
+// hidden [rows, hidden], weight [vocab, hidden]; options as cross_entropy's (no combine:
+// the whole vocabulary). chunk_rows 0: rows / ceil(vocab / hidden), so that a chunk's
+// logits hold about as many elements as hidden, at least 128 rows.
+at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
+                                const CrossEntropyOptions& options = {}, std::int64_t chunk_rows = 0);
 
 }  // namespace dtrain::ops

@@ -29,6 +29,9 @@ struct MoeOptions {
   // Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for the
   // selection only, moved by this rate towards the mean load after every step; 0: off.
   double bias_update_rate = 0;
+  // The experts' activation: ops::swiglu (one kernel each way on CUDA) instead of silu
+  // then multiply. An implementation choice, not architecture: GptConfig::fused_swiglu sets it.
+  bool fused_swiglu = false;
 
   bool enabled() const { return experts > 0; }
   bool is_moe_block(std::int64_t block) const { return enabled() && block % every == 0; }

@@ -18,6 +18,9 @@
 #define dtrain_norm_max_cols dtrain_emu_norm_max_cols
 #define dtrain_cross_entropy_fwd dtrain_emu_cross_entropy_fwd
 #define dtrain_cross_entropy_bwd dtrain_emu_cross_entropy_bwd
+#define dtrain_swiglu_fwd dtrain_emu_swiglu_fwd
+#define dtrain_swiglu_bwd dtrain_emu_swiglu_bwd
+#define dtrain_rope dtrain_emu_rope
 #define dtrain_attention_fwd dtrain_emu_attention_fwd
 #define dtrain_attention_bwd dtrain_emu_attention_bwd
 #define dtrain_attention_fwd_workspace_bytes dtrain_emu_attention_fwd_workspace_bytes
