@@ -77,8 +77,11 @@ class LinearCrossEntropyFn : public torch::autograd::Function<LinearCrossEntropy
     const auto &dhidden = s[0], &dweight = s[1], &announced = s[2];
     const auto factor = grads[0].to(announced.scalar_type()) / announced;
     const auto weight_type = static_cast<at::ScalarType>(ctx->saved_data["weight_type"].toInt());
-    return {dhidden.defined() ? dhidden * factor.to(dhidden.scalar_type()) : at::Tensor(),
-            dweight.defined() ? (dweight * factor).to(weight_type) : at::Tensor(),
+    // Only what this backward asks for: the pipeline's split backward asks for the hidden
+    // states' gradient first and the weight's later.
+    const bool dh = dhidden.defined() && ctx->needs_input_grad(0), dw = dweight.defined() && ctx->needs_input_grad(1);
+    return {dh ? dhidden * factor.to(dhidden.scalar_type()) : at::Tensor(),
+            dw ? (dweight * factor).to(weight_type) : at::Tensor(),
             at::Tensor(),
             at::Tensor(),
             at::Tensor(),

@@ -621,8 +621,8 @@ TEST(CrossEntropyReference, OptionsLeaveTheFunctionAlone) {
 // loss and both gradients for chunks that divide the rows and not (one chunk, one row
 // each, more than the rows, automatic), ignored rows (a chunk with none counted), an
 // upstream gradient other than the announced one, twice through a retained graph, the
-// weight used elsewhere too (its gradients add), a frozen weight, no grad mode, every
-// row ignored; the checks.
+// weight used elsewhere too (its gradients add), the pipeline's split backward (one
+// gradient, then the other), a frozen weight, no grad mode, every row ignored; the checks.
 TEST(LinearCrossEntropy, MatchesTheMatmulThenTheLoss) {
   torch::manual_seed(4);
   const std::int64_t N = 37, d = 16, V = 50;
@@ -658,6 +658,15 @@ TEST(LinearCrossEntropy, MatchesTheMatmulThenTheLoss) {
     const auto want = reference(t, 2.0);
     EXPECT_LT(max_abs(h.grad(), want[1]), 1e-12);
     EXPECT_LT(max_abs(w.grad(), want[2] + 2), 1e-12);
+  }
+  {  // the pipeline's split backward: the hidden states' gradient, then the weight's
+    auto h = h0.clone().requires_grad_(), w = w0.clone().requires_grad_();
+    auto loss = ops::linear_cross_entropy(h, w, t, {}, 8);
+    const auto dh = torch::autograd::grad({loss}, {h}, {}, /*retain_graph=*/true)[0];
+    const auto dw = torch::autograd::grad({loss}, {w})[0];
+    const auto want = reference(t, 1.0);
+    EXPECT_LT(max_abs(dh, want[1]), 1e-12);
+    EXPECT_LT(max_abs(dw, want[2]), 1e-12);
   }
   {  // a frozen weight: the hidden states' gradient alone
     auto h = h0.clone().requires_grad_();
