@@ -401,25 +401,33 @@ TEST(KERNEL_SUITE(Ops), SwigluAndRopeMatchTheReferencePath) {
     const double scale = want.abs().max().item<double>() + 1e-3;
     EXPECT_LT((got.cpu().to(at::kDouble) - want).abs().max().item<double>(), 1e-2 * scale) << what;
   };
-  {
+  for (int layout = 0; layout < 3; ++layout) {
+    // contiguous (one row of every element); gate a transposed view (rows copied); gate
+    // and up the two halves of one fused matrix (strided rows, no copy)
+    SCOPED_TRACE(layout == 0 ? "swiglu, contiguous" : layout == 1 ? "swiglu, gate transposed" : "swiglu, halves");
     const std::vector<std::int64_t> shape = kLargeCases ? std::vector<std::int64_t>{4, 129, 2752}
                                                         : std::vector<std::int64_t>{2, 9, 40};
-    // gate as a transposed view: the op takes it contiguous
-    auto g = (torch::randn({shape[1], shape[0], shape[2]}) * 3).to(at::kBFloat16).transpose(0, 1);
-    auto u = torch::randn(shape).to(at::kBFloat16), dy = torch::randn(shape).to(at::kBFloat16);
+    const auto cols = shape[2];
+    auto both = (torch::randn({shape[0], shape[1], 2 * cols}) * 3).to(at::kBFloat16);
+    auto dy = torch::randn(shape).to(at::kBFloat16);
     auto run = [&](bool exact) {
-      auto in = [&](const at::Tensor& t) { return (exact ? t.to(at::kDouble) : dev(t)).requires_grad_(); };
-      auto gg = in(g), uu = in(u);
+      auto whole = (exact ? both.to(at::kDouble) : dev(both)).requires_grad_();
+      at::Tensor gg, uu;
+      if (layout == 2) {
+        gg = whole.narrow(2, 0, cols), uu = whole.narrow(2, cols, cols);
+      } else {
+        gg = whole.narrow(2, 0, cols).contiguous(), uu = whole.narrow(2, cols, cols).contiguous();
+        if (layout == 1) gg = gg.transpose(0, 1).contiguous().transpose(0, 1);
+      }
       auto y = ops::swiglu(gg, uu);
       EXPECT_EQ(y.scalar_type(), exact ? at::kDouble : at::kBFloat16);
+      EXPECT_EQ(y.sizes(), gg.sizes());
       y.backward(exact ? dy.to(at::kDouble) : dev(dy));
-      return std::vector<at::Tensor>{y.cpu().to(at::kDouble), gg.grad().cpu().to(at::kDouble),
-                                     uu.grad().cpu().to(at::kDouble)};
+      return std::vector<at::Tensor>{y.cpu().to(at::kDouble), whole.grad().cpu().to(at::kDouble)};
     };
     const auto want = run(true), got = run(false);
     close(got[0], want[0], "swiglu y");
-    close(got[1], want[1], "swiglu dgate");
-    close(got[2], want[2], "swiglu dup");
+    close(got[1], want[1], "swiglu dgate, dup");
   }
   for (bool per_token : {false, true}) {
     SCOPED_TRACE(per_token ? "rope, per-token angles" : "rope, angle rows");

@@ -9,7 +9,8 @@
 namespace dtrain::ops {
 
 // gate and up of one shape and dtype (float32, bfloat16, float16 or float64); the result
-// has both.
+// has both (contiguous). Views with a unit last stride, such as the two halves of one
+// fused gate-and-up matrix, are read where they are.
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
 
 }  // namespace dtrain::ops
