@@ -81,8 +81,6 @@ expect(fused-llama-on-cpu 0 "kernels: attention flash, fused norm on, fused cros
        ARGS ${DATA} --family llama --n-kv-head 2 --global-batch 8 --steps 5 --warmup-steps 1 --attention flash
        --fused-norm --fused-ce --fused-adamw --fused-swiglu --fused-rope --fused-linear-ce --document-separator 10
        --reset-position-ids)
-expect(linear-ce-with-tp nonzero "fused_linear_ce \\(--fused-linear-ce\\) takes the head over the whole vocabulary; --tp=2 splits it"
-       CPU NP 2 ARGS ${DATA} --tp 2 --fused-linear-ce --steps 1)
 expect(fused-on-and-off nonzero "--fused-ce excludes --no-fused-ce" ARGS ${DATA} --fused-ce --no-fused-ce)
 expect(param-dtype-needs-fsdp 2 "--param-dtype / --reduce-dtype other than float32 need --fsdp"
        ARGS ${DATA} --param-dtype bfloat16)
@@ -131,6 +129,9 @@ if(MPIEXEC)
   # The fused cross-entropy over the vocabulary split across --tp 2 (its reference path).
   expect(np2-tp-fused-ce 0 "tp=2.*fused cross-entropy on.*done: 3 steps" CPU NP 2
          ARGS ${DATA} --global-batch 8 --steps 3 --warmup-steps 1 --tp 2 --fused-ce)
+  # The fused linear cross-entropy needs the whole vocabulary: refused at tp 2, by name.
+  expect(np2-linear-ce-with-tp nonzero "fused_linear_ce \\(--fused-linear-ce\\) takes the head over the whole vocabulary; --tp=2 splits it"
+         CPU NP 2 ARGS ${DATA} --tp 2 --fused-linear-ce --steps 1)
   expect(np2-tp-fsdp 0 "tensor parallel: 2 ranks.*sharding: full over 1 rank.*val loss"
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --tp 2 --fsdp full)
   expect(np2-tp-heads 2 "n_head=3 \\(--n-head\\) is not divisible by --tp=2"
