@@ -105,6 +105,14 @@ __device__ __forceinline__ void load_a(uint32_t (&a)[4], const T* tile, int pitc
   ldsm_x4<false>(a, tile + ((m % 2) * 8 + l % 8) * pitch + (m / 2) * 8);
 }
 
+// The same from the transpose of that tile, stored row-major [k][m] (16 k rows by 16 m
+// columns at `tile`).
+template <typename T>
+__device__ __forceinline__ void load_a_t(uint32_t (&a)[4], const T* tile, int pitch) {
+  const int l = threadIdx.x % 32, m = l / 8;
+  ldsm_x4<true>(a, tile + ((m / 2) * 8 + l % 8) * pitch + (m % 2) * 8);
+}
+
 // The B fragments of two 16 x 8 tiles from a row-major [n][k] tile of 16 n rows by 16 k
 // columns (K as stored, for Q K^T): b[0..1] for n rows 0..7, b[2..3] for rows 8..15.
 template <typename T>
@@ -168,6 +176,24 @@ __device__ __forceinline__ void mma_frag_rows(float (&acc)[kM][kN][4], const uin
   }
 }
 
+// One 16-deep step of acc[m][i] += A_m B_i for i < kD: A_m's fragment in registers, B_i
+// the 16 x 8 columns i*8.. of b (row-major [k][n], pitch; the k rows already offset).
+template <typename T, int kM, int kD>
+__device__ __forceinline__ void mma_frag_cols(float (&acc)[kM][kD][4], const uint32_t (&af)[kM][4], const T* b,
+                                              int pitch) {
+  static_assert(kD % 2 == 0, "B tiles come in pairs");
+#pragma unroll
+  for (int i = 0; i < kD; i += 2) {
+    uint32_t bf[4];
+    load_b2_kn(bf, b + i * 8, pitch);
+#pragma unroll
+    for (int m = 0; m < kM; ++m) {
+      mma16816<T>(acc[m][i], af[m], bf);
+      mma16816<T>(acc[m][i + 1], af[m], bf + 2);
+    }
+  }
+}
+
 // acc[m][nt] += A_m B_nt^T for nt < kN: A_m the 16 x kK rows 16 m.. of a (pitch a_pitch),
 // B_nt the 8 x kK rows nt*8.. of b (pitch b_pitch); both row-major in shared memory
 // (S = Q K^T shapes).
@@ -189,22 +215,12 @@ __device__ __forceinline__ void mma_rows_rows(float (&acc)[kM][kN][4], const T* 
 template <typename T, int kM, int kK, int kD>
 __device__ __forceinline__ void mma_acc_cols(float (&acc)[kM][kD][4], const float (&p)[kM][kK / 8][4], const T* b,
                                              int pitch) {
-  static_assert(kD % 2 == 0, "B tiles come in pairs");
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
     uint32_t af[kM][4];
 #pragma unroll
     for (int m = 0; m < kM; ++m) pack_a_fragment<T>(af[m], p[m], kk);
-#pragma unroll
-    for (int i = 0; i < kD; i += 2) {
-      uint32_t bf[4];
-      load_b2_kn(bf, b + kk * 16 * pitch + i * 8, pitch);
-#pragma unroll
-      for (int m = 0; m < kM; ++m) {
-        mma16816<T>(acc[m][i], af[m], bf);
-        mma16816<T>(acc[m][i + 1], af[m], bf + 2);
-      }
-    }
+    mma_frag_cols<T, kM, kD>(acc, af, b + kk * 16 * pitch, pitch);
   }
 }
 

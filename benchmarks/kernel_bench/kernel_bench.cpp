@@ -719,7 +719,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"all", "attention", "gqa", "adamw", "norm", "swiglu", "rope", "ce", "ce_split", "cp_chunks",
                              "linear_ce"}));
   app.add_option("--seq", o.seq, "attention sequence lengths")->delimiter(',');
-  app.add_option("--dims", o.dims, "attention head dims (multiples of 8 up to 128; default 64,128)")->delimiter(',');
+  app.add_option("--dims", o.dims, "attention head dims (multiples of 8 up to 256; default 64,128)")->delimiter(',');
   app.add_option("--tokens", o.tokens, "attention: batch x seq (0: 16384 on CUDA, 1024 on CPU)");
   app.add_option("--hidden", o.hidden, "attention: heads x head_dim");
   app.add_option("--window", o.window, "attention: causal sliding windows of this many keys only (0: none)")

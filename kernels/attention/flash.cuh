@@ -9,14 +9,15 @@
 
 namespace dtrain_kernels {
 
-// The head dims the kernels are instantiated for (D): mma.sync 32, 64, 96, 128; wgmma 64,
-// 128 (its tiles are whole 64-column boxes). Any multiple of 8 up to 128 runs in the
+// The head dims the kernels are instantiated for (D): mma.sync 32, 64, 96, 128, 256; wgmma
+// 64, 128 (its tiles are whole 64-column boxes). Any multiple of 8 up to 256 runs in the
 // smallest D that holds it: the extra columns load as zeros (cp.async's zero fill, the
 // tensor maps' out-of-bounds fill), which changes no score and no product, and are never
-// stored.
-constexpr int64_t kMaxHeadDim = 128;
+// stored. Head dims above 128 run on mma.sync alone (AUTO picks it on Hopper too).
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kMaxWgmmaHeadDim = 128;
 inline int mma_kernel_dim(int64_t head_dim) {
-  return head_dim <= 32 ? 32 : head_dim <= 64 ? 64 : head_dim <= 96 ? 96 : 128;
+  return head_dim <= 32 ? 32 : head_dim <= 64 ? 64 : head_dim <= 96 ? 96 : head_dim <= 128 ? 128 : 256;
 }
 inline int wgmma_kernel_dim(int64_t head_dim) { return head_dim <= 64 ? 64 : 128; }
 
@@ -26,14 +27,19 @@ struct FlashConfig {
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kPitch = D + 8;  // shared-memory row pitch (elements): no bank conflicts
   // Forward: a warp owns kFwdRowTiles x 16 query rows, so that each K or V fragment read
-  // from shared memory feeds that many MMAs; key tiles of kFwdBlockN.
-  static constexpr int kFwdRowTiles = 2;
+  // from shared memory feeds that many MMAs; key tiles of kFwdBlockN. At D 256 one tile:
+  // its output accumulators alone take 128 registers a thread.
+  static constexpr int kFwdRowTiles = D <= 128 ? 2 : 1;
   static constexpr int kFwdBlockM = 16 * kFwdRowTiles * kWarps;
   static constexpr int kFwdBlockN = 64;
-  // Backward: a warp owns 16 keys; query tiles of kBwdBlockM.
+  // Backward: a warp owns 16 keys; query tiles of kBwdBlockM. Above D 128, kBwdSplit
+  // warps share each 16 keys, one part of the head dim's columns each (flash_bwd.cuh).
   static constexpr int kBwdBlockN = 16 * kWarps;
   static constexpr int kBwdBlockM = 64;
-  static constexpr int kPitchS = kBwdBlockN + 8;  // the backward's dS tile [query][key]
+  static constexpr int kBwdSplit = D <= 128 ? 1 : 2;
+  static constexpr int kBwdThreads = kThreads * kBwdSplit;
+  static_assert(kBwdBlockM == kBwdBlockN, "kPitchS pitches dS both ways");
+  static constexpr int kPitchS = kBwdBlockN + 8;  // the backward's dS tile ([query][key], or [key][query])
 };
 
 template <typename T, int D>
@@ -153,13 +159,13 @@ __device__ __forceinline__ BwdBlock bwd_block(const dtrain_attention_bwd_params&
 
 // The backward's workspace: float32 dq, then delta = rowsum(dout * o) [batch, heads,
 // seq_q]. dq's part is sized for the larger of its two layouts (flash_bwd.cuh: DqRows,
-// DqTiles): each (batch, head)'s rows rounded up to whole tiles of kDqTileRows, of wgmma's
-// head dim (the larger one) floats each.
+// DqTiles): each (batch, head)'s rows rounded up to whole tiles of kDqTileRows, of the
+// larger of the two kernels' head dims floats each.
 constexpr int kDqTileRows = 64;
 inline size_t flash_bwd_dq_floats(const dtrain_attention_bwd_params& p) {
   const size_t rows = static_cast<size_t>((p.seq_q + kDqTileRows - 1) / kDqTileRows * kDqTileRows);
   return static_cast<size_t>(p.batch) * static_cast<size_t>(p.heads) * rows *
-         static_cast<size_t>(wgmma_kernel_dim(p.head_dim));
+         static_cast<size_t>(imax(wgmma_kernel_dim(p.head_dim), mma_kernel_dim(p.head_dim)));
 }
 inline size_t flash_bwd_workspace_floats(const dtrain_attention_bwd_params& p) {
   return flash_bwd_dq_floats(p) + static_cast<size_t>(p.batch) * static_cast<size_t>(p.heads) *

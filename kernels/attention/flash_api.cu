@@ -35,7 +35,8 @@ cudaError_t dispatch_mma(const Params& p, cudaStream_t stream) {
     case 32: return run_dim<Run, 32>(p, stream);
     case 64: return run_dim<Run, 64>(p, stream);
     case 96: return run_dim<Run, 96>(p, stream);
-    default: return run_dim<Run, 128>(p, stream);
+    case 128: return run_dim<Run, 128>(p, stream);
+    default: return run_dim<Run, 256>(p, stream);
   }
 }
 template <template <typename, int> class Run, typename Params>
@@ -96,13 +97,17 @@ int pick_kernel(dtrain_attention_kernel kernel) {
   return -1;
 }
 
-// Runs the kernel a launch asking for p.kernel gets here. The wgmma kernels load through
-// tensor maps; strides the driver cannot describe (cudaErrorNotSupported, before anything
-// is launched) send AUTO to mma.sync and make an explicit WGMMA fail.
+// Runs the kernel a launch asking for p.kernel gets here. Head dims wgmma has no kernel
+// for (above 128) send AUTO to mma.sync and make an explicit WGMMA fail. The wgmma kernels
+// load through tensor maps; strides the driver cannot describe (cudaErrorNotSupported,
+// before anything is launched) do the same.
 template <template <typename, int> class Mma, template <typename, int> class Wgmma, typename Params>
 cudaError_t run_picked(const Params& p, cudaStream_t stream) {
   const int kernel = pick_kernel(p.kernel);
   if (kernel < 0) return cudaErrorInvalidValue;
+  if (kernel == 1 && p.head_dim > kMaxWgmmaHeadDim) {
+    return p.kernel == DTRAIN_ATTENTION_KERNEL_AUTO ? dispatch_mma<Mma>(p, stream) : cudaErrorInvalidValue;
+  }
   if (kernel == 0) return dispatch_mma<Mma>(p, stream);
   const cudaError_t e = dispatch_wgmma<Wgmma>(p, stream);
   if (e == cudaErrorNotSupported) {
@@ -131,6 +136,13 @@ extern "C" int dtrain_attention_supports_head_dim(int64_t head_dim) {
 
 extern "C" int dtrain_attention_kernel_available(dtrain_attention_kernel kernel) {
   return dtrain_kernels::pick_kernel(kernel) >= 0 ? 1 : 0;
+}
+
+extern "C" int dtrain_attention_kernel_takes_head_dim(dtrain_attention_kernel kernel, int64_t head_dim) {
+  const bool wgmma_only = kernel == DTRAIN_ATTENTION_KERNEL_WGMMA;
+  return dtrain_attention_supports_head_dim(head_dim) && (!wgmma_only || head_dim <= dtrain_kernels::kMaxWgmmaHeadDim)
+             ? 1
+             : 0;
 }
 
 extern "C" cudaError_t dtrain_attention_fwd(const dtrain_attention_fwd_params* params, cudaStream_t stream) {

@@ -8,7 +8,7 @@
 // Operand fragments come from shared memory by ldmatrix (transposed where the reduction
 // runs over the rows of the stored tile); only tiles across the causal diagonal or the end
 // of the keys are masked. delta = rowsum(dO * O) comes from a small kernel first; a last
-// one converts dQ.
+// one converts dQ. Head dims above 128 take flash_bwd_split_kernel (two warps per 16 keys).
 #pragma once
 
 #include "attention/flash.cuh"
@@ -224,10 +224,12 @@ __device__ __forceinline__ void add_dq(float* dq_accum, const dtrain_attention_b
   }
 }
 
-// dK (times the softmax scale) and dV of this thread's two keys (the head dim's columns).
-template <typename T, int D>
+// dK (times the softmax scale) and dV of this thread's two keys: kChunks chunks of 8 of
+// the head dim's columns from c0.
+template <typename T, int kChunks>
 __device__ __forceinline__ void store_dk_dv(const dtrain_attention_bwd_params& p, int64_t b, int64_t hk, int64_t key0,
-                                            int64_t key1, const float (&dk)[D / 8][4], const float (&dv)[D / 8][4]) {
+                                            int64_t key1, const float (&dk)[kChunks][4], const float (&dv)[kChunks][4],
+                                            int c0 = 0) {
   const int t = threadIdx.x % 4;
   T* dkp = static_cast<T*>(p.dk) + b * p.dk_stride.batch + hk * p.dk_stride.head;
   T* dvp = static_cast<T*>(p.dv) + b * p.dv_stride.batch + hk * p.dv_stride.head;
@@ -236,8 +238,8 @@ __device__ __forceinline__ void store_dk_dv(const dtrain_attention_bwd_params& p
     const int64_t key = r == 0 ? key0 : key1;
     if (key >= p.seq_k) continue;
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      const int c = i * 8 + 2 * t;
+    for (int i = 0; i < kChunks; ++i) {
+      const int c = c0 + i * 8 + 2 * t;
       if (c >= p.head_dim) continue;
       *reinterpret_cast<uint32_t*>(dkp + key * p.dk_stride.seq + c) =
           pack2<T>(dk[i][2 * r] * p.scale, dk[i][2 * r + 1] * p.scale);
@@ -374,22 +376,145 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads, D <= 64 ? 3 : 1)
   }
   cp_async_wait<0>();  // an empty loop leaves the K, V loads in flight
 
-  store_dk_dv<T, D>(p, b, hk, key0, key1, dk, dv);
+  store_dk_dv<T>(p, b, hk, key0, key1, dk, dv);
+}
+
+// Head dims above 128 (D 256): one warp's dK and dV of 16 keys by D columns would take
+// 256 registers a thread. So kBwdSplit = 2 warps share each 16 keys (8 warps a block):
+// warp w owns keys 16 (w % 4).. and columns [c0, c0 + D / 2), c0 = (D / 2) (w / 4), of dK
+// and dV, and of dQ for query rows 16 (w % 4).. of each tile. The two split a tile's 64
+// queries for S^T and dP^T (32 each, the key group's 16 keys over the whole head dim) and
+// exchange P^T and dS^T through shared memory ([key][query]), from which both read them
+// as A fragments for dV += P^T dO and dK += dS^T Q, and (transposed) dS for dQ = dS K.
+template <typename T, int D>
+__global__ void __launch_bounds__(FlashConfig<D>::kBwdThreads, 1)
+    flash_bwd_split_kernel(dtrain_attention_bwd_params p, float* dq_accum, const float* delta) {
+  using C = FlashConfig<D>;
+  constexpr int BM = C::kBwdBlockM, BN = C::kBwdBlockN, P = C::kPitch, PS = C::kPitchS, kThreads = C::kBwdThreads;
+  static_assert(C::kBwdSplit == 2 && C::kWarps == 4, "two warps for each of 4 key groups");
+  constexpr int kQueries = BM / 2, kChunks = D / 16;  // a warp's queries of S^T, its 8-column chunks
+  DTRAIN_DYNAMIC_SMEM(T, smem);
+  T* ks = smem;
+  T* vs = ks + BN * P;
+  T* qs = vs + BN * P;
+  T* dos = qs + BM * P;
+  T* pts = dos + BM * P;    // [BN][PS]: P^T as [key][query]
+  T* dsts = pts + BN * PS;  // [BN][PS]: dS^T as [key][query]
+  float* lse_s = reinterpret_cast<float*>(dsts + BN * PS);
+  float* delta_s = lse_s + BM;
+  int* ends_s = reinterpret_cast<int*>(delta_s + BM);  // [BN]: stage_query_ends
+
+  const BwdBlock blk = bwd_block<T, BN, false>(p);
+  const int64_t b = blk.b, hk = blk.hk, n0 = blk.n0;
+  const int group = static_cast<int>(p.heads / p.kv_heads);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int kw = warp % 4, part = warp / 4;  // key group; half of the queries (S^T), of the columns (dK, dV, dQ)
+  const int mq = part * kQueries, c0 = part * (D / 2);
+  const int64_t key0 = n0 + kw * 16 + g, key1 = key0 + 8;
+  if (part == 0) stage_query_ends(ends_s, p, b, n0, n0 + kw * 16);  // read after the first tile's barrier
+  const float scale_log2 = p.scale * kLog2e;
+
+  load_tile_async<BN, D, kThreads>(ks, P, static_cast<const T*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head +
+                                             n0 * p.k_stride.seq,
+                                   p.k_stride.seq, p.seq_k - n0, p.head_dim);
+  load_tile_async<BN, D, kThreads>(vs, P, static_cast<const T*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head +
+                                             n0 * p.v_stride.seq,
+                                   p.v_stride.seq, p.seq_k - n0, p.head_dim);
+  cp_async_commit();
+
+  float dk_tiles[1][kChunks][4], dv_tiles[1][kChunks][4];
+  zero_tiles(dk_tiles);
+  zero_tiles(dv_tiles);
+  const BwdQueryTiles<BM, BN> qtiles(p, b, n0);
+
+  for (int hh = 0; hh < group; ++hh) {
+    const int64_t h = hk * group + hh;
+    const T* q = static_cast<const T*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head;
+    const T* dout = static_cast<const T*>(p.dout) + b * p.dout_stride.batch + h * p.dout_stride.head;
+    const int64_t stat = (b * p.heads + h) * p.seq_q;  // row of (b, h, query 0) in lse / delta / dq
+    for (int i = 0; i < qtiles.n_tiles; ++i) {
+      const int64_t m0 = qtiles.m_begin + int64_t{i} * BM;
+      __syncthreads();  // the previous tile's shared memory is no longer read
+      load_tile_async<BM, D, kThreads>(qs, P, q + m0 * p.q_stride.seq, p.q_stride.seq, p.seq_q - m0, p.head_dim);
+      load_tile_async<BM, D, kThreads>(dos, P, dout + m0 * p.dout_stride.seq, p.dout_stride.seq, p.seq_q - m0,
+                                       p.head_dim);
+      cp_async_commit();
+      stage_row_stats<BM, kThreads>(lse_s, delta_s, p, delta, stat, m0, threadIdx.x);
+      cp_async_wait<0>();
+      __syncthreads();
+
+      {  // S^T, P^T, dP^T and dS^T of the key group's 16 keys by this warp's 32 queries.
+        float st_tiles[1][kQueries / 8][4], dpt_tiles[1][kQueries / 8][4];
+        auto &st = st_tiles[0], &dpt = dpt_tiles[0];
+        zero_tiles(st_tiles);
+        mma_rows_rows<T, 1, D, kQueries / 8>(st_tiles, ks + kw * 16 * P, P, qs + mq * P, P);
+        mask_tile_t<BN, kQueries>(st, p, n0, m0 + mq, key0, key1, ends_s + kw * 16, n0);
+        probabilities_t(st, lse_s + mq, scale_log2);
+        zero_tiles(dpt_tiles);
+        mma_rows_rows<T, 1, D, kQueries / 8>(dpt_tiles, vs + kw * 16 * P, P, dos + mq * P, P);
+        ds_t(dpt, st, delta_s + mq);
+        // Element (nt, e): key kw 16 + g + 8 (e / 2), query mq + 8 nt + 2 t + (e & 1).
+#pragma unroll
+        for (int nt = 0; nt < kQueries / 8; ++nt) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int at = (kw * 16 + g + 8 * r) * PS + mq + nt * 8 + 2 * t;
+            *reinterpret_cast<uint32_t*>(pts + at) = pack2<T>(st[nt][2 * r], st[nt][2 * r + 1]);
+            *reinterpret_cast<uint32_t*>(dsts + at) = pack2<T>(dpt[nt][2 * r], dpt[nt][2 * r + 1]);
+          }
+        }
+      }
+      __syncthreads();  // P^T and dS^T complete
+      // dV += P^T dO and dK += dS^T Q (the softmax scale is applied at the end), columns c0..
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk) {
+        uint32_t pf[1][4], dsf[1][4];
+        load_a(pf[0], pts + kw * 16 * PS + kk * 16, PS);
+        load_a(dsf[0], dsts + kw * 16 * PS + kk * 16, PS);
+        mma_frag_cols<T, 1, kChunks>(dv_tiles, pf, dos + kk * 16 * P + c0, P);
+        mma_frag_cols<T, 1, kChunks>(dk_tiles, dsf, qs + kk * 16 * P + c0, P);
+      }
+      // dQ += scale dS K: query rows [16 kw, 16 kw + 16) of the tile, columns c0..
+      const int64_t qrow0 = m0 + kw * 16 + g;
+      uint32_t dsf[BN / 16][1][4];
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) load_a_t(dsf[kk][0], dsts + kk * 16 * PS + kw * 16, PS);
+#pragma unroll
+      for (int i = 0; i < kChunks; i += 2) {
+        float acc[1][2][4];
+        zero_tiles(acc);
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) mma_frag_cols<T, 1, 2>(acc, dsf[kk], ks + kk * 16 * P + c0 + i * 8, P);
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) add_dq<D>(dq_accum, p, stat, qrow0, c0 + (i + h2) * 8 + 2 * t, acc[0][h2]);
+      }
+    }
+  }
+  cp_async_wait<0>();  // an empty loop leaves the K, V loads in flight
+
+  store_dk_dv<T>(p, b, hk, key0, key1, dk_tiles[0], dv_tiles[0], c0);
 }
 
 template <typename T, int D>
 cudaError_t run_flash_bwd(const dtrain_attention_bwd_params& p, cudaStream_t stream) {
   using C = FlashConfig<D>;
   return run_bwd_passes<T, DqRows<D>>(p, stream, [&](float* dq_accum, const float* delta) {
+    // K, V, Q, dO; then dS (and, split, P^T beside it); the tile's statistics, the keys' ends.
     const size_t smem = sizeof(T) * (static_cast<size_t>(2 * C::kBwdBlockN + 2 * C::kBwdBlockM) * C::kPitch +
-                                     static_cast<size_t>(C::kBwdBlockM) * C::kPitchS) +
+                                     static_cast<size_t>(C::kBwdSplit * C::kBwdBlockM) * C::kPitchS) +
                         sizeof(float) * 2 * C::kBwdBlockM + sizeof(int) * C::kBwdBlockN;
-    auto* kernel = flash_bwd_kernel<T, D>;
+    auto* kernel = [] {
+      if constexpr (C::kBwdSplit == 1) {
+        return flash_bwd_kernel<T, D>;
+      } else {
+        return flash_bwd_split_kernel<T, D>;
+      }
+    }();
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (e != cudaSuccess) return e;
     const dim3 grid(static_cast<unsigned>((p.seq_k + C::kBwdBlockN - 1) / C::kBwdBlockN),
                     static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch));
-    DTRAIN_LAUNCH(kernel, grid, C::kThreads, smem, stream, p, dq_accum, delta);
+    DTRAIN_LAUNCH(kernel, grid, C::kBwdThreads, smem, stream, p, dq_accum, delta);
     return launched();
   });
 }

@@ -260,7 +260,7 @@ __global__ void __launch_bounds__(FlashBwdSm90Config<D>::kThreads, 1)
     mbarrier_arrive(empty + st);
   }
 
-  store_dk_dv<T, D>(p, b, hk, key0, key1, dk, dv);
+  store_dk_dv<T>(p, b, hk, key0, key1, dk, dv);
 #else
   __trap();  // built without sm_90a: the launcher never starts this kernel
 #endif

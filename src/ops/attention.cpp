@@ -228,9 +228,9 @@ void check_kernel_inputs(const at::Tensor& q) {
                   " is not supported by the kernel; allowed: ", kFlashKernelHeadDims, " (or use --attention sdpa)");
 }
 
-// The kernel DTRAIN_ATTENTION_KERNEL asks for; one this build and device cannot run is an
-// error naming the variable.
-dtrain_attention_kernel chosen_kernel() {
+// The kernel DTRAIN_ATTENTION_KERNEL asks for; one this build and device cannot run, or
+// that has no kernel for this head dim (wgmma above 128), is an error naming the variable.
+dtrain_attention_kernel chosen_kernel(std::int64_t head_dim) {
   const std::string name = env::attention_kernel();
   const auto kernel = name == "mma"     ? DTRAIN_ATTENTION_KERNEL_MMA
                       : name == "wgmma" ? DTRAIN_ATTENTION_KERNEL_WGMMA
@@ -238,6 +238,9 @@ dtrain_attention_kernel chosen_kernel() {
   DTRAIN_OP_CHECK(dtrain_attention_kernel_available(kernel), kOp, env::kAttentionKernel, "=", name,
                   " cannot run here (wgmma needs a compute capability 9.0 GPU and a library built for sm_90a); "
                   "allowed here: auto, mma");
+  DTRAIN_OP_CHECK(dtrain_attention_kernel_takes_head_dim(kernel, head_dim), kOp, env::kAttentionKernel, "=", name,
+                  " has no kernel for head_dim ", head_dim, " (wgmma's go up to 128); allowed: auto, mma (auto runs "
+                  "mma.sync there)");
   return kernel;
 }
 
@@ -258,7 +261,7 @@ void fill_shape(Params& p, const at::Tensor& q, const at::Tensor& k, const Mask&
                    mask.doc_start.size(1)};
   }
   p.dtype = detail::kernel_dtype(q, kOp, "q");
-  p.kernel = chosen_kernel();
+  p.kernel = chosen_kernel(p.head_dim);
 }
 
 std::pair<at::Tensor, at::Tensor> kernel_forward(at::Tensor q, at::Tensor k, at::Tensor v, const Mask& mask,

@@ -539,7 +539,7 @@ void Trainer::check_options() const {
   DTRAIN_CHECK_ARG(o.grad_clip >= 0, "--grad-clip=", o.grad_clip, " must be >= 0 (0 disables)");
   precision_dtype(o.precision);  // raises naming --precision
   if (model_config_.attention == ops::AttentionBackend::kFlash && ctx_->device().is_cuda()) {
-    // The kernel takes 16-bit inputs and head dims up to 128: say so before step 0.
+    // The kernel takes 16-bit inputs and head dims up to 256: say so before step 0.
     DTRAIN_CHECK_ARG(o.precision != "fp32" || o.param_dtype != "float32", "--attention flash on CUDA needs 16-bit "
                      "activations (--precision bf16|fp16, or --param-dtype bfloat16|float16 with --fsdp); got "
                      "--precision fp32. Allowed otherwise: --attention sdpa");

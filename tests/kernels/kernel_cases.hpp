@@ -819,6 +819,13 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
       {2, 4, 2, 90, 260, 128, true, at::kBFloat16, 0, 40, 150}, {1, 2, 1, 60, 250, 96, true, at::kHalf, 30, 25, 190},
       {1, 2, 1, 100, 200, 64, true, at::kBFloat16, 0, 0, 300}, {1, 2, 1, 130, 150, 128, true, at::kHalf, 120, 0, 200},
       {1, 4, 2, 60, 120, 64, true, at::kBFloat16, 0, 30, 100},
+      // Head dims above 128: mma.sync's D 256 kernels (a backward block of 8 warps, two per
+      // 16 keys), which wgmma leaves to it; 136 and 200 zero-padded into them; GQA, a
+      // window, documents, an offset.
+      {1, 2, 1, 100, 100, 256, true, at::kBFloat16},  {1, 2, 2, 70, 130, 256, false, at::kHalf},
+      {1, 4, 2, 150, 150, 200, true, at::kHalf, 70},  {1, 2, 1, 90, 90, 136, false, at::kBFloat16},
+      {1, 2, 1, 130, 130, 256, true, at::kBFloat16, 0, 40},
+      {1, 2, 2, 70, 200, 256, true, at::kHalf, 0, 0, 130},
   };
   if (kLargeCases) {
     cases.insert(cases.end(), {{2, 8, 2, 1000, 1000, 128, true, at::kBFloat16},
@@ -835,7 +842,10 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
                                {2, 8, 2, 2049, 2049, 128, true, at::kBFloat16, 0, 700},
                                {1, 4, 4, 1000, 1000, 64, true, at::kHalf, 200, 100},
                                {2, 8, 2, 512, 2048, 128, true, at::kBFloat16, 0, 0, 1536},
-                               {1, 4, 2, 700, 2049, 128, true, at::kHalf, 300, 200, 1000}});
+                               {1, 4, 2, 700, 2049, 128, true, at::kHalf, 300, 200, 1000},
+                               {2, 8, 4, 1000, 1000, 256, true, at::kBFloat16},
+                               {1, 4, 4, 777, 777, 256, false, at::kHalf},
+                               {1, 4, 2, 1030, 1030, 192, true, at::kBFloat16, 300, 200}});
   }
   for (const auto& c : cases) {
     SCOPED_TRACE(name(c));
@@ -873,7 +883,18 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
     // emulator; see attention_kernels), each into fresh poisoned outputs; the backward
     // takes the last one's.
     for (auto kernel : attention_kernels()) {
-    SCOPED_TRACE(kernel == DTRAIN_ATTENTION_KERNEL_MMA ? "mma.sync forward" : "wgmma forward");
+    if (!dtrain_attention_kernel_takes_head_dim(kernel, c.dim)) {
+      // wgmma above 128 (after the mma.sync run): asked for by name, refused, and nothing
+      // written; AUTO, which picks wgmma for the head dims it has, runs mma.sync.
+      auto o2 = poisoned({c.batch, c.heads, c.seq_q, c.dim}, c.type), lse2 = poisoned({c.batch, c.heads, c.seq_q}, at::kFloat);
+      auto g = fwd_params(qd, kd, vd, o2, lse2, c.causal, scale, kernel, c.window, c.offset);
+      g.documents = f.documents;
+      EXPECT_EQ(run_fwd(g), cudaErrorInvalidValue) << "wgmma at head dim " << c.dim;
+      EXPECT_TRUE(o2.isnan().all().item<bool>()) << "a refused forward wrote its output";
+      kernel = DTRAIN_ATTENTION_KERNEL_AUTO;
+    }
+    SCOPED_TRACE(kernel == DTRAIN_ATTENTION_KERNEL_MMA ? "mma.sync forward"
+                 : kernel == DTRAIN_ATTENTION_KERNEL_AUTO ? "auto forward" : "wgmma forward");
     o = poisoned({c.batch, c.heads, c.seq_q, c.dim}, c.type);
     lse = poisoned({c.batch, c.heads, c.seq_q}, at::kFloat);
     f = fwd_params(qd, kd, vd, o, lse, c.causal, scale, kernel, c.window, c.offset);
@@ -940,9 +961,16 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
 
     // Every backward kernel this device runs, each into fresh poisoned outputs.
     for (auto kernel : attention_kernels()) {
-    SCOPED_TRACE(kernel == DTRAIN_ATTENTION_KERNEL_MMA ? "mma.sync backward" : "wgmma backward");
     auto dq = poisoned({c.batch, c.heads, c.seq_q, c.dim}, c.type);
     auto dk = poisoned(k.sizes(), c.type), dv = poisoned(v.sizes(), c.type);
+    if (!dtrain_attention_kernel_takes_head_dim(kernel, c.dim)) {  // as in the forward
+      auto g = bwd_params(f, o, dod, dq, dk, dv, kernel);
+      EXPECT_EQ(run_bwd(g), cudaErrorInvalidValue) << "wgmma at head dim " << c.dim;
+      EXPECT_TRUE(dq.isnan().all().item<bool>()) << "a refused backward wrote dq";
+      kernel = DTRAIN_ATTENTION_KERNEL_AUTO;
+    }
+    SCOPED_TRACE(kernel == DTRAIN_ATTENTION_KERNEL_MMA ? "mma.sync backward"
+                 : kernel == DTRAIN_ATTENTION_KERNEL_AUTO ? "auto backward" : "wgmma backward");
     auto g = bwd_params(f, o, dod, dq, dk, dv, kernel);
     ASSERT_EQ(run_bwd(g), cudaSuccess);
     for (const auto& [what, got, ref, nv] : {std::make_tuple("dq", dq, qr.grad(), qn.grad()),
@@ -959,8 +987,16 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
 TEST(KERNEL_SUITE(FlashAttention), RefusesWhatItDoesNotTake) {
   dtrain_attention_fwd_params f{};
   EXPECT_EQ(dtrain_attention_fwd(&f, nullptr), cudaErrorInvalidValue);
-  for (std::int64_t d : {8, 32, 40, 64, 80, 96, 120, 128}) EXPECT_EQ(dtrain_attention_supports_head_dim(d), 1) << d;
-  for (std::int64_t d : {0, 4, 12, 100, 136, 256}) EXPECT_EQ(dtrain_attention_supports_head_dim(d), 0) << d;
+  for (std::int64_t d : {8, 32, 40, 64, 80, 96, 120, 128, 136, 200, 256}) {
+    EXPECT_EQ(dtrain_attention_supports_head_dim(d), 1) << d;
+    EXPECT_EQ(dtrain_attention_kernel_takes_head_dim(DTRAIN_ATTENTION_KERNEL_AUTO, d), 1) << d;
+    EXPECT_EQ(dtrain_attention_kernel_takes_head_dim(DTRAIN_ATTENTION_KERNEL_MMA, d), 1) << d;
+    EXPECT_EQ(dtrain_attention_kernel_takes_head_dim(DTRAIN_ATTENTION_KERNEL_WGMMA, d), d <= 128 ? 1 : 0) << d;
+  }
+  for (std::int64_t d : {0, 4, 12, 100, 260, 264, 512}) {
+    EXPECT_EQ(dtrain_attention_supports_head_dim(d), 0) << d;
+    EXPECT_EQ(dtrain_attention_kernel_takes_head_dim(DTRAIN_ATTENTION_KERNEL_AUTO, d), 0) << d;
+  }
   EXPECT_EQ(dtrain_attention_kernel_available(DTRAIN_ATTENTION_KERNEL_AUTO), 1);
   EXPECT_EQ(dtrain_attention_kernel_available(DTRAIN_ATTENTION_KERNEL_MMA), 1);
   EXPECT_EQ(dtrain_attention_kernel_available(static_cast<dtrain_attention_kernel>(7)), 0);

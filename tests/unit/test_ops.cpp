@@ -445,16 +445,16 @@ TEST(FlashAttentionReference, NamedInputChecks) {
 }
 
 // The CUDA kernel's head dims (the reference path above takes any): multiples of 8 up to
-// 128; none in a build without CUDA.
+// 256; none in a build without CUDA.
 TEST(FlashAttentionReference, KernelHeadDims) {
-  for (std::int64_t d : {8, 32, 40, 64, 80, 96, 128}) {
+  for (std::int64_t d : {8, 32, 40, 64, 80, 96, 128, 136, 200, 256}) {
 #ifdef DTRAIN_WITH_CUDA
     EXPECT_TRUE(ops::flash_kernel_supports_head_dim(d)) << d;
 #else
     EXPECT_FALSE(ops::flash_kernel_supports_head_dim(d)) << d;
 #endif
   }
-  for (std::int64_t d : {0, 4, 100, 136, 256}) EXPECT_FALSE(ops::flash_kernel_supports_head_dim(d)) << d;
+  for (std::int64_t d : {0, 4, 100, 260, 264, 512}) EXPECT_FALSE(ops::flash_kernel_supports_head_dim(d)) << d;
 }
 
 // ---- norms -------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 // (grouped-query attention when Hkv < H). Two backends: LibTorch's
 // scaled_dot_product_attention ("sdpa"), and dtrain's flash attention ("flash": the CUDA
 // kernel for bfloat16/float16 CUDA tensors with head dims that are multiples of 8 up to
-// 128, a reference path computing the same function with ATen ops everywhere else).
+// 256, a reference path computing the same function with ATen ops everywhere else).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -101,10 +101,10 @@ std::vector<at::Tensor> flash_attention_backward(const at::Tensor& q, const at::
                                                  bool causal, double scale = 0.0, std::int64_t window = 0,
                                                  const Documents& documents = {}, std::int64_t query_offset = 0);
 
-// Whether the CUDA kernel takes this head dim (multiples of 8 from 8 to 128); false in a
+// Whether the CUDA kernel takes this head dim (multiples of 8 from 8 to 256); false in a
 // build without CUDA. The reference path takes any.
 bool flash_kernel_supports_head_dim(std::int64_t head_dim);
 // What flash_kernel_supports_head_dim allows, for error messages.
-constexpr const char* kFlashKernelHeadDims = "multiples of 8 from 8 to 128";
+constexpr const char* kFlashKernelHeadDims = "multiples of 8 from 8 to 256";
 
 }  // namespace dtrain::ops

@@ -1,5 +1,5 @@
 /* Flash attention (FlashAttention-2's algorithm) for bfloat16 / float16 inputs with
- * float32 accumulation, head dims that are multiples of 8 up to 128, causal or not,
+ * float32 accumulation, head dims that are multiples of 8 up to 256 (above 128: mma.sync only), causal or not,
  * grouped-query attention (heads a multiple of kv_heads; query head h reads kv head
  * h / (heads / kv_heads)).
  * q, o: [batch, heads, seq_q, head_dim]; k, v: [batch, kv_heads, seq_k, head_dim], each
@@ -102,8 +102,11 @@ cudaError_t dtrain_attention_fwd(const dtrain_attention_fwd_params* params, cuda
 cudaError_t dtrain_attention_bwd(const dtrain_attention_bwd_params* params, cudaStream_t stream);
 size_t dtrain_attention_fwd_workspace_bytes(const dtrain_attention_fwd_params* params);
 size_t dtrain_attention_bwd_workspace_bytes(const dtrain_attention_bwd_params* params);
-/* Whether the kernels take this head dim (multiples of 8 from 8 to 128). */
+/* Whether the kernels take this head dim (multiples of 8 from 8 to 256). */
 int dtrain_attention_supports_head_dim(int64_t head_dim);
+/* Whether a launch asking for this kernel takes this head dim: AUTO and MMA as above,
+ * WGMMA up to 128 (AUTO runs mma.sync above that, on Hopper too). */
+int dtrain_attention_kernel_takes_head_dim(dtrain_attention_kernel kernel, int64_t head_dim);
 /* Whether dtrain_attention_fwd / _bwd can run this kernel on the current device (the
  * emulated build: every kernel). Asking for one that cannot run is cudaErrorInvalidValue. */
 int dtrain_attention_kernel_available(dtrain_attention_kernel kernel);

@@ -27,6 +27,7 @@
 #define dtrain_attention_bwd_workspace_bytes dtrain_emu_attention_bwd_workspace_bytes
 #define dtrain_attention_supports_head_dim dtrain_emu_attention_supports_head_dim
 #define dtrain_attention_kernel_available dtrain_emu_attention_fwd_kernel_available
+#define dtrain_attention_kernel_takes_head_dim dtrain_emu_attention_kernel_takes_head_dim
 #endif
 
 #ifdef __cplusplus

@@ -1,0 +1,6 @@
+// Flash attention backward, head dim 256, fp16 (one instantiation per file).
+#include "attention/flash_bwd.cuh"
+
+namespace dtrain_kernels {
+template cudaError_t run_flash_bwd<__half, 256>(const dtrain_attention_bwd_params&, cudaStream_t);
+}  // namespace dtrain_kernels
