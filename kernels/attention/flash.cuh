@@ -27,10 +27,13 @@ struct FlashConfig {
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kPitch = D + 8;  // shared-memory row pitch (elements): no bank conflicts
   // Forward: a warp owns kFwdRowTiles x 16 query rows, so that each K or V fragment read
-  // from shared memory feeds that many MMAs; key tiles of kFwdBlockN. At D 256 one tile:
-  // its output accumulators alone take 128 registers a thread.
+  // from shared memory feeds that many MMAs; key tiles of kFwdBlockN. At D 256 one tile
+  // (its output accumulators alone take 128 registers a thread) and 8 warps, so that a
+  // block still owns 128 rows: each K and V tile comes from L2 once per 128 queries.
   static constexpr int kFwdRowTiles = D <= 128 ? 2 : 1;
-  static constexpr int kFwdBlockM = 16 * kFwdRowTiles * kWarps;
+  static constexpr int kFwdWarps = kWarps * (D <= 128 ? 1 : 2);
+  static constexpr int kFwdThreads = 32 * kFwdWarps;
+  static constexpr int kFwdBlockM = 16 * kFwdRowTiles * kFwdWarps;
   static constexpr int kFwdBlockN = 64;
   // Backward: a warp owns 16 keys; query tiles of kBwdBlockM. Above D 128, kBwdSplit
   // warps share each 16 keys, one part of the head dim's columns each (flash_bwd.cuh).

@@ -1,6 +1,7 @@
 // Flash attention forward (FlashAttention-2's loop order) on mma.sync: a block owns 128
-// query rows (two 16-row tiles per warp, so that every K or V fragment read from shared
-// memory feeds two MMAs) of one (batch, head) and walks the key/value tiles of 64 keys.
+// query rows (4 warps of two 16-row tiles, so that every K or V fragment read from shared
+// memory feeds two MMAs; at D 256, 8 warps of one) of one (batch, head) and walks the
+// key/value tiles of 64 keys.
 // Q, K and V fragments come from shared memory by ldmatrix (V transposed); at head dim 64
 // Q's stay in registers after the first tile.
 // S = Q K^T goes to registers, is masked (only tiles that cross the diagonal or the end of
@@ -16,9 +17,9 @@
 namespace dtrain_kernels {
 
 template <typename T, int D>
-__global__ void __launch_bounds__(FlashConfig<D>::kThreads) flash_fwd_kernel(dtrain_attention_fwd_params p) {
+__global__ void __launch_bounds__(FlashConfig<D>::kFwdThreads) flash_fwd_kernel(dtrain_attention_fwd_params p) {
   using C = FlashConfig<D>;
-  constexpr int BM = C::kFwdBlockM, BN = C::kFwdBlockN, P = C::kPitch, kThreads = C::kThreads;
+  constexpr int BM = C::kFwdBlockM, BN = C::kFwdBlockN, P = C::kPitch, kThreads = C::kFwdThreads;
   constexpr int kM = C::kFwdRowTiles;  // 16-row tiles per warp
   // At head dim 64 Q's fragments fit in registers for the whole kernel (32 of them); at
   // 128 the accumulators leave no room and Q is read from shared memory every key tile.
@@ -104,7 +105,7 @@ template <typename T, int D>
 cudaError_t run_flash_fwd(const dtrain_attention_fwd_params& p, cudaStream_t stream) {
   using C = FlashConfig<D>;
   const size_t smem = sizeof(T) * static_cast<size_t>(C::kFwdBlockM + 2 * C::kFwdBlockN) * C::kPitch;
-  return launch_fwd<C::kFwdBlockM>(flash_fwd_kernel<T, D>, p, C::kThreads, smem, stream);
+  return launch_fwd<C::kFwdBlockM>(flash_fwd_kernel<T, D>, p, C::kFwdThreads, smem, stream);
 }
 
 }  // namespace dtrain_kernels
