@@ -20,7 +20,8 @@
 // k and v repeated per query head (the call it replaced) and dtrain's flash attention:
 // forward+backward time and peak memory (see gqa() below).
 // --only ce_split: one rank's share of the tensor-parallel loss, dtrain's fused form against
-// Megatron's (see ce_split() below).
+// Megatron's, and with the head, the split linear form against the matmul then the fused
+// loss (see ce_split() below).
 // --only cp_chunks: one context-parallel rank's attention in the all-gather form, its two
 // query chunks over the gathered keys at their offsets, on the flash kernel against sdpa
 // with the explicit mask (see cp_chunks() below).
@@ -461,7 +462,8 @@ void cp_chunks(const Options& o, const c10::Device& dev, int iters, Out& out) {
 // Megatron's form (tp::vocab_parallel_cross_entropy: float32 copies, the softmax saved)
 // and the unsplit one-call op over the same columns (what splitting costs). Both split
 // forms run over a one-rank communicator: their collectives become copies, so the figure
-// is the per-rank work without the network.
+// is the per-rank work without the network. Then the same with the head's rows of this rank:
+// the split linear form (--fused-linear-ce at tp > 1) against the matmul and the fused form.
 void ce_split(const Options& o, const c10::Device& dev, int iters, Out& out) {
   const auto dtype = measured_dtype(dev);
   const std::int64_t rows = cuda(dev) ? 8192 : 512, vocab = cuda(dev) ? 50304 : 8192;
@@ -502,6 +504,33 @@ void ce_split(const Options& o, const c10::Device& dev, int iters, Out& out) {
             {"fwdbwd_ms", opt(ours_ms)}, {"fwdbwd_ms_megatron", opt(meg_ms)}, {"fwdbwd_ms_one_call", opt(one_ms)},
             {"peak_mib", opt(ours_mib)}, {"peak_mib_megatron", opt(meg_mib)}, {"peak_mib_one_call", opt(one_mib)},
             {"speedup", ratio_of(meg_ms, ours_ms)}, {"memory_ratio", ratio_of(meg_mib, ours_mib)}});
+
+  // The head too (hidden 2048 on CUDA, 256 on the CPU; this rank's rows of it): the split
+  // linear form (chunks of rows, an exchange per chunk) against the matmul then the fused
+  // split loss in place.
+  const std::int64_t hidden = cuda(dev) ? 2048 : 256;
+  auto h = torch::randn({rows, hidden}, opts).requires_grad_();
+  auto w = (torch::randn({cols, hidden}, opts) * 0.02).requires_grad_();
+  auto run_head = [&](const std::function<at::Tensor()>& loss) {
+    return time_and_peak(dev, iters, o.rounds, {&h, &w}, [&] { loss().backward(); });
+  };
+  const auto [lin_ms, lin_mib] = run_head(
+      [&] { return dtrain::tp::fused_vocab_parallel_linear_cross_entropy(h, w, target, cols, self); });
+  const auto [head_ms, head_mib] = run_head([&] {
+    return dtrain::tp::fused_vocab_parallel_cross_entropy(at::matmul(h, w.t()), target, cols, self, in_place);
+  });
+  std::printf("# with the head, hidden %lld: linear_ce = tp::fused_vocab_parallel_linear_cross_entropy, fused_ce = "
+              "matmul + the fused split loss in place; speedup and memory = fused_ce / linear_ce\n",
+              static_cast<long long>(hidden));
+  std::printf("%12s %11s %13s %12s %8s %8s\n", "linear_ce_ms", "fused_ce_ms", "linear_ce_MiB", "fused_ce_MiB",
+              "speedup", "memory");
+  std::printf("%12.3f %11.3f %13.1f %12.1f %8.2f %8.2f\n", cell(lin_ms), cell(head_ms), cell(lin_mib),
+              cell(head_mib), ratio_of(head_ms, lin_ms), ratio_of(head_mib, lin_mib));
+  out.line({{"bench", "kernel"}, {"op", "linear_cross_entropy_split"}, {"device", cuda(dev) ? "cuda" : "cpu"},
+            {"dtype", c10::toString(dtype)}, {"rows", rows}, {"hidden", hidden}, {"cols", cols}, {"vocab", vocab},
+            {"tp", o.tp}, {"fwdbwd_ms", opt(lin_ms)}, {"fwdbwd_ms_fused_ce", opt(head_ms)}, {"peak_mib", opt(lin_mib)},
+            {"peak_mib_fused_ce", opt(head_mib)}, {"speedup", ratio_of(head_ms, lin_ms)},
+            {"memory_ratio", ratio_of(head_mib, lin_mib)}});
 }
 
 // The head and the loss of a Llama-3-sized vocabulary (CUDA: 8192 tokens, hidden 2048,

@@ -121,7 +121,7 @@ void define(CLI::App& app, Options& o) {
          "fused rotary embeddings (llama; one kernel each way, float32 angles)");
   app.add_flag("--fused-linear-ce", o.fused_linear_ce,
                "the head's matmul and the loss over chunks of rows, never all the logits in memory (Liger's fused "
-               "linear cross-entropy; --tp 1 only; default off)")
+               "linear cross-entropy; at --tp > 1 over each rank's rows of the head; default off)")
       ->group(kernels);
   on_off("fused-adamw", o.fused_adamw, o.no_fused_adamw,
          "one multi-tensor AdamW pass per step (with --fsdp: the 16-bit parameter shard written in the same pass)");

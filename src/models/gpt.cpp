@@ -86,8 +86,6 @@ void GptConfig::validate_tp(int tp) const {
   DTRAIN_CHECK_ARG(!moe.enabled() || expert_hidden() % tp == 0, "the expert width ", expert_hidden(),
                    " (--moe-ffn-hidden) is not divisible by --tp=", tp,
                    "; tensor parallelism splits it across tp ranks");
-  DTRAIN_CHECK_ARG(!fused_linear_ce || tp == 1, "fused_linear_ce (--fused-linear-ce) takes the head over the whole ",
-                   "vocabulary; --tp=", tp, " splits it (allowed: tp 1; --fused-ce runs the loss over a split one)");
 }
 
 std::int64_t GptConfig::mlp_hidden() const {
@@ -754,10 +752,14 @@ torch::Tensor GptImpl::forward_stage(const torch::Tensor& input, const torch::Te
   return stream_norm(c, tp_, x, norm_weight_, norm_bias_);
 }
 
-torch::Tensor GptImpl::local_logits(const torch::Tensor& h) {
+torch::Tensor GptImpl::head_input(const torch::Tensor& h) {
   tp::ParallelLinearOptions head;
   head.sequence_parallel = tp_.sequence_parallel;
-  const auto in = tp::enter_column_region(h, tp_.comm, head);
+  return tp::enter_column_region(h, tp_.comm, head);
+}
+
+torch::Tensor GptImpl::local_logits(const torch::Tensor& h) {
+  const auto in = head_input(h);
   return config_.tie_embeddings ? torch::matmul(in, tok_emb_->weight.t())
                                 : lm_head_->forward_entered(in);
 }
@@ -777,12 +779,15 @@ torch::Tensor GptImpl::loss(const torch::Tensor& idx, const torch::Tensor& targe
 torch::Tensor GptImpl::loss_from_hidden(const torch::Tensor& hidden, const torch::Tensor& whole_targets) {
   DTRAIN_CHECK_ARG(stage_.head, "loss_from_hidden needs the stage that holds the head (the last)");
   const auto targets = cp::take_local(whole_targets, 1, ctx_->cp_size(), ctx_->cp_rank());
-  if (config_.fused_linear_ce) {  // tp 1 (validate_tp): the whole head, no region to enter
+  if (config_.fused_linear_ce) {  // the head (this rank's rows of it at tp > 1) and the loss in chunks
     ops::CrossEntropyOptions o;
     o.grad_scale = loss_grad_scale_;
     o.ignore_index = kIgnoreTarget;
     const auto& w = config_.tie_embeddings ? tok_emb_->weight : lm_head_->weight;
-    return ops::linear_cross_entropy(hidden.reshape({-1, hidden.size(-1)}), w, targets.reshape({-1}), o);
+    if (tp_.size == 1) return ops::linear_cross_entropy(hidden.reshape({-1, hidden.size(-1)}), w, targets.reshape({-1}), o);
+    const auto in = head_input(hidden);
+    return tp::fused_vocab_parallel_linear_cross_entropy(in.reshape({-1, in.size(-1)}), w, targets.reshape({-1}),
+                                                         config_.vocab_size, tp_.comm, o);
   }
   auto logits = local_logits(hidden);
   if (config_.fused_ce) {

@@ -1,7 +1,8 @@
 // Fused linear cross-entropy: the head's matmul and the loss over chunks of rows, each
 // chunk's gradients computed in the forward (the loss op writes its logits' gradient in
 // place on CUDA), so that one chunk's logits exist at a time. The backward scales what the
-// forward computed by autograd's upstream gradient over the announced one.
+// forward computed by autograd's upstream gradient over the announced one. Over a split
+// vocabulary (options.combine) each chunk's loss call exchanges its rows' statistics.
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -80,8 +81,12 @@ class LinearCrossEntropyFn : public torch::autograd::Function<LinearCrossEntropy
     // Only what this backward asks for: the pipeline's split backward asks for the hidden
     // states' gradient first and the weight's later.
     const bool dh = dhidden.defined() && ctx->needs_input_grad(0), dw = dweight.defined() && ctx->needs_input_grad(1);
+    // The weight's gradient scaled in float32 and stored in the weight's dtype in one pass:
+    // for a 16-bit weight no float32 [vocab, hidden] product beside the saved one.
+    at::Tensor dweight_out;
+    if (dw) at::mul_out(dweight_out = at::empty(dweight.sizes(), dweight.options().dtype(weight_type)), dweight, factor);
     return {dh ? dhidden * factor.to(dhidden.scalar_type()) : at::Tensor(),
-            dw ? (dweight * factor).to(weight_type) : at::Tensor(),
+            dweight_out,
             at::Tensor(),
             at::Tensor(),
             at::Tensor(),
@@ -101,7 +106,6 @@ at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weig
                   "]; got ", target.sizes());
   DTRAIN_OP_CHECK(weight.device() == hidden.device(), kOp, "weight is on ", weight.device(), ", hidden on ",
                   hidden.device());
-  DTRAIN_OP_CHECK(!options.combine, kOp, "takes the whole vocabulary; a split one (combine) is not supported");
   DTRAIN_OP_CHECK(chunk_rows >= 0, kOp, "chunk_rows is ", chunk_rows, "; allowed: 0 (automatic) or positive");
   const auto rows = hidden.size(0);
   if (rows == 0) return at::zeros({}, hidden.options().dtype(at::kFloat));

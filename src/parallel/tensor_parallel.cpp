@@ -297,21 +297,22 @@ struct VocabParallelCrossEntropy : public torch::autograd::Function<VocabParalle
   }
 };
 
-void check_vocab_parallel(const char* fn, const at::Tensor& local_logits, const at::Tensor& targets,
+// local_logits: the shape of this rank's logits (the linear form's would-be ones).
+void check_vocab_parallel(const char* fn, at::IntArrayRef local_logits, const at::Tensor& targets,
                           std::int64_t vocab_size, const CommPtr& tp) {
   DTRAIN_CHECK_ARG(tp != nullptr, "tensor parallel: no tp communicator");
-  DTRAIN_CHECK_ARG(local_logits.dim() == 2 && targets.dim() == 1 && targets.size(0) == local_logits.size(0), fn,
-                   ": logits must be [rows, vocab/tp] and targets [rows]; got ", local_logits.sizes(), " and ",
+  DTRAIN_CHECK_ARG(local_logits.size() == 2 && targets.dim() == 1 && targets.size(0) == local_logits[0], fn,
+                   ": logits must be [rows, vocab/tp] and targets [rows]; got ", local_logits, " and ",
                    targets.sizes());
-  DTRAIN_CHECK_ARG(local_logits.size(1) * tp->size() == padded_vocab_size(vocab_size, tp->size()), fn, ": ",
-                   local_logits.size(1), " columns per rank x tp=", tp->size(), " is not the padded vocabulary ",
+  DTRAIN_CHECK_ARG(local_logits[1] * tp->size() == padded_vocab_size(vocab_size, tp->size()), fn, ": ",
+                   local_logits[1], " columns per rank x tp=", tp->size(), " is not the padded vocabulary ",
                    padded_vocab_size(vocab_size, tp->size()), " of vocab_size=", vocab_size);
 }
 }  // namespace
 
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
                                         std::int64_t vocab_size, const CommPtr& tp, std::int64_t ignore_index) {
-  check_vocab_parallel("vocab_parallel_cross_entropy", local_logits, targets, vocab_size, tp);
+  check_vocab_parallel("vocab_parallel_cross_entropy", local_logits.sizes(), targets, vocab_size, tp);
   // An ignored row's loss is finite (its target is outside every rank's columns) and is
   // multiplied by 0, which also zeroes its gradient.
   const auto keep = targets.ne(ignore_index);
@@ -319,20 +320,40 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at
   return (rows * keep).sum() / keep.sum().clamp_min(1);
 }
 
-at::Tensor fused_vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
-                                              std::int64_t vocab_size, const CommPtr& tp,
-                                              ops::CrossEntropyOptions options) {
-  check_vocab_parallel("fused_vocab_parallel_cross_entropy", local_logits, targets, vocab_size, tp);
-  options.vocab_start = local_logits.size(1) * tp->rank();
+namespace {
+// options for the fused loss over this rank's `cols` columns of the split vocabulary.
+ops::CrossEntropyOptions split_vocabulary(ops::CrossEntropyOptions options, std::int64_t cols,
+                                          std::int64_t vocab_size, Communicator& c) {
+  options.vocab_start = cols * c.rank();
   options.vocab_size = vocab_size;
-  Communicator& c = *tp;
   // [2, rows] per rank -> [tp, 2, rows] -> the log-sum-exp over the ranks, the target
   // logit summed (one rank holds it; the others give 0).
   options.combine = [&c](const at::Tensor& stats) {
     const auto all = all_gather_dim(stats.unsqueeze(0), c, 0);
     return at::stack({all.select(1, 0).logsumexp(0), all.select(1, 1).sum(0)});
   };
-  return ops::cross_entropy(local_logits, targets, options);
+  return options;
+}
+}  // namespace
+
+at::Tensor fused_vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
+                                              std::int64_t vocab_size, const CommPtr& tp,
+                                              ops::CrossEntropyOptions options) {
+  check_vocab_parallel("fused_vocab_parallel_cross_entropy", local_logits.sizes(), targets, vocab_size, tp);
+  return ops::cross_entropy(local_logits, targets, split_vocabulary(options, local_logits.size(1), vocab_size, *tp));
+}
+
+at::Tensor fused_vocab_parallel_linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& local_weight,
+                                                     const at::Tensor& targets, std::int64_t vocab_size,
+                                                     const CommPtr& tp, ops::CrossEntropyOptions options,
+                                                     std::int64_t chunk_rows) {
+  constexpr const char* kFn = "fused_vocab_parallel_linear_cross_entropy";
+  DTRAIN_CHECK_ARG(hidden.dim() == 2 && local_weight.dim() == 2, kFn, ": hidden must be [rows, hidden] and ",
+                   "local_weight [vocab/tp, hidden]; got ", hidden.sizes(), " and ", local_weight.sizes());
+  // The shape checks of the logits this rank would have: [rows, vocab/tp].
+  check_vocab_parallel(kFn, {hidden.size(0), local_weight.size(0)}, targets, vocab_size, tp);
+  return ops::linear_cross_entropy(hidden, local_weight, targets,
+                                   split_vocabulary(options, local_weight.size(0), vocab_size, *tp), chunk_rows);
 }
 
 namespace {

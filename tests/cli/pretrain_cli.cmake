@@ -129,9 +129,10 @@ if(MPIEXEC)
   # The fused cross-entropy over the vocabulary split across --tp 2 (its reference path).
   expect(np2-tp-fused-ce 0 "tp=2.*fused cross-entropy on.*done: 3 steps" CPU NP 2
          ARGS ${DATA} --global-batch 8 --steps 3 --warmup-steps 1 --tp 2 --fused-ce)
-  # The fused linear cross-entropy needs the whole vocabulary: refused at tp 2, by name.
-  expect(np2-linear-ce-with-tp nonzero "fused_linear_ce \\(--fused-linear-ce\\) takes the head over the whole vocabulary; --tp=2 splits it"
-         CPU NP 2 ARGS ${DATA} --tp 2 --fused-linear-ce --steps 1)
+  # The fused linear cross-entropy over the split vocabulary (each rank's rows of the head),
+  # with sequence parallelism.
+  expect(np2-linear-ce-with-tp 0 "tp=2.*fused linear cross-entropy on.*done: 3 steps" CPU NP 2
+         ARGS ${DATA} --global-batch 8 --steps 3 --warmup-steps 1 --tp 2 --sequence-parallel --fused-linear-ce)
   expect(np2-tp-fsdp 0 "tensor parallel: 2 ranks.*sharding: full over 1 rank.*val loss"
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --tp 2 --fsdp full)
   expect(np2-tp-heads 2 "n_head=3 \\(--n-head\\) is not divisible by --tp=2"

@@ -238,6 +238,56 @@ TEST_F(TpTest, VocabParallelCrossEntropyMatchesDense) {
   }
 }
 
+// The fused linear form over the split vocabulary (the model's fused_linear_ce at tp > 1):
+// the hidden states through the column region (whose backward sums the ranks' shares of
+// their gradient) and this rank's rows of a padded head, in chunks of 2, 5 and automatic
+// rows (one chunk here), against the dense matmul and loss: the loss, the hidden states'
+// gradient, and this rank's rows of the weight's (the padding rows' 0); one all-gather a
+// chunk in the forward.
+TEST_F(TpTest, VocabParallelLinearCrossEntropyMatchesDense) {
+  const auto tp = world();
+  const int n = nranks(), r = rank();
+  const std::int64_t rows = 7, hid = 4;
+  for (std::int64_t vocab : {12, 10, 9}) {
+    for (std::int64_t chunk : {2, 5, 0}) {
+      const std::int64_t padded = tp::padded_vocab_size(vocab, n), cols = padded / n;
+      auto full_w = randn({padded, hid}, 41);
+      full_w.narrow(0, vocab, padded - vocab).fill_(20);  // padding: would dominate if used
+      const auto hidden = randn({rows, hid}, 42);
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(43);
+      auto targets = torch::randint(0, vocab, {rows}, gen, torch::kLong);
+      if (vocab == 10) targets.index_put_({torch::tensor({1, 3})}, -100);
+      auto dense_h = hidden.clone().requires_grad_();
+      auto dense_w = full_w.narrow(0, 0, vocab).clone().requires_grad_();
+      auto dense = torch::nn::functional::cross_entropy(at::matmul(dense_h, dense_w.t()), targets);
+      dense.backward();
+
+      auto h = hidden.clone().requires_grad_();
+      auto w = full_w.narrow(0, cols * r, cols).clone().requires_grad_();
+      tp::reset_comm_stats();
+      auto loss =
+          tp::fused_vocab_parallel_linear_cross_entropy(tp::copy_to_region(h, tp), w, targets, vocab, tp, {}, chunk);
+      const std::int64_t chunks = chunk == 0 ? 1 : (rows + chunk - 1) / chunk;
+      EXPECT_EQ(tp::comm_stats().calls, n == 1 ? 0 : chunks) << "vocab " << vocab << " chunk " << chunk;
+      EXPECT_NEAR(loss.item<double>(), dense.item<double>(), 1e-5) << "vocab " << vocab << " chunk " << chunk;
+      loss.backward();
+      EXPECT_TRUE(close(h.grad(), dense_h.grad())) << "vocab " << vocab << " chunk " << chunk;
+      auto padded_grad = torch::zeros({padded, hid});
+      padded_grad.narrow(0, 0, vocab).copy_(dense_w.grad());
+      EXPECT_TRUE(close(w.grad(), padded_grad.narrow(0, cols * r, cols))) << "vocab " << vocab << " chunk " << chunk;
+    }
+  }
+  try {  // a head that is not this rank's share of the padded vocabulary
+    tp::fused_vocab_parallel_linear_cross_entropy(torch::zeros({5, 4}), torch::zeros({7, 4}),
+                                                  torch::zeros({5}, torch::kLong), 100, tp);
+    ADD_FAILURE() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("fused_vocab_parallel_linear_cross_entropy: 7 columns per rank"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST_F(TpTest, SizesThatDoNotDivideAreNamed) {
   const int n = nranks();
   if (n == 1) GTEST_SKIP() << "every size divides tp=1";

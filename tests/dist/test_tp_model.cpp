@@ -156,7 +156,9 @@ TEST_F(TpModelTest, PackedDocumentsMatchSingleProcess) {
 // rank's heads, the fused norms, the cross-entropy over the split vocabulary with its row
 // statistics all-gathered across tp, fused AdamW over each rank's slices) against the
 // plain single-process model: GPT-2's tied head and Llama's untied one (a padded
-// vocabulary at tp 3), packed documents whose separators' targets are ignored.
+// vocabulary at tp 3), packed documents whose separators' targets are ignored. Llama's
+// head and loss run in chunks (fused_linear_ce: each rank's rows of the head, the chunks'
+// statistics all-gathered), GPT-2's as whole logits.
 TEST_F(TpModelTest, FusedOpsMatchSingleProcess) {
   const int n = nranks();
   auto untied = llama(n);
@@ -171,6 +173,7 @@ TEST_F(TpModelTest, FusedOpsMatchSingleProcess) {
     if (n == 3) o.seq_len = 30;  // sequence parallelism: divisible by tp
     auto fused = cfg;
     fused.fused_ce = fused.fused_norm = fused.fused_swiglu = fused.fused_rope = true;
+    fused.fused_linear_ce = cfg.family == "llama";
     fused.attention = ops::AttentionBackend::kFlash;
     auto fused_o = o;
     fused_o.adamw.fused = true;

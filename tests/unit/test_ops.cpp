@@ -692,9 +692,65 @@ TEST(LinearCrossEntropy, MatchesTheMatmulThenTheLoss) {
              {"linear_cross_entropy", "hidden is [37, 16], weight [50, 8]"});
   expect_has(error_message([&] { ops::linear_cross_entropy(h0, w0, t, {}, -1); }),
              {"linear_cross_entropy", "chunk_rows is -1", "allowed"});
-  ops::CrossEntropyOptions split;
-  split.combine = [](const at::Tensor& x) { return x; };
-  expect_has(error_message([&] { ops::linear_cross_entropy(h0, w0, t, split); }), {"linear_cross_entropy", "combine"});
+}
+
+// linear_cross_entropy over a vocabulary split across 3 ranks (the head's rows padded to a
+// multiple of 3), each rank's call on its own, float64: its combine adds the other shards'
+// statistics for the chunk's rows, computed here from the whole, as the ranks' exchange
+// would. Per rank: the loss of the whole, its rows of the weight's gradient (padding rows
+// 0), and a share of the hidden states' gradient; the shares sum to the whole's. Chunks of
+// 8 (the first counts no row) and automatic; each chunk's exchange sees its own rows.
+TEST(LinearCrossEntropy, SplitVocabularyIsTheWhole) {
+  torch::manual_seed(6);
+  const std::int64_t N = 37, d = 16, V = 50, tp = 3, per = (V + tp - 1) / tp;
+  const auto h0 = torch::randn({N, d}, torch::kDouble);
+  auto w_padded = torch::randn({per * tp, d}, torch::kDouble) * 0.3;
+  w_padded.narrow(0, V, per * tp - V).fill_(5);  // padding: would dominate if used
+  auto t = torch::randint(0, V, {N}, torch::kLong);
+  t.narrow(0, 0, 10).fill_(-100);
+  t[2 + 10] = V - 1;  // the last id: the padded shard holds it
+  auto h = h0.clone().requires_grad_(), w = w_padded.narrow(0, 0, V).clone().requires_grad_();
+  auto want = at::cross_entropy_loss(at::matmul(h, w.t()), t, {}, at::Reduction::Mean, -100);
+  want.backward();
+  // Each shard's statistics of every row [2, N]: lse over its ids, the target's logit or 0.
+  const auto logits = at::matmul(h0, w_padded.narrow(0, 0, V).t());
+  std::vector<at::Tensor> exact;
+  for (std::int64_t r = 0; r < tp; ++r) {
+    const auto cols = std::min(per, V - r * per);
+    auto x = logits.narrow(1, r * per, cols);
+    const auto local = t - r * per, inside = (local >= 0) & (local < cols);
+    exact.push_back(torch::stack(
+        {x.logsumexp(1), x.gather(1, local.clamp(0, cols - 1).unsqueeze(1)).squeeze(1).masked_fill(~inside, 0)}));
+  }
+  for (std::int64_t chunk : {8, 0}) {
+    at::Tensor dh_sum = torch::zeros({N, d}, torch::kDouble);
+    for (std::int64_t r = 0; r < tp; ++r) {
+      SCOPED_TRACE("chunk " + std::to_string(chunk) + " rank " + std::to_string(r));
+      auto hr = h0.clone().requires_grad_(), wr = w_padded.narrow(0, r * per, per).clone().requires_grad_();
+      ops::CrossEntropyOptions o;
+      o.vocab_start = r * per;
+      o.vocab_size = V;
+      std::int64_t row0 = 0;  // the next chunk's first row: the chunks come in order
+      o.combine = [&](const at::Tensor& mine) {
+        const auto n = mine.size(1);
+        auto all = exact;
+        for (auto& a : all) a = a.narrow(1, row0, n);
+        all[r] = mine;
+        row0 += n;
+        auto stacked = torch::stack(all);
+        return torch::stack({stacked.select(1, 0).logsumexp(0), stacked.select(1, 1).sum(0)});
+      };
+      auto loss = ops::linear_cross_entropy(hr, wr, t, o, chunk);
+      EXPECT_EQ(row0, N) << "every row exchanged once";
+      loss.backward();
+      EXPECT_NEAR(loss.item<double>(), want.item<double>(), 1e-12);
+      const auto cols = std::min(per, V - r * per);
+      EXPECT_LT((wr.grad().narrow(0, 0, cols) - w.grad().narrow(0, r * per, cols)).abs().max().item<double>(), 1e-12);
+      if (cols < per) EXPECT_EQ(wr.grad().narrow(0, cols, per - cols).abs().sum().item<double>(), 0.0) << "padding";
+      dh_sum += hr.grad();
+    }
+    EXPECT_LT((dh_sum - h.grad()).abs().max().item<double>(), 1e-12);
+  }
 }
 
 // ---- fused AdamW ---------------------------------------------------------------------------

@@ -75,7 +75,8 @@ struct GptConfig {
   // whose logit gradient replaces the logits in the forward; fused_swiglu: ops::swiglu for
   // the SwiGLU MLPs (llama, and every MoE expert); fused_rope: ops::rope for llama's rotary
   // embeddings; fused_linear_ce: ops::linear_cross_entropy, the head's matmul and the loss
-  // over chunks of rows, never all the logits at once (tp 1 only: validate_tp).
+  // over chunks of rows, never all the logits at once (with tp > 1 over each rank's rows
+  // of the head: tp::fused_vocab_parallel_linear_cross_entropy).
   ops::AttentionBackend attention = ops::AttentionBackend::kSdpa;
   bool fused_norm = false;
   bool fused_ce = false;
@@ -237,6 +238,7 @@ class GptImpl : public torch::nn::Module {
   void set_loss_grad_scale(double scale, double aux_scale);
 
  private:
+  torch::Tensor head_input(const torch::Tensor& h);    // h in tp's column region (whole sequence)
   torch::Tensor local_logits(const torch::Tensor& h);  // [B, T, padded vocab / tp]
   void initialise(std::uint64_t seed);
 

@@ -51,9 +51,13 @@ at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& target, con
 // (scaled when autograd's upstream gradient is not options.grad_scale). Peak memory: one
 // chunk's logits, the hidden states' gradient and a float32 [vocab, hidden] weight
 // gradient, instead of [rows, vocab] logits. The same matmuls as the unfused form.
-// hidden [rows, hidden], weight [vocab, hidden]; options as cross_entropy's (no combine:
-// the whole vocabulary). chunk_rows 0: rows / ceil(vocab / hidden), so that a chunk's
-// logits hold about as many elements as hidden, at least 128 rows.
+// hidden [rows, hidden], weight [vocab, hidden]; options as cross_entropy's. With
+// options.combine, weight is this rank's rows of a split vocabulary (its logits' columns):
+// each chunk's loss call exchanges the chunk's statistics, so every rank must make the
+// same call (same rows and chunk_rows), and the hidden states' gradient is this rank's
+// share, which the caller sums across the ranks (tp::fused_vocab_parallel_linear_cross_entropy
+// behind tp's column region does). chunk_rows 0: rows / ceil(vocab / hidden), so that a
+// chunk's logits hold about as many elements as hidden, at least 128 rows.
 at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
                                 const CrossEntropyOptions& options = {}, std::int64_t chunk_rows = 0);
 

@@ -148,6 +148,17 @@ at::Tensor fused_vocab_parallel_cross_entropy(const at::Tensor& local_logits, co
                                               std::int64_t vocab_size, const CommPtr& tp,
                                               ops::CrossEntropyOptions options = {});
 
+// The same loss of hidden local_weight^T without those logits in memory at once
+// (ops::linear_cross_entropy over this rank's rows of the head, the model's
+// fused_linear_ce at tp > 1): chunks of chunk_rows rows (0: automatic, the same on every
+// rank), one all-gather of two floats per row and rank each. hidden [rows, hidden] must
+// have entered the column region (tp::enter_column_region), whose backward sums the
+// ranks' shares of its gradient; local_weight [padded vocab / tp, hidden].
+at::Tensor fused_vocab_parallel_linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& local_weight,
+                                                     const at::Tensor& targets, std::int64_t vocab_size,
+                                                     const CommPtr& tp, ops::CrossEntropyOptions options = {},
+                                                     std::int64_t chunk_rows = 0);
+
 // Dropout randomness under tensor parallelism (as Megatron's RNG tracker): two generator
 // states, "replicated" (seeded alike on every rank of a tp group: activations that are
 // the same on every tp rank get the same mask) and "split" (seed + 2718 + tp rank:
