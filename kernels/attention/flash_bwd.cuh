@@ -209,6 +209,37 @@ __device__ __forceinline__ void stage_row_stats(float* lse_s, float* delta_s, co
   }
 }
 
+// The block's keys [n0, n0 + kBlockN) of kv head hk: K and V into shared memory (row
+// pitch `pitch`), one cp.async group, not waited for.
+template <int kBlockN, int D, int kThreads, typename T>
+__device__ __forceinline__ void load_kv_async(T* ks, T* vs, int pitch, const dtrain_attention_bwd_params& p,
+                                              int64_t b, int64_t hk, int64_t n0) {
+  load_tile_async<kBlockN, D, kThreads>(ks, pitch, static_cast<const T*>(p.k) + b * p.k_stride.batch +
+                                                       hk * p.k_stride.head + n0 * p.k_stride.seq,
+                                        p.k_stride.seq, p.seq_k - n0, p.head_dim);
+  load_tile_async<kBlockN, D, kThreads>(vs, pitch, static_cast<const T*>(p.v) + b * p.v_stride.batch +
+                                                       hk * p.v_stride.head + n0 * p.v_stride.seq,
+                                        p.v_stride.seq, p.seq_k - n0, p.head_dim);
+  cp_async_commit();
+}
+
+// Query tile m0 of a head (q, dout: its first rows; stat: as for stage_row_stats): Q and
+// dO into shared memory and its log-sum-exp and delta staged, all of it (and every group
+// before) complete for the whole block on return.
+template <int kBlockM, int D, int kThreads, typename T>
+__device__ __forceinline__ void load_query_tile(T* qs, T* dos, int pitch, float* lse_s, float* delta_s, const T* q,
+                                                const T* dout, const dtrain_attention_bwd_params& p,
+                                                const float* delta, int64_t stat, int64_t m0) {
+  load_tile_async<kBlockM, D, kThreads>(qs, pitch, q + m0 * p.q_stride.seq, p.q_stride.seq, p.seq_q - m0,
+                                        p.head_dim);
+  load_tile_async<kBlockM, D, kThreads>(dos, pitch, dout + m0 * p.dout_stride.seq, p.dout_stride.seq,
+                                        p.seq_q - m0, p.head_dim);
+  cp_async_commit();
+  stage_row_stats<kBlockM, kThreads>(lse_s, delta_s, p, delta, stat, m0, threadIdx.x);
+  cp_async_wait<0>();
+  __syncthreads();
+}
+
 // scale a into the float32 dq buffer: a is one 8-column chunk (columns c, c + 1 of this
 // thread) of query rows qrow0 and qrow1 = qrow0 + 8; rows past seq_q are skipped.
 template <int D>
@@ -293,13 +324,7 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads, D <= 64 ? 3 : 1)
   stage_query_ends(ends_s, p, b, n0, n0 + warp * 16);
   const float scale_log2 = p.scale * kLog2e;
 
-  load_tile_async<BN, D, kThreads>(ks, P, static_cast<const T*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head +
-                                             n0 * p.k_stride.seq,
-                                   p.k_stride.seq, p.seq_k - n0, p.head_dim);
-  load_tile_async<BN, D, kThreads>(vs, P, static_cast<const T*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head +
-                                             n0 * p.v_stride.seq,
-                                   p.v_stride.seq, p.seq_k - n0, p.head_dim);
-  cp_async_commit();
+  load_kv_async<BN, D, kThreads>(ks, vs, P, p, b, hk, n0);
 
   // One 16-row tile per warp: the [1][..] arrays are what the warp-tile helpers take.
   float dk_tiles[1][D / 8][4], dv_tiles[1][D / 8][4];
@@ -318,13 +343,7 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads, D <= 64 ? 3 : 1)
     for (int i = 0; i < qtiles.n_tiles; ++i) {
       const int64_t m0 = m_begin + int64_t{i} * BM;
       __syncthreads();  // the previous tile's shared memory is no longer read
-      load_tile_async<BM, D, kThreads>(qs, P, q + m0 * p.q_stride.seq, p.q_stride.seq, p.seq_q - m0, p.head_dim);
-      load_tile_async<BM, D, kThreads>(dos, P, dout + m0 * p.dout_stride.seq, p.dout_stride.seq, p.seq_q - m0,
-                                       p.head_dim);
-      cp_async_commit();
-      stage_row_stats<BM, kThreads>(lse_s, delta_s, p, delta, stat, m0, threadIdx.x);
-      cp_async_wait<0>();
-      __syncthreads();
+      load_query_tile<BM, D, kThreads>(qs, dos, P, lse_s, delta_s, q, dout, p, delta, stat, m0);
 
       // S^T = K Q^T (16 keys x BM queries per warp), then P^T.
       float st_tiles[1][BM / 8][4];
@@ -414,13 +433,7 @@ __global__ void __launch_bounds__(FlashConfig<D>::kBwdThreads, 1)
   if (part == 0) stage_query_ends(ends_s, p, b, n0, n0 + kw * 16);  // read after the first tile's barrier
   const float scale_log2 = p.scale * kLog2e;
 
-  load_tile_async<BN, D, kThreads>(ks, P, static_cast<const T*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head +
-                                             n0 * p.k_stride.seq,
-                                   p.k_stride.seq, p.seq_k - n0, p.head_dim);
-  load_tile_async<BN, D, kThreads>(vs, P, static_cast<const T*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head +
-                                             n0 * p.v_stride.seq,
-                                   p.v_stride.seq, p.seq_k - n0, p.head_dim);
-  cp_async_commit();
+  load_kv_async<BN, D, kThreads>(ks, vs, P, p, b, hk, n0);
 
   float dk_tiles[1][kChunks][4], dv_tiles[1][kChunks][4];
   zero_tiles(dk_tiles);
@@ -435,13 +448,7 @@ __global__ void __launch_bounds__(FlashConfig<D>::kBwdThreads, 1)
     for (int i = 0; i < qtiles.n_tiles; ++i) {
       const int64_t m0 = qtiles.m_begin + int64_t{i} * BM;
       __syncthreads();  // the previous tile's shared memory is no longer read
-      load_tile_async<BM, D, kThreads>(qs, P, q + m0 * p.q_stride.seq, p.q_stride.seq, p.seq_q - m0, p.head_dim);
-      load_tile_async<BM, D, kThreads>(dos, P, dout + m0 * p.dout_stride.seq, p.dout_stride.seq, p.seq_q - m0,
-                                       p.head_dim);
-      cp_async_commit();
-      stage_row_stats<BM, kThreads>(lse_s, delta_s, p, delta, stat, m0, threadIdx.x);
-      cp_async_wait<0>();
-      __syncthreads();
+      load_query_tile<BM, D, kThreads>(qs, dos, P, lse_s, delta_s, q, dout, p, delta, stat, m0);
 
       {  // S^T, P^T, dP^T and dS^T of the key group's 16 keys by this warp's 32 queries.
         float st_tiles[1][kQueries / 8][4], dpt_tiles[1][kQueries / 8][4];
