@@ -94,9 +94,24 @@ __device__ __forceinline__ void store_vec_streaming(T* p, const Vec<T, N>& v) {
     store_vec<N>(p, v);
   }
 }
+// An fp16 value as float32 by a conversion the compiler may neither hoist nor merge (asm
+// volatile): converted again at each use, never held as a float32 copy.
+__device__ __forceinline__ float to_float_each_use(__half x) {
+#ifdef DTRAIN_KERNELS_EMULATE
+  return to_float(x);
+#else
+  unsigned short h;
+  std::memcpy(&h, &x, sizeof h);
+  float f;
+  asm volatile("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+#endif
+}
 // Element i of r as float32. A bfloat16 pair's halves unpack with one integer operation
 // each (the high one masked, the low one shifted up) instead of a byte permute and a shift.
-template <typename T, int N>
+// kEachUse: fp16 by to_float_each_use, for a kernel in which ptxas would otherwise keep
+// converted copies live across a long stretch and spill (the norm backward: norm.cuh).
+template <bool kEachUse = false, typename T, int N>
 __device__ __forceinline__ float to_float_at(const Vec<T, N>& r, int i) {
   if constexpr (std::is_same<T, __nv_bfloat16>::value && N % 2 == 0) {
     uint32_t w;
@@ -105,24 +120,26 @@ __device__ __forceinline__ float to_float_at(const Vec<T, N>& r, int i) {
     float f;
     std::memcpy(&f, &w, sizeof f);
     return f;
+  } else if constexpr (kEachUse && std::is_same<T, __half>::value) {
+    return to_float_each_use(r.v[i]);
   } else {
     return to_float(r.v[i]);
   }
 }
 // All N of them.
-template <typename T, int N>
+template <bool kEachUse = false, typename T, int N>
 __device__ __forceinline__ void to_floats(const Vec<T, N>& r, float (&out)[N]) {
 #pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = to_float_at(r, i);
+  for (int i = 0; i < N; ++i) out[i] = to_float_at<kEachUse>(r, i);
 }
 // N elements of T at p as float32, in accesses of at most 16 bytes (p aligned to one).
-template <int N, typename T>
+template <int N, bool kEachUse = false, typename T>
 __device__ __forceinline__ void load_floats(const T* p, float (&out)[N]) {
   constexpr int C = N < vec16<T>() ? N : vec16<T>();
 #pragma unroll
   for (int a = 0; a < N / C; ++a) {
     float f[C];
-    to_floats(load_vec<C>(p + a * C), f);
+    to_floats<kEachUse>(load_vec<C>(p + a * C), f);
 #pragma unroll
     for (int i = 0; i < C; ++i) out[a * C + i] = f[i];
   }

@@ -42,8 +42,8 @@ __device__ __forceinline__ void each_access(int nv, F&& f) {
 }
 
 // This thread's accesses of one row: loaded once and held (kVecs <= kHeldVecs), or read at
-// each use.
-template <typename T, int V, int kVecs>
+// each use. kEachUse: held fp16 converts at each use (to_float_each_use).
+template <typename T, int V, int kVecs, bool kEachUse = false>
 struct RowShare {
   static constexpr bool kHeld = kVecs <= kHeldVecs;
   const T* row;
@@ -53,15 +53,16 @@ struct RowShare {
   }
   __device__ __forceinline__ float at(int k, int j, int i) const {
     if constexpr (kHeld) {
-      return to_float_at(held[k], i);
+      return to_float_at<kEachUse>(held[k], i);
     } else {
       return to_float(row[j * V + i]);
     }
   }
 };
 
-// V weights of access j, from w of dtype wt (ones when there is no w).
-template <int V>
+// V weights of access j, from w of dtype wt (ones when there is no w); kEachUse: fp16 by
+// to_float_each_use.
+template <int V, bool kEachUse = false>
 __device__ __forceinline__ void load_weights(const void* w, dtrain_kernel_dtype wt, int j, float (&out)[V]) {
   if (w == nullptr) {
 #pragma unroll
@@ -71,7 +72,7 @@ __device__ __forceinline__ void load_weights(const void* w, dtrain_kernel_dtype 
   } else if (wt == DTRAIN_KERNEL_BF16) {
     load_floats<V>(static_cast<const __nv_bfloat16*>(w) + j * V, out);
   } else {
-    load_floats<V>(static_cast<const __half*>(w) + j * V, out);
+    load_floats<V, kEachUse>(static_cast<const __half*>(w) + j * V, out);
   }
 }
 

@@ -73,6 +73,12 @@ template <typename T, bool kLayerNorm, int V, int kVecs>
 __global__ void __launch_bounds__(kMaxThreads) norm_bwd_kernel(dtrain_norm_bwd_params p, int64_t rows_per_strip,
                                                                float inv_cols) {
   using Held = BwdHeld<kLayerNorm, kVecs>;
+  // fp16 x, dy and weights converted at each use (to_float_each_use), never held as float
+  // copies across the block reduction between the two passes: ptxas (2026-12-07) then
+  // spills in none of the 16-bit instances, where at 4 accesses a thread fp16 spilled 8
+  // to 44 bytes (sm_90a) and bf16 LayerNorm 16 on sm_80. Not the weights of the float32
+  // instances: at 8 accesses one spilled 28 bytes that way, none without.
+  constexpr bool kEachUseWeights = sizeof(T) == 2;
   DTRAIN_DYNAMIC_SMEM(float, partial);  // [Held::kSmemRows][cols]: the partials not held
   __shared__ float2 scratch[32];
   const int64_t n = p.cols;
@@ -81,19 +87,19 @@ __global__ void __launch_bounds__(kMaxThreads) norm_bwd_kernel(dtrain_norm_bwd_p
   ColumnPartial<Held::kDweight, V, kVecs> dw(partial, want_w, nv);
   ColumnPartial<Held::kDbias, V, kVecs> db(partial + (Held::kDweight ? 0 : n), want_b, nv);
   const int64_t first = blockIdx.x * rows_per_strip, last = imin(p.rows, first + rows_per_strip);
-  using Row = RowShare<T, V, kVecs>;
+  using Row = RowShare<T, V, kVecs, true>;
   auto x_of = [&](int64_t r) { return Row(static_cast<const T*>(p.x) + r * p.x_stride, nv); };
   auto dy_of = [&](int64_t r) { return Row(static_cast<const T*>(p.dy) + r * p.dy_stride, nv); };
   float wheld[Held::kWeights ? kVecs : 1][V];
   if constexpr (Held::kWeights) {
-    each_access<kVecs>(nv, [&](int k, int j) { load_weights<V>(p.weight, p.weight_dtype, j, wheld[k]); });
+    each_access<kVecs>(nv, [&](int k, int j) { load_weights<V, kEachUseWeights>(p.weight, p.weight_dtype, j, wheld[k]); });
   }
   auto weights = [&](int k, int j, float (&wv)[V]) {
     if constexpr (Held::kWeights) {
 #pragma unroll
       for (int i = 0; i < V; ++i) wv[i] = wheld[k][i];
     } else {
-      load_weights<V>(p.weight, p.weight_dtype, j, wv);
+      load_weights<V, kEachUseWeights>(p.weight, p.weight_dtype, j, wv);
     }
   };
   auto do_row = [&](int64_t row, const Row& x, const Row& dy) {
