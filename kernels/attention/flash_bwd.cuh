@@ -209,6 +209,31 @@ __device__ __forceinline__ void stage_row_stats(float* lse_s, float* delta_s, co
   }
 }
 
+// The mma.sync backward's shared memory, in order: K and V [kBwdBlockN][kPitch], Q and dO
+// [kBwdBlockM][kPitch], kBwdSplit score tiles [64][kPitchS] (dS; split: P^T, then dS^T),
+// the query tile's log-sum-exp and delta [kBwdBlockM] floats, and the keys' query ends
+// [kBwdBlockN] ints (stage_query_ends). kBytes is what the launch asks for.
+template <typename T, int D>
+struct BwdSmem {
+  using C = FlashConfig<D>;
+  static constexpr int kTileElems = (2 * C::kBwdBlockN + 2 * C::kBwdBlockM) * C::kPitch;
+  static constexpr int kScoreElems = C::kBwdSplit * C::kBwdBlockM * C::kPitchS;
+  static constexpr size_t kBytes = sizeof(T) * static_cast<size_t>(kTileElems + kScoreElems) +
+                                   sizeof(float) * 2 * C::kBwdBlockM + sizeof(int) * C::kBwdBlockN;
+  T *ks, *vs, *qs, *dos, *s_tiles;
+  float *lse, *delta;
+  int* ends;
+  __device__ __forceinline__ explicit BwdSmem(T* smem)
+      : ks(smem),
+        vs(ks + C::kBwdBlockN * C::kPitch),
+        qs(vs + C::kBwdBlockN * C::kPitch),
+        dos(qs + C::kBwdBlockM * C::kPitch),
+        s_tiles(dos + C::kBwdBlockM * C::kPitch),
+        lse(reinterpret_cast<float*>(s_tiles + kScoreElems)),
+        delta(lse + C::kBwdBlockM),
+        ends(reinterpret_cast<int*>(delta + C::kBwdBlockM)) {}
+};
+
 // The block's keys [n0, n0 + kBlockN) of kv head hk: K and V into shared memory (row
 // pitch `pitch`), one cp.async group, not waited for.
 template <int kBlockN, int D, int kThreads, typename T>
@@ -307,14 +332,11 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads, D <= 64 ? 3 : 1)
   using C = FlashConfig<D>;
   constexpr int BM = C::kBwdBlockM, BN = C::kBwdBlockN, P = C::kPitch, PS = C::kPitchS, kThreads = C::kThreads;
   DTRAIN_DYNAMIC_SMEM(T, smem);
-  T* ks = smem;
-  T* vs = ks + BN * P;
-  T* qs = vs + BN * P;
-  T* dos = qs + BM * P;
-  T* dss = dos + BM * P;  // [BM][PS]: dS as [query][key]
-  float* lse_s = reinterpret_cast<float*>(dss + BM * PS);
-  float* delta_s = lse_s + BM;
-  int* ends_s = reinterpret_cast<int*>(delta_s + BM);  // [BN]: stage_query_ends
+  const BwdSmem<T, D> sm(smem);
+  T *ks = sm.ks, *vs = sm.vs, *qs = sm.qs, *dos = sm.dos;
+  T* dss = sm.s_tiles;  // [BM][PS]: dS as [query][key]
+  float *lse_s = sm.lse, *delta_s = sm.delta;
+  int* ends_s = sm.ends;
 
   const BwdBlock blk = bwd_block<T, BN, false>(p);
   const int64_t b = blk.b, hk = blk.hk, n0 = blk.n0;
@@ -413,15 +435,12 @@ __global__ void __launch_bounds__(FlashConfig<D>::kBwdThreads, 1)
   static_assert(C::kBwdSplit == 2 && C::kWarps == 4, "two warps for each of 4 key groups");
   constexpr int kQueries = BM / 2, kChunks = D / 16;  // a warp's queries of S^T, its 8-column chunks
   DTRAIN_DYNAMIC_SMEM(T, smem);
-  T* ks = smem;
-  T* vs = ks + BN * P;
-  T* qs = vs + BN * P;
-  T* dos = qs + BM * P;
-  T* pts = dos + BM * P;    // [BN][PS]: P^T as [key][query]
+  const BwdSmem<T, D> sm(smem);
+  T *ks = sm.ks, *vs = sm.vs, *qs = sm.qs, *dos = sm.dos;
+  T* pts = sm.s_tiles;      // [BN][PS]: P^T as [key][query]
   T* dsts = pts + BN * PS;  // [BN][PS]: dS^T as [key][query]
-  float* lse_s = reinterpret_cast<float*>(dsts + BN * PS);
-  float* delta_s = lse_s + BM;
-  int* ends_s = reinterpret_cast<int*>(delta_s + BM);  // [BN]: stage_query_ends
+  float *lse_s = sm.lse, *delta_s = sm.delta;
+  int* ends_s = sm.ends;
 
   const BwdBlock blk = bwd_block<T, BN, false>(p);
   const int64_t b = blk.b, hk = blk.hk, n0 = blk.n0;
@@ -506,10 +525,7 @@ template <typename T, int D>
 cudaError_t run_flash_bwd(const dtrain_attention_bwd_params& p, cudaStream_t stream) {
   using C = FlashConfig<D>;
   return run_bwd_passes<T, DqRows<D>>(p, stream, [&](float* dq_accum, const float* delta) {
-    // K, V, Q, dO; then dS (and, split, P^T beside it); the tile's statistics, the keys' ends.
-    const size_t smem = sizeof(T) * (static_cast<size_t>(2 * C::kBwdBlockN + 2 * C::kBwdBlockM) * C::kPitch +
-                                     static_cast<size_t>(C::kBwdSplit * C::kBwdBlockM) * C::kPitchS) +
-                        sizeof(float) * 2 * C::kBwdBlockM + sizeof(int) * C::kBwdBlockN;
+    const size_t smem = BwdSmem<T, D>::kBytes;
     auto* kernel = [] {
       if constexpr (C::kBwdSplit == 1) {
         return flash_bwd_kernel<T, D>;
