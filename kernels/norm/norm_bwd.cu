@@ -92,7 +92,9 @@ __global__ void __launch_bounds__(kMaxThreads) norm_bwd_kernel(dtrain_norm_bwd_p
   auto dy_of = [&](int64_t r) { return Row(static_cast<const T*>(p.dy) + r * p.dy_stride, nv); };
   float wheld[Held::kWeights ? kVecs : 1][V];
   if constexpr (Held::kWeights) {
-    each_access<kVecs>(nv, [&](int k, int j) { load_weights<V, kEachUseWeights>(p.weight, p.weight_dtype, j, wheld[k]); });
+    each_access<kVecs>(nv, [&](int k, int j) {
+      load_weights<V, kEachUseWeights>(p.weight, p.weight_dtype, j, wheld[k]);
+    });
   }
   auto weights = [&](int k, int j, float (&wv)[V]) {
     if constexpr (Held::kWeights) {

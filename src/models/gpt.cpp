@@ -784,7 +784,9 @@ torch::Tensor GptImpl::loss_from_hidden(const torch::Tensor& hidden, const torch
     o.grad_scale = loss_grad_scale_;
     o.ignore_index = kIgnoreTarget;
     const auto& w = config_.tie_embeddings ? tok_emb_->weight : lm_head_->weight;
-    if (tp_.size == 1) return ops::linear_cross_entropy(hidden.reshape({-1, hidden.size(-1)}), w, targets.reshape({-1}), o);
+    if (tp_.size == 1) {
+      return ops::linear_cross_entropy(hidden.reshape({-1, hidden.size(-1)}), w, targets.reshape({-1}), o);
+    }
     const auto in = head_input(hidden);
     return tp::fused_vocab_parallel_linear_cross_entropy(in.reshape({-1, in.size(-1)}), w, targets.reshape({-1}),
                                                          config_.vocab_size, tp_.comm, o);

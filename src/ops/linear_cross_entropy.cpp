@@ -84,7 +84,10 @@ class LinearCrossEntropyFn : public torch::autograd::Function<LinearCrossEntropy
     // The weight's gradient scaled in float32 and stored in the weight's dtype in one pass:
     // for a 16-bit weight no float32 [vocab, hidden] product beside the saved one.
     at::Tensor dweight_out;
-    if (dw) at::mul_out(dweight_out = at::empty(dweight.sizes(), dweight.options().dtype(weight_type)), dweight, factor);
+    if (dw) {
+      dweight_out = at::empty(dweight.sizes(), dweight.options().dtype(weight_type));
+      at::mul_out(dweight_out, dweight, factor);
+    }
     return {dh ? dhidden * factor.to(dhidden.scalar_type()) : at::Tensor(),
             dweight_out,
             at::Tensor(),

@@ -308,19 +308,7 @@ void check_vocab_parallel(const char* fn, at::IntArrayRef local_logits, const at
                    local_logits[1], " columns per rank x tp=", tp->size(), " is not the padded vocabulary ",
                    padded_vocab_size(vocab_size, tp->size()), " of vocab_size=", vocab_size);
 }
-}  // namespace
 
-at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
-                                        std::int64_t vocab_size, const CommPtr& tp, std::int64_t ignore_index) {
-  check_vocab_parallel("vocab_parallel_cross_entropy", local_logits.sizes(), targets, vocab_size, tp);
-  // An ignored row's loss is finite (its target is outside every rank's columns) and is
-  // multiplied by 0, which also zeroes its gradient.
-  const auto keep = targets.ne(ignore_index);
-  const auto rows = VocabParallelCrossEntropy::apply(local_logits, targets, vocab_size, handle(tp));
-  return (rows * keep).sum() / keep.sum().clamp_min(1);
-}
-
-namespace {
 // options for the fused loss over this rank's `cols` columns of the split vocabulary.
 ops::CrossEntropyOptions split_vocabulary(ops::CrossEntropyOptions options, std::int64_t cols,
                                           std::int64_t vocab_size, Communicator& c) {
@@ -335,6 +323,16 @@ ops::CrossEntropyOptions split_vocabulary(ops::CrossEntropyOptions options, std:
   return options;
 }
 }  // namespace
+
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
+                                        std::int64_t vocab_size, const CommPtr& tp, std::int64_t ignore_index) {
+  check_vocab_parallel("vocab_parallel_cross_entropy", local_logits.sizes(), targets, vocab_size, tp);
+  // An ignored row's loss is finite (its target is outside every rank's columns) and is
+  // multiplied by 0, which also zeroes its gradient.
+  const auto keep = targets.ne(ignore_index);
+  const auto rows = VocabParallelCrossEntropy::apply(local_logits, targets, vocab_size, handle(tp));
+  return (rows * keep).sum() / keep.sum().clamp_min(1);
+}
 
 at::Tensor fused_vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
                                               std::int64_t vocab_size, const CommPtr& tp,

@@ -886,7 +886,8 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
     if (!dtrain_attention_kernel_takes_head_dim(kernel, c.dim)) {
       // wgmma above 128 (after the mma.sync run): asked for by name, refused, and nothing
       // written; AUTO, which picks wgmma for the head dims it has, runs mma.sync.
-      auto o2 = poisoned({c.batch, c.heads, c.seq_q, c.dim}, c.type), lse2 = poisoned({c.batch, c.heads, c.seq_q}, at::kFloat);
+      auto o2 = poisoned({c.batch, c.heads, c.seq_q, c.dim}, c.type);
+      auto lse2 = poisoned({c.batch, c.heads, c.seq_q}, at::kFloat);
       auto g = fwd_params(qd, kd, vd, o2, lse2, c.causal, scale, kernel, c.window, c.offset);
       g.documents = f.documents;
       EXPECT_EQ(run_fwd(g), cudaErrorInvalidValue) << "wgmma at head dim " << c.dim;
