@@ -1,5 +1,5 @@
 // Hopper (sm_90a) warpgroup MMA for the attention kernels: wgmma.mma_async m64nNk16 with
-// float32 accumulators (N = 32, 64, 128), A from shared memory or registers, B from shared
+// float32 accumulators (N = 32 to 256), A from shared memory or registers, B from shared
 // memory through matrix descriptors of the no-swizzle layout that load_blocked_async
 // writes; the fences and group waits around them. The CPU emulator runs the same calls.
 // A warpgroup's accumulators are d[N / 8][4] per thread: warp w of the group holds rows
@@ -144,15 +144,20 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// The specialisations (N = 64, 128, and 32 for wgmma_ss_mn; bf16, f16), one asm statement each: N / 2 accumulator
-// operands (%0 ..), then A (a descriptor, or 4 registers), B, and the flag that sets
-// scale-d (wgmma_ss's accumulate; 1 for rs). The immediates after it are scale-a, scale-b,
-// then for ss trans-a (0) and trans-b, for rs trans-b (1: B is MN-major).
+// The specialisations (N = 64, 128; also 32 for wgmma_ss_mn, 256 for wgmma_rs_mn; bf16,
+// f16), one asm statement each: N / 2 accumulator operands (%0 ..), then A (a descriptor,
+// or 4 registers), B, and the flag that sets scale-d (wgmma_ss's accumulate; 1 for rs).
+// The immediates after it are scale-a, scale-b, then for ss trans-a (0) and trans-b, for
+// rs trans-b (1: B is MN-major).
 #define DTRAIN_ACC4(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
 #define DTRAIN_ACC_32 DTRAIN_ACC4(0), DTRAIN_ACC4(1), DTRAIN_ACC4(2), DTRAIN_ACC4(3)
 #define DTRAIN_ACC_64 DTRAIN_ACC_32, DTRAIN_ACC4(4), DTRAIN_ACC4(5), DTRAIN_ACC4(6), DTRAIN_ACC4(7)
 #define DTRAIN_ACC_128 DTRAIN_ACC_64, DTRAIN_ACC4(8), DTRAIN_ACC4(9), DTRAIN_ACC4(10), DTRAIN_ACC4(11), \
                        DTRAIN_ACC4(12), DTRAIN_ACC4(13), DTRAIN_ACC4(14), DTRAIN_ACC4(15)
+#define DTRAIN_ACC_256 DTRAIN_ACC_128, DTRAIN_ACC4(16), DTRAIN_ACC4(17), DTRAIN_ACC4(18), DTRAIN_ACC4(19), \
+                       DTRAIN_ACC4(20), DTRAIN_ACC4(21), DTRAIN_ACC4(22), DTRAIN_ACC4(23), \
+                       DTRAIN_ACC4(24), DTRAIN_ACC4(25), DTRAIN_ACC4(26), DTRAIN_ACC4(27), DTRAIN_ACC4(28), \
+                       DTRAIN_ACC4(29), DTRAIN_ACC4(30), DTRAIN_ACC4(31)
 #define DTRAIN_REGS_32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define DTRAIN_REGS_64 \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
@@ -161,6 +166,14 @@ __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
   "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, " \
   "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define DTRAIN_REGS_256 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, " \
+  "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, " \
+  "%65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, " \
+  "%86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, " \
+  "%106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, " \
+  "%124, %125, %126, %127}"
 #define DTRAIN_WGMMA_PTX(type, n) "wgmma.mma_async.sync.aligned.m64n" #n "k16.f32." type "." type " "
 
 // NAME<T, N>(d, a, b, accumulate) with A and B by descriptor; A is %N/2, B the next, the flag the one after.
@@ -196,13 +209,17 @@ DTRAIN_WGMMA_RS(__nv_bfloat16, "bf16", 64, 32, 33, 34, 35, 36, 37)
 DTRAIN_WGMMA_RS(__half, "f16", 64, 32, 33, 34, 35, 36, 37)
 DTRAIN_WGMMA_RS(__nv_bfloat16, "bf16", 128, 64, 65, 66, 67, 68, 69)
 DTRAIN_WGMMA_RS(__half, "f16", 128, 64, 65, 66, 67, 68, 69)
+DTRAIN_WGMMA_RS(__nv_bfloat16, "bf16", 256, 128, 129, 130, 131, 132, 133)
+DTRAIN_WGMMA_RS(__half, "f16", 256, 128, 129, 130, 131, 132, 133)
 
 #undef DTRAIN_WGMMA_RS
 #undef DTRAIN_WGMMA_SS
 #undef DTRAIN_WGMMA_PTX
+#undef DTRAIN_REGS_256
 #undef DTRAIN_REGS_128
 #undef DTRAIN_REGS_64
 #undef DTRAIN_REGS_32
+#undef DTRAIN_ACC_256
 #undef DTRAIN_ACC_128
 #undef DTRAIN_ACC_64
 #undef DTRAIN_ACC_32

@@ -10,16 +10,17 @@
 namespace dtrain_kernels {
 
 // The head dims the kernels are instantiated for (D): mma.sync 32, 64, 96, 128, 256; wgmma
-// 64, 128 (its tiles are whole 64-column boxes). Any multiple of 8 up to 256 runs in the
-// smallest D that holds it: the extra columns load as zeros (cp.async's zero fill, the
-// tensor maps' out-of-bounds fill), which changes no score and no product, and are never
-// stored. Head dims above 128 run on mma.sync alone (AUTO picks it on Hopper too).
+// 64, 128, and 256 for the forward (its tiles are whole 64-column boxes). Any multiple of 8
+// up to 256 runs in the smallest D that holds it: the extra columns load as zeros
+// (cp.async's zero fill, the tensor maps' out-of-bounds fill), which changes no score and
+// no product, and are never stored. The backward above 128 runs on mma.sync alone (AUTO
+// picks it on Hopper too).
 constexpr int64_t kMaxHeadDim = 256;
-constexpr int64_t kMaxWgmmaHeadDim = 128;
+constexpr int64_t kMaxWgmmaFwdHeadDim = 256, kMaxWgmmaBwdHeadDim = 128;
 inline int mma_kernel_dim(int64_t head_dim) {
   return head_dim <= 32 ? 32 : head_dim <= 64 ? 64 : head_dim <= 96 ? 96 : head_dim <= 128 ? 128 : 256;
 }
-inline int wgmma_kernel_dim(int64_t head_dim) { return head_dim <= 64 ? 64 : 128; }
+inline int wgmma_kernel_dim(int64_t head_dim) { return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256; }
 
 template <int D>
 struct FlashConfig {
@@ -53,6 +54,15 @@ template <typename T, int D>
 cudaError_t run_flash_bwd(const dtrain_attention_bwd_params& p, cudaStream_t stream);
 template <typename T, int D>
 cudaError_t run_flash_bwd_sm90(const dtrain_attention_bwd_params& p, cudaStream_t stream);  // wgmma
+// The dynamic shared memory of a block of each (its launcher's number; instantiated with it).
+template <typename T, int D>
+size_t flash_fwd_smem_bytes();
+template <typename T, int D>
+size_t flash_fwd_sm90_smem_bytes();
+template <typename T, int D>
+size_t flash_bwd_smem_bytes();
+template <typename T, int D>
+size_t flash_bwd_sm90_smem_bytes();
 
 // A block's (batch, head, rank) in a grid launched as (tiles, heads, batch) (heads: the q
 // heads in the forward, the kv heads in the backward). kSectioned: in tile_order, for

@@ -1,6 +1,7 @@
 // The C entry points of flash attention (dtrain_kernels/attention.h): validation, then
 // dispatch to the (kernel, dtype, head dim) instantiation.
 #include <atomic>
+#include <type_traits>
 
 #include "attention/flash.cuh"
 #include "common.cuh"
@@ -24,36 +25,68 @@ bool shape_ok(const Params& p) {
           (p.causal && p.documents.stride >= 0 && document_row_tokens(p) >= imax(p.seq_k, p.query_offset + p.seq_q)));
 }
 
-// Run<T, D>::run for the params' dtype and kernel head dim D (flash.cuh).
-template <template <typename, int> class Run, int D, typename Params>
-cudaError_t run_dim(const Params& p, cudaStream_t stream) {
-  return p.dtype == DTRAIN_KERNEL_BF16 ? Run<__nv_bfloat16, D>::run(p, stream) : Run<__half, D>::run(p, stream);
-}
-template <template <typename, int> class Run, typename Params>
-cudaError_t dispatch_mma(const Params& p, cudaStream_t stream) {
-  switch (mma_kernel_dim(p.head_dim)) {
-    case 32: return run_dim<Run, 32>(p, stream);
-    case 64: return run_dim<Run, 64>(p, stream);
-    case 96: return run_dim<Run, 96>(p, stream);
-    case 128: return run_dim<Run, 128>(p, stream);
-    default: return run_dim<Run, 256>(p, stream);
-  }
-}
-template <template <typename, int> class Run, typename Params>
-cudaError_t dispatch_wgmma(const Params& p, cudaStream_t stream) {
-  return wgmma_kernel_dim(p.head_dim) == 64 ? run_dim<Run, 64>(p, stream) : run_dim<Run, 128>(p, stream);
-}
-
+// What one (pass, kernel) is, per dtype T and kernel head dim D: run (its launcher) and
+// smem (a block's dynamic shared memory).
 template <typename T, int D>
 struct Fwd {
   static cudaError_t run(const dtrain_attention_fwd_params& p, cudaStream_t s) { return run_flash_fwd<T, D>(p, s); }
+  static size_t smem() { return flash_fwd_smem_bytes<T, D>(); }
 };
 template <typename T, int D>
 struct FwdSm90 {
   static cudaError_t run(const dtrain_attention_fwd_params& p, cudaStream_t s) {
     return run_flash_fwd_sm90<T, D>(p, s);
   }
+  static size_t smem() { return flash_fwd_sm90_smem_bytes<T, D>(); }
 };
+template <typename T, int D>
+struct Bwd {
+  static cudaError_t run(const dtrain_attention_bwd_params& p, cudaStream_t s) { return run_flash_bwd<T, D>(p, s); }
+  static size_t smem() { return flash_bwd_smem_bytes<T, D>(); }
+};
+template <typename T, int D>
+struct BwdSm90 {
+  static cudaError_t run(const dtrain_attention_bwd_params& p, cudaStream_t s) {
+    return run_flash_bwd_sm90<T, D>(p, s);
+  }
+  static size_t smem() { return flash_bwd_sm90_smem_bytes<T, D>(); }
+};
+
+// The largest head dim a pass has a wgmma kernel for.
+template <typename Params>
+constexpr int64_t kMaxWgmmaDim =
+    std::is_same<Params, dtrain_attention_fwd_params>::value ? kMaxWgmmaFwdHeadDim : kMaxWgmmaBwdHeadDim;
+
+// f(Run<T, D>{}) for the dtype and the kernel head dim D that holds head_dim: mma.sync's
+// (with_mma_dim) or wgmma's up to kMax (with_wgmma_dim; above it nothing is instantiated,
+// and the answer is fallback()).
+template <template <typename, int> class Run, int D, typename F>
+auto with_dtype(dtrain_kernel_dtype dtype, F&& f) {
+  return dtype == DTRAIN_KERNEL_BF16 ? f(Run<__nv_bfloat16, D>{}) : f(Run<__half, D>{});
+}
+template <template <typename, int> class Run, typename F>
+auto with_mma_dim(int64_t head_dim, dtrain_kernel_dtype dtype, F&& f) {
+  switch (mma_kernel_dim(head_dim)) {
+    case 32: return with_dtype<Run, 32>(dtype, f);
+    case 64: return with_dtype<Run, 64>(dtype, f);
+    case 96: return with_dtype<Run, 96>(dtype, f);
+    case 128: return with_dtype<Run, 128>(dtype, f);
+    default: return with_dtype<Run, 256>(dtype, f);
+  }
+}
+template <template <typename, int> class Run, int64_t kMax, typename Fallback, typename F>
+auto with_wgmma_dim(int64_t head_dim, dtrain_kernel_dtype dtype, Fallback fallback, F&& f) {
+  switch (wgmma_kernel_dim(head_dim)) {
+    case 64: return with_dtype<Run, 64>(dtype, f);
+    case 128: return with_dtype<Run, 128>(dtype, f);
+    default:
+      if constexpr (kMax >= 256) {
+        return with_dtype<Run, 256>(dtype, f);
+      } else {
+        return fallback();
+      }
+  }
+}
 
 // The wgmma kernels are real code only in an sm_90a build (DTRAIN_KERNELS_SM90A) and run
 // only on compute capability 9.0; the emulator runs them anywhere. The answer per device
@@ -97,35 +130,63 @@ int pick_kernel(dtrain_attention_kernel kernel) {
   return -1;
 }
 
-// Runs the kernel a launch asking for p.kernel gets here. Head dims wgmma has no kernel
-// for (above 128) send AUTO to mma.sync and make an explicit WGMMA fail. The wgmma kernels
-// load through tensor maps; strides the driver cannot describe (cudaErrorNotSupported,
-// before anything is launched) do the same.
+// What a launch of this pass asking for `kernel` at this head dim runs here: 1 wgmma, 0
+// mma.sync, -1 nothing. Head dims wgmma has no kernel for (the backward's above 128) send
+// AUTO to mma.sync and an explicit WGMMA to nothing.
+template <typename Params>
+int pick_kernel(dtrain_attention_kernel kernel, int64_t head_dim) {
+  const int k = pick_kernel(kernel);
+  if (k == 1 && head_dim > kMaxWgmmaDim<Params>) return kernel == DTRAIN_ATTENTION_KERNEL_AUTO ? 0 : -1;
+  return k;
+}
+
+// A block's dynamic shared memory in the kernel that pick_kernel names (0: none), and the
+// most the current device gives a block (0 without a device).
+template <template <typename, int> class Mma, template <typename, int> class Wgmma, typename Params>
+size_t picked_smem(dtrain_attention_kernel kernel, int64_t head_dim) {
+  if (!dtrain_attention_supports_head_dim(head_dim)) return 0;
+  auto smem = [](auto run) { return decltype(run)::smem(); };
+  switch (pick_kernel<Params>(kernel, head_dim)) {
+    case 0:
+      return with_mma_dim<Mma>(head_dim, DTRAIN_KERNEL_BF16, smem);
+    case 1:
+      return with_wgmma_dim<Wgmma, kMaxWgmmaDim<Params>>(head_dim, DTRAIN_KERNEL_BF16, [] { return size_t{0}; },
+                                                         smem);
+    default:
+      return 0;
+  }
+}
+size_t device_smem() {
+  int device = 0, bytes = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+    cudaGetLastError();  // no device: leave no sticky error behind
+    return 0;
+  }
+  return static_cast<size_t>(bytes);
+}
+
+// Runs the kernel a launch asking for p.kernel gets here (pick_kernel); one whose block
+// needs more shared memory than the device gives is refused before anything runs. The
+// wgmma kernels load through tensor maps; strides the driver cannot describe
+// (cudaErrorNotSupported, before anything is launched) send AUTO to mma.sync and make an
+// explicit WGMMA fail.
 template <template <typename, int> class Mma, template <typename, int> class Wgmma, typename Params>
 cudaError_t run_picked(const Params& p, cudaStream_t stream) {
-  const int kernel = pick_kernel(p.kernel);
-  if (kernel < 0) return cudaErrorInvalidValue;
-  if (kernel == 1 && p.head_dim > kMaxWgmmaHeadDim) {
-    return p.kernel == DTRAIN_ATTENTION_KERNEL_AUTO ? dispatch_mma<Mma>(p, stream) : cudaErrorInvalidValue;
+  const int kernel = pick_kernel<Params>(p.kernel, p.head_dim);
+  if (kernel < 0 || picked_smem<Mma, Wgmma, Params>(p.kernel, p.head_dim) > device_smem()) {
+    return cudaErrorInvalidValue;
   }
-  if (kernel == 0) return dispatch_mma<Mma>(p, stream);
-  const cudaError_t e = dispatch_wgmma<Wgmma>(p, stream);
+  auto run = [&](auto r) { return decltype(r)::run(p, stream); };
+  if (kernel == 0) return with_mma_dim<Mma>(p.head_dim, p.dtype, run);
+  const cudaError_t e = with_wgmma_dim<Wgmma, kMaxWgmmaDim<Params>>(
+      p.head_dim, p.dtype, [] { return cudaErrorInvalidValue; }, run);
   if (e == cudaErrorNotSupported) {
-    return p.kernel == DTRAIN_ATTENTION_KERNEL_AUTO ? dispatch_mma<Mma>(p, stream) : cudaErrorInvalidValue;
+    return p.kernel == DTRAIN_ATTENTION_KERNEL_AUTO ? with_mma_dim<Mma>(p.head_dim, p.dtype, run)
+                                                    : cudaErrorInvalidValue;
   }
   return e;
 }
-
-template <typename T, int D>
-struct Bwd {
-  static cudaError_t run(const dtrain_attention_bwd_params& p, cudaStream_t s) { return run_flash_bwd<T, D>(p, s); }
-};
-template <typename T, int D>
-struct BwdSm90 {
-  static cudaError_t run(const dtrain_attention_bwd_params& p, cudaStream_t s) {
-    return run_flash_bwd_sm90<T, D>(p, s);
-  }
-};
 
 }  // namespace
 }  // namespace dtrain_kernels
@@ -138,12 +199,33 @@ extern "C" int dtrain_attention_kernel_available(dtrain_attention_kernel kernel)
   return dtrain_kernels::pick_kernel(kernel) >= 0 ? 1 : 0;
 }
 
-extern "C" int dtrain_attention_kernel_takes_head_dim(dtrain_attention_kernel kernel, int64_t head_dim) {
+extern "C" int dtrain_attention_fwd_kernel_takes_head_dim(dtrain_attention_kernel kernel, int64_t head_dim) {
   const bool wgmma_only = kernel == DTRAIN_ATTENTION_KERNEL_WGMMA;
-  return dtrain_attention_supports_head_dim(head_dim) && (!wgmma_only || head_dim <= dtrain_kernels::kMaxWgmmaHeadDim)
+  return dtrain_attention_supports_head_dim(head_dim) &&
+                 (!wgmma_only || head_dim <= dtrain_kernels::kMaxWgmmaFwdHeadDim)
              ? 1
              : 0;
 }
+
+extern "C" int dtrain_attention_bwd_kernel_takes_head_dim(dtrain_attention_kernel kernel, int64_t head_dim) {
+  const bool wgmma_only = kernel == DTRAIN_ATTENTION_KERNEL_WGMMA;
+  return dtrain_attention_supports_head_dim(head_dim) &&
+                 (!wgmma_only || head_dim <= dtrain_kernels::kMaxWgmmaBwdHeadDim)
+             ? 1
+             : 0;
+}
+
+extern "C" size_t dtrain_attention_fwd_smem_bytes(dtrain_attention_kernel kernel, int64_t head_dim) {
+  using namespace dtrain_kernels;
+  return picked_smem<Fwd, FwdSm90, dtrain_attention_fwd_params>(kernel, head_dim);
+}
+
+extern "C" size_t dtrain_attention_bwd_smem_bytes(dtrain_attention_kernel kernel, int64_t head_dim) {
+  using namespace dtrain_kernels;
+  return picked_smem<Bwd, BwdSm90, dtrain_attention_bwd_params>(kernel, head_dim);
+}
+
+extern "C" size_t dtrain_attention_device_smem_bytes(void) { return dtrain_kernels::device_smem(); }
 
 extern "C" cudaError_t dtrain_attention_fwd(const dtrain_attention_fwd_params* params, cudaStream_t stream) {
   using namespace dtrain_kernels;

@@ -522,10 +522,15 @@ __global__ void __launch_bounds__(FlashConfig<D>::kBwdThreads, 1)
 }
 
 template <typename T, int D>
+size_t flash_bwd_smem_bytes() {
+  return BwdSmem<T, D>::kBytes;
+}
+
+template <typename T, int D>
 cudaError_t run_flash_bwd(const dtrain_attention_bwd_params& p, cudaStream_t stream) {
   using C = FlashConfig<D>;
   return run_bwd_passes<T, DqRows<D>>(p, stream, [&](float* dq_accum, const float* delta) {
-    const size_t smem = BwdSmem<T, D>::kBytes;
+    const size_t smem = flash_bwd_smem_bytes<T, D>();
     auto* kernel = [] {
       if constexpr (C::kBwdSplit == 1) {
         return flash_bwd_kernel<T, D>;

@@ -1,6 +1,7 @@
-// Flash attention backward, head dim 256, fp16 (one instantiation per file).
+// Flash attention backward, head dim 256, fp16 (one dtype and head dim per file).
 #include "attention/flash_bwd.cuh"
 
 namespace dtrain_kernels {
 template cudaError_t run_flash_bwd<__half, 256>(const dtrain_attention_bwd_params&, cudaStream_t);
+template size_t flash_bwd_smem_bytes<__half, 256>();
 }  // namespace dtrain_kernels

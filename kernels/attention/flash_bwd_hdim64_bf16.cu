@@ -1,6 +1,7 @@
-// Flash attention backward, head dim 64, bf16 (one instantiation per file).
+// Flash attention backward, head dim 64, bf16 (one dtype and head dim per file).
 #include "attention/flash_bwd.cuh"
 
 namespace dtrain_kernels {
 template cudaError_t run_flash_bwd<__nv_bfloat16, 64>(const dtrain_attention_bwd_params&, cudaStream_t);
+template size_t flash_bwd_smem_bytes<__nv_bfloat16, 64>();
 }  // namespace dtrain_kernels

@@ -266,6 +266,11 @@ __global__ void __launch_bounds__(FlashBwdSm90Config<D>::kThreads, 1)
 #endif
 }
 
+template <typename T, int D>
+size_t flash_bwd_sm90_smem_bytes() {
+  return FlashBwdSm90Config<D>::kSmemBytes;
+}
+
 // cudaErrorNotSupported when the tensor maps cannot describe q, k, v or dout (the caller
 // then runs mma.sync), before anything is launched.
 template <typename T, int D>

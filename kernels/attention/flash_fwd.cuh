@@ -102,10 +102,15 @@ __global__ void __launch_bounds__(FlashConfig<D>::kFwdThreads) flash_fwd_kernel(
 }
 
 template <typename T, int D>
+size_t flash_fwd_smem_bytes() {  // Q, K and V tiles
+  using C = FlashConfig<D>;
+  return sizeof(T) * static_cast<size_t>(C::kFwdBlockM + 2 * C::kFwdBlockN) * C::kPitch;
+}
+
+template <typename T, int D>
 cudaError_t run_flash_fwd(const dtrain_attention_fwd_params& p, cudaStream_t stream) {
   using C = FlashConfig<D>;
-  const size_t smem = sizeof(T) * static_cast<size_t>(C::kFwdBlockM + 2 * C::kFwdBlockN) * C::kPitch;
-  return launch_fwd<C::kFwdBlockM>(flash_fwd_kernel<T, D>, p, C::kFwdThreads, smem, stream);
+  return launch_fwd<C::kFwdBlockM>(flash_fwd_kernel<T, D>, p, C::kFwdThreads, flash_fwd_smem_bytes<T, D>(), stream);
 }
 
 }  // namespace dtrain_kernels

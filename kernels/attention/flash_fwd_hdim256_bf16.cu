@@ -1,6 +1,7 @@
-// Flash attention forward, head dim 256, bf16 (one instantiation per file).
+// Flash attention forward, head dim 256, bf16 (one dtype and head dim per file).
 #include "attention/flash_fwd.cuh"
 
 namespace dtrain_kernels {
 template cudaError_t run_flash_fwd<__nv_bfloat16, 256>(const dtrain_attention_fwd_params&, cudaStream_t);
+template size_t flash_fwd_smem_bytes<__nv_bfloat16, 256>();
 }  // namespace dtrain_kernels

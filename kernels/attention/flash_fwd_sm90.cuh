@@ -1,6 +1,6 @@
 // Flash attention forward on Hopper (sm_90a), FlashAttention-3's structure: a block of
 // three warpgroups owns 128 query rows of one (batch, head). Warpgroup 0 is the producer:
-// one thread issues bulk tensor copies (TMA) of Q and of each 128-key K and V tile into a
+// one thread issues bulk tensor copies (TMA) of Q and of each 128-key (64 at D 256) K and V tile into a
 // ring of stages (shared memory, 128-byte swizzle), each stage with a "full" mbarrier
 // (the copy's bytes landed) and an "empty" one (both consumers are done with it); it
 // gives its registers to the consumers (setmaxnreg). Warpgroups 1 and 2 own 64 query
@@ -26,7 +26,10 @@ struct FlashSm90Config {
   static constexpr int kConsumers = 2;  // warpgroups of 64 query rows
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kBlockM = 64 * kConsumers;
-  static constexpr int kBlockN = 128;
+  // Key tiles of 128; of 64 at D 256, where O's accumulators alone take 128 registers a
+  // thread (S of 128 keys would leave too few) and two stages of 128-key K and V tiles
+  // would not fit in shared memory beside Q.
+  static constexpr int kBlockN = D == 256 ? 64 : 128;
   static constexpr int kStages = D == 64 ? 3 : 2;  // K/V ring
   static constexpr int kBox = kSwizzleBox;         // columns per copy
   static constexpr int kProducerRegs = 32, kConsumerRegs = 240;
@@ -250,6 +253,11 @@ __global__ void __launch_bounds__(FlashSm90Config<D>::kThreads, 1)
 #else
   __trap();  // built without sm_90a: the launcher never starts this kernel
 #endif
+}
+
+template <typename T, int D>
+size_t flash_fwd_sm90_smem_bytes() {
+  return FlashSm90Config<D>::kSmemBytes;
 }
 
 template <typename T, int D>

@@ -84,6 +84,9 @@ dtrain_emu_switch:
 )");
 namespace dtrain_emu {
 namespace {
+// What the emulated device gives a block of shared memory: Hopper's 227 KB unless a test
+// sets another (dtrain_emu_set_block_smem_limit).
+std::size_t block_smem_limit = 227 * 1024;
 struct Context {
   void* sp = nullptr;
   const void* bottom = nullptr;  // the stack, for AddressSanitizer
@@ -473,6 +476,7 @@ void run_block(int threads) {
 void launch(dim3 grid, dim3 block, std::size_t smem, const std::function<void()>& body) {
   const int threads = static_cast<int>(block.x * block.y * block.z);
   if (threads <= 0 || threads > 1024) throw std::runtime_error("emulator: bad block size");
+  if (smem > block_smem_limit) throw std::runtime_error("emulator: more shared memory than a block can have");
   grid_dim = grid;
   block_dim = block;
   s.body = &body;
@@ -648,13 +652,20 @@ void stmatrix_x4(const std::uint32_t in[4], void* row, bool trans) {
 }
 
 cudaError_t get_last_error() { return cudaSuccess; }
-cudaError_t func_set_attribute() { return cudaSuccess; }
+cudaError_t func_set_attribute(cudaFuncAttribute attr, int value) {
+  // As on a GPU: more dynamic shared memory than a block can have is an invalid value.
+  const bool too_much = attr == cudaFuncAttributeMaxDynamicSharedMemorySize &&
+                        (value < 0 || static_cast<std::size_t>(value) > block_smem_limit);
+  return too_much ? cudaErrorInvalidValue : cudaSuccess;
+}
 cudaError_t get_device(int* device) {
   *device = 0;
   return cudaSuccess;
 }
 cudaError_t device_get_attribute(int* value, cudaDeviceAttr attr, int) {
-  *value = attr == cudaDevAttrMultiProcessorCount ? 4 : 0;
+  *value = attr == cudaDevAttrMultiProcessorCount           ? 4
+           : attr == cudaDevAttrMaxSharedMemoryPerBlockOptin ? static_cast<int>(block_smem_limit)
+                                                             : 0;
   return cudaSuccess;
 }
 
@@ -1032,3 +1043,5 @@ void named_barrier_sync(int id, int threads) { named_arrive(id, threads, true); 
 void named_barrier_arrive(int id, int threads) { named_arrive(id, threads, false); }
 
 }  // namespace dtrain_emu
+
+extern "C" void dtrain_emu_set_block_smem_limit(size_t bytes) { dtrain_emu::block_smem_limit = bytes; }

@@ -125,7 +125,7 @@ void named_barrier_arrive(int id, int threads);
 
 // What the kernels' launch checks read.
 cudaError_t get_last_error();
-cudaError_t func_set_attribute();
+cudaError_t func_set_attribute(cudaFuncAttribute attr, int value);
 cudaError_t get_device(int* device);
 cudaError_t device_get_attribute(int* value, cudaDeviceAttr attr, int device);
 
@@ -152,7 +152,7 @@ cudaError_t device_get_attribute(int* value, cudaDeviceAttr attr, int device);
 #define __launch_bounds__(...)
 #define __grid_constant__
 #define cudaGetLastError ::dtrain_emu::get_last_error
-#define cudaFuncSetAttribute(...) ::dtrain_emu::func_set_attribute()
+#define cudaFuncSetAttribute(kernel, attr, value) ::dtrain_emu::func_set_attribute(attr, value)
 #define cudaGetDevice ::dtrain_emu::get_device
 #define cudaDeviceGetAttribute ::dtrain_emu::device_get_attribute
 #define cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, ...) (*(blocks) = 2, cudaSuccess)

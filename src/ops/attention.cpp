@@ -12,6 +12,8 @@
 #include <limits>
 #include <list>
 #include <optional>
+#include <type_traits>
+#include <utility>
 
 #include "dtrain/core/env.hpp"
 #include "dtrain/core/error.hpp"
@@ -229,8 +231,10 @@ void check_kernel_inputs(const at::Tensor& q) {
 }
 
 // The kernel DTRAIN_ATTENTION_KERNEL asks for; one this build and device cannot run, or
-// that has no kernel for this head dim (wgmma above 128), is an error naming the variable.
-dtrain_attention_kernel chosen_kernel(std::int64_t head_dim) {
+// that has no kernel for this head dim in a pass that will run (wgmma's backward above
+// 128), is an error naming the variable. A forward that will have a backward checks both,
+// so that a training step fails before it runs anything.
+dtrain_attention_kernel chosen_kernel(std::int64_t head_dim, bool forward, bool backward) {
   const std::string name = env::attention_kernel();
   const auto kernel = name == "mma"     ? DTRAIN_ATTENTION_KERNEL_MMA
                       : name == "wgmma" ? DTRAIN_ATTENTION_KERNEL_WGMMA
@@ -238,14 +242,43 @@ dtrain_attention_kernel chosen_kernel(std::int64_t head_dim) {
   DTRAIN_OP_CHECK(dtrain_attention_kernel_available(kernel), kOp, env::kAttentionKernel, "=", name,
                   " cannot run here (wgmma needs a compute capability 9.0 GPU and a library built for sm_90a); "
                   "allowed here: auto, mma");
-  DTRAIN_OP_CHECK(dtrain_attention_kernel_takes_head_dim(kernel, head_dim), kOp, env::kAttentionKernel, "=", name,
-                  " has no kernel for head_dim ", head_dim, " (wgmma's go up to 128); allowed: auto, mma (auto runs "
+  DTRAIN_OP_CHECK(!forward || dtrain_attention_fwd_kernel_takes_head_dim(kernel, head_dim), kOp,
+                  env::kAttentionKernel, "=", name, " has no forward kernel for head_dim ", head_dim,
+                  "; allowed: auto, mma");
+  DTRAIN_OP_CHECK(!backward || dtrain_attention_bwd_kernel_takes_head_dim(kernel, head_dim), kOp,
+                  env::kAttentionKernel, "=", name, " has no backward kernel for head_dim ", head_dim,
+                  " (wgmma's backward goes up to 128, its forward to 256); allowed: auto, mma (auto's backward runs "
                   "mma.sync there)");
   return kernel;
 }
 
+// Whether this device gives a block the shared memory of the kernels a launch at head_dim
+// runs, in the passes that will run: D 256 (head dims 129-256) does not fit GPUs of 99 KB
+// a block (compute capability 8.6, 8.9, 12.x). An error names the head dim, the bytes
+// needed and given, and the head dims that fit.
+void check_shared_memory(dtrain_attention_kernel kernel, std::int64_t head_dim, bool forward, bool backward) {
+  const std::size_t have = dtrain_attention_device_smem_bytes();
+  auto need = [&](std::int64_t d) {  // (forward, backward) per block; 0 for a pass that will not run
+    return std::make_pair(forward ? dtrain_attention_fwd_smem_bytes(kernel, d) : 0,
+                          backward ? dtrain_attention_bwd_smem_bytes(kernel, d) : 0);
+  };
+  const auto [fwd, bwd] = need(head_dim);
+  if (fwd <= have && bwd <= have) return;
+  std::int64_t largest = 0;
+  for (std::int64_t d = 8; d < head_dim; d += 8) {
+    const auto [f, b] = need(d);
+    if (f <= have && b <= have) largest = d;
+  }
+  DTRAIN_OP_CHECK(false, kOp, "head_dim ", head_dim, ": the ", fwd > have ? "forward" : "backward", " kernel needs ",
+                  fwd > have ? fwd : bwd, " bytes of shared memory per block and this GPU gives a block ", have,
+                  "; allowed here: head_dim up to ", largest, " (or use --attention sdpa)");
+}
+
+// Fills the params' shape, mask and kernel; `with_backward`: a forward whose backward will
+// run (its kernel is checked too).
 template <typename Params>
-void fill_shape(Params& p, const at::Tensor& q, const at::Tensor& k, const Mask& mask, double scale) {
+void fill_shape(Params& p, const at::Tensor& q, const at::Tensor& k, const Mask& mask, double scale,
+                bool with_backward) {
   p.batch = q.size(0);
   p.heads = q.size(1);
   p.kv_heads = k.size(1);
@@ -261,12 +294,15 @@ void fill_shape(Params& p, const at::Tensor& q, const at::Tensor& k, const Mask&
                    mask.doc_start.size(1)};
   }
   p.dtype = detail::kernel_dtype(q, kOp, "q");
-  p.kernel = chosen_kernel(p.head_dim);
+  constexpr bool kForward = std::is_same<Params, dtrain_attention_fwd_params>::value;
+  p.kernel = chosen_kernel(p.head_dim, kForward, !kForward || with_backward);
+  check_shared_memory(p.kernel, p.head_dim, kForward, !kForward || with_backward);
 }
 
 std::pair<at::Tensor, at::Tensor> kernel_forward(at::Tensor q, at::Tensor k, at::Tensor v, const Mask& mask,
                                                  double scale) {
   check_kernel_inputs(q);
+  const bool with_backward = q.requires_grad() || k.requires_grad() || v.requires_grad();
   q = kernel_layout(q), k = kernel_layout(k), v = kernel_layout(v);
   const detail::DeviceGuard guard(q.device());
   // o laid out [B, T, H, D]: the model's transpose back to [B, T, H * D] is free.
@@ -282,7 +318,7 @@ std::pair<at::Tensor, at::Tensor> kernel_forward(at::Tensor q, at::Tensor k, at:
   p.k_stride = strides_of(k);
   p.v_stride = strides_of(v);
   p.o_stride = strides_of(o);
-  fill_shape(p, q, k, mask, scale);
+  fill_shape(p, q, k, mask, scale, with_backward);
   auto workspace = at::empty({static_cast<std::int64_t>(dtrain_attention_fwd_workspace_bytes(&p) / sizeof(int))},
                              q.options().dtype(at::kInt));
   p.workspace = workspace.data_ptr();
@@ -314,7 +350,7 @@ std::vector<at::Tensor> kernel_backward(at::Tensor q, at::Tensor k, at::Tensor v
   p.dq_stride = strides_of(dq);
   p.dk_stride = strides_of(dk);
   p.dv_stride = strides_of(dv);
-  fill_shape(p, q, k, mask, scale);
+  fill_shape(p, q, k, mask, scale, /*with_backward=*/true);
   auto workspace = at::empty({static_cast<std::int64_t>(dtrain_attention_bwd_workspace_bytes(&p) / sizeof(float))},
                              q.options().dtype(at::kFloat));
   p.workspace = workspace.data_ptr();

@@ -819,9 +819,10 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
       {2, 4, 2, 90, 260, 128, true, at::kBFloat16, 0, 40, 150}, {1, 2, 1, 60, 250, 96, true, at::kHalf, 30, 25, 190},
       {1, 2, 1, 100, 200, 64, true, at::kBFloat16, 0, 0, 300}, {1, 2, 1, 130, 150, 128, true, at::kHalf, 120, 0, 200},
       {1, 4, 2, 60, 120, 64, true, at::kBFloat16, 0, 30, 100},
-      // Head dims above 128: mma.sync's D 256 kernels (a backward block of 8 warps, two per
-      // 16 keys), which wgmma leaves to it; 136 and 200 zero-padded into them; GQA, a
-      // window, documents, an offset.
+      // Head dims above 128: D 256 kernels (mma.sync's backward: a block of 8 warps, two
+      // per 16 keys; wgmma's forward: key tiles of 64, so several per block here), and
+      // wgmma's backward leaves them to mma.sync; 136 and 200 zero-padded into them; GQA,
+      // a window, documents, an offset.
       {1, 2, 1, 100, 100, 256, true, at::kBFloat16},  {1, 2, 2, 70, 130, 256, false, at::kHalf},
       {1, 4, 2, 150, 150, 200, true, at::kHalf, 70},  {1, 2, 1, 90, 90, 136, false, at::kBFloat16},
       {1, 2, 1, 130, 130, 256, true, at::kBFloat16, 0, 40},
@@ -883,9 +884,9 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
     // emulator; see attention_kernels), each into fresh poisoned outputs; the backward
     // takes the last one's.
     for (auto kernel : attention_kernels()) {
-    if (!dtrain_attention_kernel_takes_head_dim(kernel, c.dim)) {
-      // wgmma above 128 (after the mma.sync run): asked for by name, refused, and nothing
-      // written; AUTO, which picks wgmma for the head dims it has, runs mma.sync.
+    if (!dtrain_attention_fwd_kernel_takes_head_dim(kernel, c.dim)) {
+      // A kernel without this head dim (none today: the forward's wgmma goes up to 256, as
+      // mma.sync): asked for by name, refused, and nothing written; AUTO runs mma.sync.
       auto o2 = poisoned({c.batch, c.heads, c.seq_q, c.dim}, c.type);
       auto lse2 = poisoned({c.batch, c.heads, c.seq_q}, at::kFloat);
       auto g = fwd_params(qd, kd, vd, o2, lse2, c.causal, scale, kernel, c.window, c.offset);
@@ -964,7 +965,9 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
     for (auto kernel : attention_kernels()) {
     auto dq = poisoned({c.batch, c.heads, c.seq_q, c.dim}, c.type);
     auto dk = poisoned(k.sizes(), c.type), dv = poisoned(v.sizes(), c.type);
-    if (!dtrain_attention_kernel_takes_head_dim(kernel, c.dim)) {  // as in the forward
+    if (!dtrain_attention_bwd_kernel_takes_head_dim(kernel, c.dim)) {
+      // wgmma's backward above 128 (after the mma.sync run): asked for by name, refused, and
+      // nothing written; AUTO, which picks wgmma for the head dims it has, runs mma.sync.
       auto g = bwd_params(f, o, dod, dq, dk, dv, kernel);
       EXPECT_EQ(run_bwd(g), cudaErrorInvalidValue) << "wgmma at head dim " << c.dim;
       EXPECT_TRUE(dq.isnan().all().item<bool>()) << "a refused backward wrote dq";
@@ -990,17 +993,78 @@ TEST(KERNEL_SUITE(FlashAttention), RefusesWhatItDoesNotTake) {
   EXPECT_EQ(dtrain_attention_fwd(&f, nullptr), cudaErrorInvalidValue);
   for (std::int64_t d : {8, 32, 40, 64, 80, 96, 120, 128, 136, 200, 256}) {
     EXPECT_EQ(dtrain_attention_supports_head_dim(d), 1) << d;
-    EXPECT_EQ(dtrain_attention_kernel_takes_head_dim(DTRAIN_ATTENTION_KERNEL_AUTO, d), 1) << d;
-    EXPECT_EQ(dtrain_attention_kernel_takes_head_dim(DTRAIN_ATTENTION_KERNEL_MMA, d), 1) << d;
-    EXPECT_EQ(dtrain_attention_kernel_takes_head_dim(DTRAIN_ATTENTION_KERNEL_WGMMA, d), d <= 128 ? 1 : 0) << d;
+    for (auto kernel : {DTRAIN_ATTENTION_KERNEL_AUTO, DTRAIN_ATTENTION_KERNEL_MMA}) {
+      EXPECT_EQ(dtrain_attention_fwd_kernel_takes_head_dim(kernel, d), 1) << d;
+      EXPECT_EQ(dtrain_attention_bwd_kernel_takes_head_dim(kernel, d), 1) << d;
+    }
+    EXPECT_EQ(dtrain_attention_fwd_kernel_takes_head_dim(DTRAIN_ATTENTION_KERNEL_WGMMA, d), 1) << d;
+    EXPECT_EQ(dtrain_attention_bwd_kernel_takes_head_dim(DTRAIN_ATTENTION_KERNEL_WGMMA, d), d <= 128 ? 1 : 0) << d;
   }
   for (std::int64_t d : {0, 4, 12, 100, 260, 264, 512}) {
     EXPECT_EQ(dtrain_attention_supports_head_dim(d), 0) << d;
-    EXPECT_EQ(dtrain_attention_kernel_takes_head_dim(DTRAIN_ATTENTION_KERNEL_AUTO, d), 0) << d;
+    for (auto kernel : {DTRAIN_ATTENTION_KERNEL_AUTO, DTRAIN_ATTENTION_KERNEL_MMA, DTRAIN_ATTENTION_KERNEL_WGMMA}) {
+      EXPECT_EQ(dtrain_attention_fwd_kernel_takes_head_dim(kernel, d), 0) << d;
+      EXPECT_EQ(dtrain_attention_bwd_kernel_takes_head_dim(kernel, d), 0) << d;
+    }
   }
   EXPECT_EQ(dtrain_attention_kernel_available(DTRAIN_ATTENTION_KERNEL_AUTO), 1);
   EXPECT_EQ(dtrain_attention_kernel_available(DTRAIN_ATTENTION_KERNEL_MMA), 1);
   EXPECT_EQ(dtrain_attention_kernel_available(static_cast<dtrain_attention_kernel>(7)), 0);
+}
+
+// The kernels' shared memory per block against what GPUs give a block: every mma.sync
+// kernel fits an A100's 163 KB (so sm_80 runs every head dim) and, up to head dim 128,
+// the 99 KB of compute capability 8.6, 8.9 and 12.x; the D 256 kernels do not, and a launch
+// of one where it does not fit is refused with nothing written (the emulator's device
+// set to 99 KB a block), while the head dims that fit still run. wgmma's all fit Hopper's
+// 227 KB. A head dim reports its kernel's (136 runs in 256's).
+TEST(KERNEL_SUITE(FlashAttention), SharedMemoryPerBlockFitsTheDevice) {
+  KERNEL_DEVICE_OR_SKIP();
+  constexpr std::size_t kA100 = 163 * 1024, kSm89 = 99 * 1024, kHopper = 227 * 1024;
+  for (std::int64_t d = 8; d <= 256; d += 8) {
+    const std::size_t fwd = dtrain_attention_fwd_smem_bytes(DTRAIN_ATTENTION_KERNEL_MMA, d),
+                      bwd = dtrain_attention_bwd_smem_bytes(DTRAIN_ATTENTION_KERNEL_MMA, d);
+    EXPECT_GT(fwd, 0u) << d;
+    EXPECT_GT(bwd, 0u) << d;
+    EXPECT_LE(std::max(fwd, bwd), kA100) << d;
+    EXPECT_EQ(std::max(fwd, bwd) <= kSm89, d <= 128) << d << ": " << fwd << ", " << bwd;
+    if (dtrain_attention_kernel_available(DTRAIN_ATTENTION_KERNEL_WGMMA)) {
+      EXPECT_LE(dtrain_attention_fwd_smem_bytes(DTRAIN_ATTENTION_KERNEL_WGMMA, d), kHopper) << d;
+      EXPECT_EQ(dtrain_attention_bwd_smem_bytes(DTRAIN_ATTENTION_KERNEL_WGMMA, d) > 0, d <= 128) << d;
+      EXPECT_EQ(dtrain_attention_bwd_smem_bytes(DTRAIN_ATTENTION_KERNEL_AUTO, d),
+                d <= 128 ? dtrain_attention_bwd_smem_bytes(DTRAIN_ATTENTION_KERNEL_WGMMA, d) : bwd) << d;
+    }
+  }
+  EXPECT_EQ(dtrain_attention_fwd_smem_bytes(DTRAIN_ATTENTION_KERNEL_MMA, 136),
+            dtrain_attention_fwd_smem_bytes(DTRAIN_ATTENTION_KERNEL_MMA, 256));
+  EXPECT_EQ(dtrain_attention_fwd_smem_bytes(DTRAIN_ATTENTION_KERNEL_MMA, 100), 0u);  // no kernel
+  EXPECT_GT(dtrain_attention_device_smem_bytes(), 0u);
+#ifdef DTRAIN_KERNELS_EMULATE
+  const ScopedBlockSmemLimit limit(kSm89);
+  EXPECT_EQ(dtrain_attention_device_smem_bytes(), kSm89);
+  torch::manual_seed(13);
+  for (std::int64_t d : {64, 256}) {
+    SCOPED_TRACE("head dim " + std::to_string(d));
+    auto q = dev(torch::randn({1, 2, 40, d}).to(at::kBFloat16)), k = dev(torch::randn({1, 2, 40, d}).to(at::kBFloat16));
+    auto o = poisoned({1, 2, 40, d}, at::kBFloat16), lse = poisoned({1, 2, 40}, at::kFloat);
+    auto f = fwd_params(q, k, k, o, lse, true, 0.125, DTRAIN_ATTENTION_KERNEL_MMA);
+    EXPECT_EQ(run_fwd(f), d <= 128 ? cudaSuccess : cudaErrorInvalidValue);
+    EXPECT_EQ(o.isnan().all().item<bool>(), d > 128) << "a refused forward wrote its output";
+    if (d <= 128) {
+      auto dq = poisoned({1, 2, 40, d}, at::kBFloat16), dk = poisoned({1, 2, 40, d}, at::kBFloat16),
+           dv = poisoned({1, 2, 40, d}, at::kBFloat16);
+      auto g = bwd_params(f, o, q, dq, dk, dv, DTRAIN_ATTENTION_KERNEL_MMA);
+      EXPECT_EQ(run_bwd(g), cudaSuccess);
+      EXPECT_FALSE(dq.isnan().any().item<bool>());
+    } else {  // the backward on the forward's inputs as its own: refused too, nothing written
+      auto dq = poisoned({1, 2, 40, d}, at::kBFloat16), dk = poisoned({1, 2, 40, d}, at::kBFloat16),
+           dv = poisoned({1, 2, 40, d}, at::kBFloat16);
+      auto g = bwd_params(f, q, q, dq, dk, dv, DTRAIN_ATTENTION_KERNEL_MMA);
+      EXPECT_EQ(run_bwd(g), cudaErrorInvalidValue);
+      EXPECT_TRUE(dq.isnan().all().item<bool>() && dk.isnan().all().item<bool>());
+    }
+  }
+#endif
 }
 
 // The wgmma kernels load through tensor maps, which cannot step a kv head of stride 0 (a

@@ -21,6 +21,13 @@ inline at::Device kernel_device() { return at::kCPU; }
 inline void kernel_sync() {}
 #define KERNEL_DEVICE_OR_SKIP()
 constexpr bool kLargeCases = false;  // the emulator runs a block in milliseconds, not microseconds
+// The emulated device gives a block `bytes` of shared memory while this lives (then 227 KB).
+struct ScopedBlockSmemLimit {
+  explicit ScopedBlockSmemLimit(std::size_t bytes) { dtrain_emu_set_block_smem_limit(bytes); }
+  ~ScopedBlockSmemLimit() { dtrain_emu_set_block_smem_limit(227 * 1024); }
+  ScopedBlockSmemLimit(const ScopedBlockSmemLimit&) = delete;
+  ScopedBlockSmemLimit& operator=(const ScopedBlockSmemLimit&) = delete;
+};
 #else
 #define KERNEL_SUITE(name) Gpu##name
 inline at::Device kernel_device() { return at::kCUDA; }

@@ -89,9 +89,24 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionAutogradMatchesTheReferencePath) {
     const std::int64_t window = mask.window, nq = mask.offset > 0 ? nt / 2 : nt;
     for (std::int64_t d : {64, 128, 32, 80, 256}) {
       auto q = torch::randn({nb, nh, nq, d}), k = torch::randn({nb, 2, nt, d}), v = torch::randn({nb, 2, nt, d});
-      if (!dtrain_attention_kernel_takes_head_dim(kernel, d)) {  // wgmma above 128, by name: an error naming it
-        auto qc = q.to(kernel_device(), at::kBFloat16);
-        EXPECT_THROW(ops::flash_attention(qc, qc, qc, true), InvalidArgument) << "wgmma at head dim " << d;
+      if (!dtrain_attention_bwd_kernel_takes_head_dim(kernel, d)) {
+        // wgmma's backward above 128, by name: a forward that will have a backward is an
+        // error naming it, before anything runs; one without (no input requires grad) runs
+        // wgmma's forward, within twice sdpa's error as the others.
+        ASSERT_TRUE(dtrain_attention_fwd_kernel_takes_head_dim(kernel, d)) << d;
+        auto forward = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, bool sdpa) {
+          const auto documents = mask.documents.defined() ? mask.documents.to(a.device()) : at::Tensor();
+          auto o = sdpa ? ops::attention(a, b, c, causal, 0.0, ops::AttentionBackend::kSdpa, window, documents,
+                                         mask.offset)
+                        : ops::flash_attention(a, b, c, causal, 0.0, window, documents, mask.offset);
+          return o.cpu().to(at::kDouble);
+        };
+        auto cu = [](const at::Tensor& t) { return t.to(kernel_device(), at::kBFloat16); };
+        EXPECT_THROW(forward(cu(q).requires_grad_(), cu(k), cu(v), false), InvalidArgument) << "wgmma, d " << d;
+        const auto want = forward(q.to(at::kDouble), k.to(at::kDouble), v.to(at::kDouble), false);
+        const double e = (forward(cu(q), cu(k), cu(v), false) - want).abs().max().item<double>();
+        const double base = (forward(cu(q), cu(k), cu(v), true) - want).abs().max().item<double>();
+        EXPECT_LE(e, 2 * base + 1e-3) << "wgmma forward, d " << d << ": flash " << e << ", sdpa " << base;
         continue;
       }
       auto dout = torch::randn({nb, nh, nq, d});
@@ -218,6 +233,33 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionBlocksMergeToTheWhole) {
       testing::error_message([&] { ops::flash_attention_backward(q, q, q, q, torch::zeros({1, 2, 7}), q, true); }),
       {"lse must be [batch, heads, seq_q] = [1, 2, 8]", "[1, 2, 7]"});
 }
+
+#ifdef DTRAIN_KERNELS_EMULATE
+// On a GPU that gives a block 99 KB of shared memory (compute capability 8.6, 8.9, 12.x;
+// the emulated device set so), head dims whose kernels need more (129-256) are an error
+// naming the head dim, the bytes and the head dims that fit, before anything runs; a
+// forward alone is checked for its own kernel only. Head dim 128 still trains. (mma.sync:
+// wgmma's GPUs give 227 KB.)
+TEST(KERNEL_SUITE(Ops), FlashAttentionHeadDimsBeyondTheGpusSharedMemoryAreAnError) {
+  const ScopedBlockSmemLimit limit(99 * 1024);
+  env::ScopedOverride mma(env::kAttentionKernel, "mma");
+  const auto options = torch::TensorOptions().device(kernel_device()).dtype(torch::kBFloat16);
+  for (std::int64_t d : {256, 136}) {
+    auto q = torch::randn({1, 2, 8, d}, options);
+    const std::string message = testing::error_message([&] {
+      auto qg = q.detach().requires_grad_();
+      ops::flash_attention(qg, q, q, true);
+    });
+    testing::expect_has(message, {"head_dim " + std::to_string(d) + ": the ", "kernel needs ",
+                                  "bytes of shared memory per block and this GPU gives a block 101376",
+                                  "allowed here: head_dim up to 128", "--attention sdpa"});
+    EXPECT_THROW(ops::flash_attention(q, q, q, true), InvalidArgument) << "the forward alone, d " << d;
+  }
+  auto q = torch::randn({1, 2, 8, 128}, options).requires_grad_();
+  ops::flash_attention(q, q, q, true).sum().backward();
+  EXPECT_TRUE(q.grad().isfinite().all().item<bool>());
+}
+#endif
 
 // Attention on q, k, v [B, H, S, D] as a function of the three (inputs requiring grad).
 using AttentionFn = std::function<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>;

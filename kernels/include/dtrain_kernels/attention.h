@@ -1,5 +1,6 @@
 /* Flash attention (FlashAttention-2's algorithm) for bfloat16 / float16 inputs with
- * float32 accumulation, head dims that are multiples of 8 up to 256 (above 128: mma.sync only), causal or not,
+ * float32 accumulation, head dims that are multiples of 8 up to 256 (the backward above
+ * 128: mma.sync only), causal or not,
  * grouped-query attention (heads a multiple of kv_heads; query head h reads kv head
  * h / (heads / kv_heads)).
  * q, o: [batch, heads, seq_q, head_dim]; k, v: [batch, kv_heads, seq_k, head_dim], each
@@ -104,12 +105,23 @@ size_t dtrain_attention_fwd_workspace_bytes(const dtrain_attention_fwd_params* p
 size_t dtrain_attention_bwd_workspace_bytes(const dtrain_attention_bwd_params* params);
 /* Whether the kernels take this head dim (multiples of 8 from 8 to 256). */
 int dtrain_attention_supports_head_dim(int64_t head_dim);
-/* Whether a launch asking for this kernel takes this head dim: AUTO and MMA as above,
- * WGMMA up to 128 (AUTO runs mma.sync above that, on Hopper too). */
-int dtrain_attention_kernel_takes_head_dim(dtrain_attention_kernel kernel, int64_t head_dim);
+/* Whether a forward / backward launch asking for this kernel takes this head dim: AUTO
+ * and MMA as above; WGMMA's forward up to 256, its backward up to 128 (AUTO's backward
+ * runs mma.sync above that, on Hopper too). */
+int dtrain_attention_fwd_kernel_takes_head_dim(dtrain_attention_kernel kernel, int64_t head_dim);
+int dtrain_attention_bwd_kernel_takes_head_dim(dtrain_attention_kernel kernel, int64_t head_dim);
 /* Whether dtrain_attention_fwd / _bwd can run this kernel on the current device (the
  * emulated build: every kernel). Asking for one that cannot run is cudaErrorInvalidValue. */
 int dtrain_attention_kernel_available(dtrain_attention_kernel kernel);
+/* Shared memory per block, in bytes: what a block of the forward / backward kernel that a
+ * launch asking for `kernel` at this head dim runs on the current device takes (0: none
+ * runs), and the most the current device gives a block
+ * (cudaDevAttrMaxSharedMemoryPerBlockOptin; 0 without a device). A launch whose kernel
+ * needs more than that is cudaErrorInvalidValue, before anything runs: head dim 256
+ * (129-256) on GPUs of 99 KB a block (compute capability 8.6, 8.9, 12.x). */
+size_t dtrain_attention_fwd_smem_bytes(dtrain_attention_kernel kernel, int64_t head_dim);
+size_t dtrain_attention_bwd_smem_bytes(dtrain_attention_kernel kernel, int64_t head_dim);
+size_t dtrain_attention_device_smem_bytes(void);
 
 #ifdef __cplusplus
 }

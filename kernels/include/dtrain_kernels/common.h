@@ -27,7 +27,18 @@
 #define dtrain_attention_bwd_workspace_bytes dtrain_emu_attention_bwd_workspace_bytes
 #define dtrain_attention_supports_head_dim dtrain_emu_attention_supports_head_dim
 #define dtrain_attention_kernel_available dtrain_emu_attention_fwd_kernel_available
-#define dtrain_attention_kernel_takes_head_dim dtrain_emu_attention_kernel_takes_head_dim
+#define dtrain_attention_fwd_kernel_takes_head_dim dtrain_emu_attention_fwd_kernel_takes_head_dim
+#define dtrain_attention_bwd_kernel_takes_head_dim dtrain_emu_attention_bwd_kernel_takes_head_dim
+#define dtrain_attention_fwd_smem_bytes dtrain_emu_attention_fwd_smem_bytes
+#define dtrain_attention_bwd_smem_bytes dtrain_emu_attention_bwd_smem_bytes
+#define dtrain_attention_device_smem_bytes dtrain_emu_attention_device_smem_bytes
+/* For tests: the shared memory the emulated device gives a block (227 KB, Hopper's,
+ * unless set), which launches and dtrain_attention_device_smem_bytes see. */
+#ifdef __cplusplus
+extern "C" void dtrain_emu_set_block_smem_limit(size_t bytes);
+#else
+void dtrain_emu_set_block_smem_limit(size_t bytes);
+#endif
 #endif
 
 #ifdef __cplusplus
