@@ -116,6 +116,22 @@ at::ScalarType measured_dtype(const c10::Device& dev) {
 
 // ---- attention -------------------------------------------------------------------------
 
+// What dtrain's op runs for a pass at head dim d when DTRAIN_ATTENTION_KERNEL is `kernel`:
+// wgmma, mma (mma.sync) or reference (off CUDA), so that a row says which kernels its
+// figures are of (at D 256 on Hopper, AUTO's forward is wgmma and its backward mma.sync).
+std::string pass_kernel(const c10::Device& dev, const std::string& kernel, std::int64_t d, bool backward) {
+#ifdef DTRAIN_WITH_CUDA
+  if (!cuda(dev)) return "reference";
+  if (kernel == "mma" || !dtrain_attention_kernel_available(DTRAIN_ATTENTION_KERNEL_WGMMA)) return "mma";
+  const bool takes = backward ? dtrain_attention_bwd_kernel_takes_head_dim(DTRAIN_ATTENTION_KERNEL_WGMMA, d)
+                              : dtrain_attention_fwd_kernel_takes_head_dim(DTRAIN_ATTENTION_KERNEL_WGMMA, d);
+  return takes ? "wgmma" : "mma";
+#else
+  (void)kernel, (void)d, (void)backward;
+  return cuda(dev) ? "mma" : "reference";
+#endif
+}
+
 void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
   const auto dtype = cuda(dev) ? torch::kBFloat16 : torch::kFloat;
   std::printf("# attention (%s, %s): TFLOP/s, fwd, fwd+bwd and bwd (fwd+bwd time less fwd time); ratio = dtrain / "
@@ -129,7 +145,7 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
   both = cuda(dev) && kernel == "auto" && dtrain_attention_kernel_available(DTRAIN_ATTENTION_KERNEL_WGMMA);
 #endif
   std::printf("# dtrain_f, dtrain_fb: %s=%s%s\n", dtrain::env::kAttentionKernel, kernel.c_str(),
-              both ? " (wgmma here); mma_f, mma_fb: mma.sync" : "");
+              both ? " (wgmma here; above head dim 128 its backward is mma.sync's); mma_f, mma_fb: mma.sync" : "");
   const std::int64_t w = o.window, L = o.documents;
   if (L > 0) {
     std::printf("# documents of %lld tokens (causal only): flash_* = LibTorch's FlashAttention-2 varlen, cudnn_* = "
@@ -273,7 +289,9 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
         out.line({{"bench", "kernel"}, {"op", "attention"}, {"device", cuda(dev) ? "cuda" : "cpu"},
                   {"dtype", c10::toString(dtype)}, {"seq", s}, {"head_dim", d}, {"causal", causal}, {"window", w},
                   {"documents", L},
-                  {"batch", b}, {"heads", h}, {"kernel", kernel}, {"fwd_tflops", opt(r_ours.f)},
+                  {"batch", b}, {"heads", h}, {"kernel", kernel},
+                  {"fwd_kernel", pass_kernel(dev, kernel, d, false)}, {"bwd_kernel", pass_kernel(dev, kernel, d, true)},
+                  {"fwd_tflops", opt(r_ours.f)},
                   {"fwd_tflops_mma", opt(r_mma.f)}, {"fwd_tflops_" + base1, opt(r_flash.f)},
                   {"fwd_tflops_" + base2, opt(r_cudnn.f)}, {"fwdbwd_tflops", opt(r_ours.fb)},
                   {"fwdbwd_tflops_mma", opt(r_mma.fb)}, {"fwdbwd_tflops_" + base1, opt(r_flash.fb)},
