@@ -40,6 +40,7 @@ struct Options {
   bool moe_dropless = false;
   bool sequence_parallel = false;
   double dropout = 0.0;
+  double z_loss = 0.0;
   // Model: the preset, then any field overridden (-1 / empty: the preset's value).
   std::string preset = "tiny";
   std::string family, tie_embeddings, activation_checkpointing = "none";
@@ -105,6 +106,7 @@ void define(CLI::App& app, Options& o) {
   app.add_flag("--reset-position-ids", o.reset_position_ids, "with --document-separator: each document's positions count from 0 (Megatron's --reset-position-ids)")->group(model);
   app.add_flag("--qk-norm", o.qk_norm, "RMSNorm over each head's query and key before the rotary embedding (Megatron's --qk-layernorm; Qwen3, OLMo 2)")->group(model);
   app.add_option("--dropout", o.dropout, "dropout on embeddings, attention probabilities and residual branches (training only)")->group(model);
+  app.add_option("--z-loss", o.z_loss, "PaLM's z-loss coefficient: z x log(Z)^2 added to each token's training loss, Z its softmax's normaliser (PaLM: 1e-4; 0: none; validation loss leaves it out)")->group(model);
   app.add_option("--activation-checkpointing", o.activation_checkpointing, "none, full (every block recomputes its forward in backward), or N: the first N blocks of the model (of each pipeline chunk)")->group(model);
 
   const char* kernels = "Kernels";
@@ -293,6 +295,7 @@ dtrain::models::GptConfig model_config(const Options& o) {
   c.reset_position_ids = o.reset_position_ids;
   c.qk_norm = c.qk_norm || o.qk_norm;
   c.dropout = o.dropout;
+  c.z_loss = o.z_loss;
   c.attention = dtrain::ops::parse_attention_backend(o.attention);
   c.fused_norm = o.fused_norm;
   c.fused_ce = o.fused_ce;

@@ -44,7 +44,7 @@ __device__ __forceinline__ void for_row(const T* x, int64_t nv, F&& f) {
   }
 }
 
-// The gradient of row `row` given its log-sum-exp: (softmax - onehot(t)) * scale, walking
+// The gradient of row `row` given its log-sum-exp: (softmax (1 + 2 z lse) - onehot(t)) * scale, walking
 // the row last chunk first (the forward's last reads may still be in L2); zeros for an
 // ignored row. t: the target's column (outside [0, vocab): no onehot term here).
 template <int V, typename T>
@@ -60,6 +60,7 @@ __device__ __forceinline__ void write_grad(const dtrain_cross_entropy_fwd_params
     return;
   }
   const float scale = p.grad_scale / fmaxf(static_cast<float>(*p.count), 1.f), shift = -lse * kLog2e;
+  const float prob_scale = scale * fmaf(2.f * p.z_loss, lse, 1.f);  // the z-loss's share: softmax 2 z lse
   for_row<true, V>(x, nv, [&](int64_t j, const Vec<T, V>& r) {
     float f[V];
     to_floats(r, f);
@@ -68,7 +69,7 @@ __device__ __forceinline__ void write_grad(const dtrain_cross_entropy_fwd_params
 #pragma unroll
     for (int i = 0; i < V; ++i) {
       const float prob = fast_exp2(fmaf(f[i], kLog2e, shift));  // below 2^-126: 0
-      out.v[i] = from_float<T>((prob - (k == i ? 1.f : 0.f)) * scale);
+      out.v[i] = from_float<T>(fmaf(prob, prob_scale, k == i ? -scale : 0.f));
     }
     store_vec_streaming<V>(dx + j * V, out);
   });
@@ -112,7 +113,7 @@ __global__ void __launch_bounds__(kThreads) ce_fwd_kernel(dtrain_cross_entropy_f
     if (threadIdx.x == 0) {
       if (p.lse) p.lse[row] = lse;
       if (p.target_logit) p.target_logit[row] = xt;
-      if (p.loss) p.loss[row] = ignored ? 0.f : in_range ? lse - xt : NAN;
+      if (p.loss) p.loss[row] = ignored ? 0.f : in_range ? fmaf(p.z_loss * lse, lse, lse - xt) : NAN;
     }
   }
   if (p.dlogits) write_grad<V>(p, row, x, ignored, t, lse);
@@ -153,7 +154,9 @@ extern "C" cudaError_t dtrain_cross_entropy_fwd(const dtrain_cross_entropy_fwd_p
   const auto& p = *params;
   if (p.rows < 0 || p.rows > INT32_MAX || p.vocab <= 0 || p.logits_stride < p.vocab) return cudaErrorInvalidValue;
   if (p.rows == 0) return cudaSuccess;
-  if (!p.logits || !p.target || p.vocab_start < 0) return cudaErrorInvalidValue;
+  if (!p.logits || !p.target || p.vocab_start < 0 || !(p.z_loss >= 0.f) || !std::isfinite(p.z_loss)) {
+    return cudaErrorInvalidValue;
+  }
   if (p.given_lse && !p.dlogits) return cudaErrorInvalidValue;
   if (p.dlogits) {
     if (!p.count || !std::isfinite(p.grad_scale) || p.grad_scale == 0.f || p.dlogits_stride < p.vocab) {

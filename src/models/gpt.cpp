@@ -71,6 +71,8 @@ void GptConfig::validate() const {
                    "out of range; allowed: -1 (every block), 0 (none) or a number of blocks >= 1");
   DTRAIN_CHECK_ARG(dropout >= 0 && dropout < 1, "dropout=", dropout,
                    " is out of range; allowed: [0, 1)");
+  DTRAIN_CHECK_ARG(std::isfinite(z_loss) && z_loss >= 0, "z_loss=", z_loss,
+                   " (--z-loss) is out of range; allowed: a finite number >= 0 (0: none; PaLM: 1e-4)");
   moe.validate();
   DTRAIN_CHECK_ARG(attention != ops::AttentionBackend::kFlash || dropout == 0, "--attention flash has no dropout "
                    "(--dropout=", dropout, "); allowed: --dropout 0, or --attention sdpa");
@@ -779,10 +781,12 @@ torch::Tensor GptImpl::loss(const torch::Tensor& idx, const torch::Tensor& targe
 torch::Tensor GptImpl::loss_from_hidden(const torch::Tensor& hidden, const torch::Tensor& whole_targets) {
   DTRAIN_CHECK_ARG(stage_.head, "loss_from_hidden needs the stage that holds the head (the last)");
   const auto targets = cp::take_local(whole_targets, 1, ctx_->cp_size(), ctx_->cp_rank());
+  const double z_loss = is_training() ? config_.z_loss : 0.0;  // validation: the cross-entropy alone
   if (config_.fused_linear_ce) {  // the head (this rank's rows of it at tp > 1) and the loss in chunks
     ops::CrossEntropyOptions o;
     o.grad_scale = loss_grad_scale_;
     o.ignore_index = kIgnoreTarget;
+    o.z_loss = z_loss;
     const auto& w = config_.tie_embeddings ? tok_emb_->weight : lm_head_->weight;
     if (tp_.size == 1) {
       return ops::linear_cross_entropy(hidden.reshape({-1, hidden.size(-1)}), w, targets.reshape({-1}), o);
@@ -798,18 +802,22 @@ torch::Tensor GptImpl::loss_from_hidden(const torch::Tensor& hidden, const torch
     o.grad_scale = loss_grad_scale_;
     o.in_place = true;
     o.ignore_index = kIgnoreTarget;
+    o.z_loss = z_loss;
     const auto flat = logits.reshape({-1, logits.size(-1)});
     if (tp_.size == 1) return ops::cross_entropy(flat, targets.reshape({-1}), o);
     return tp::fused_vocab_parallel_cross_entropy(flat, targets.reshape({-1}), config_.vocab_size, tp_.comm, o);
   }
   if (tp_.size == 1) {
-    return torch::nn::functional::cross_entropy(
-        logits.reshape({-1, logits.size(-1)}).to(torch::kFloat), targets.reshape({-1}),
-        torch::nn::functional::CrossEntropyFuncOptions().ignore_index(kIgnoreTarget));
+    const auto flat = logits.reshape({-1, logits.size(-1)}).to(torch::kFloat), t = targets.reshape({-1});
+    auto loss = torch::nn::functional::cross_entropy(
+        flat, t, torch::nn::functional::CrossEntropyFuncOptions().ignore_index(kIgnoreTarget));
+    if (z_loss == 0) return loss;
+    const auto keep = t.ne(kIgnoreTarget);
+    return loss + z_loss * (flat.logsumexp(-1).square() * keep).sum() / keep.sum().clamp_min(1);
   }
   // Never the full logits: max, sum of exponentials and target logit reduced across tp.
-  return tp::vocab_parallel_cross_entropy(logits.reshape({-1, logits.size(-1)}),
-                                          targets.reshape({-1}), config_.vocab_size, tp_.comm, kIgnoreTarget);
+  return tp::vocab_parallel_cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}),
+                                          config_.vocab_size, tp_.comm, kIgnoreTarget, z_loss);
 }
 
 }  // namespace dtrain::models

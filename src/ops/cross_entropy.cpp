@@ -3,7 +3,8 @@
 // announced upstream gradient and saves it; the backward hands it over, rescaled on the
 // device when autograd's upstream gradient differs (a retained graph's later backwards
 // get a rescaled copy: the first one's may still be held, by a hook for one). The
-// reference path saves the logits and the row log-sum-exp and rebuilds softmax - onehot.
+// reference path saves the logits and the row log-sum-exp and rebuilds softmax - onehot
+// (softmax (1 + 2 z lse) - onehot with the z-loss).
 // Over a vocabulary split across ranks (options.combine) both paths exchange two floats
 // per row between their statistics and the gradient (two kernel calls on CUDA).
 #include "dtrain/ops/cross_entropy.hpp"
@@ -77,6 +78,7 @@ class CrossEntropyFn : public torch::autograd::Function<CrossEntropyFn> {
       p.dlogits = want_grad ? dlogits.data_ptr() : nullptr;
       p.count = count.data_ptr<std::int64_t>();
       p.grad_scale = static_cast<float>(o.grad_scale);
+      p.z_loss = static_cast<float>(o.z_loss);
       p.rows = rows;
       p.vocab = cols.valid;
       p.vocab_start = cols.start;
@@ -105,7 +107,7 @@ class CrossEntropyFn : public torch::autograd::Function<CrossEntropyFn> {
         const auto lse = all[0].to(at::kFloat).contiguous();
         // As the one-call kernel: 0 for an ignored row, NaN for a target outside the vocabulary.
         const auto bad = valid & ((target < 0) | (target >= o.vocab_size));
-        rows_loss = at::where(valid, lse - all[1].to(at::kFloat), 0.f).masked_fill(bad, NAN);
+        rows_loss = at::where(valid, lse - all[1].to(at::kFloat) + o.z_loss * lse * lse, 0.f).masked_fill(bad, NAN);
         if (want_grad) {
           p.given_lse = lse.data_ptr<float>();
           if (cols.valid > 0) DTRAIN_CUDA_CHECK(dtrain_cross_entropy_fwd(&p, stream));
@@ -142,7 +144,8 @@ class CrossEntropyFn : public torch::autograd::Function<CrossEntropyFn> {
     ctx->saved_data["ignore_index"] = o.ignore_index;
     ctx->saved_data["start"] = cols.start;
     ctx->saved_data["valid"] = cols.valid;
-    return ((lse - picked) * valid).sum() / count.clamp_min(1);
+    ctx->saved_data["z_loss"] = o.z_loss;
+    return ((lse - picked + o.z_loss * lse * lse) * valid).sum() / count.clamp_min(1);
   }
 
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
@@ -188,7 +191,9 @@ class CrossEntropyFn : public torch::autograd::Function<CrossEntropyFn> {
       detail::NoAutocast no_autocast;
       auto lf = logits.to(lse.scalar_type());
       auto valid = (target != ignore_index).unsqueeze(1);
+      const double z = ctx->saved_data["z_loss"].toDouble();
       auto d = (lf - lse.unsqueeze(1)).exp();
+      if (z != 0) d.mul_((2 * z * lse + 1).unsqueeze(1));  // the z-loss's share: softmax 2 z lse
       if (valid_cols < vocab) d.narrow(1, valid_cols, vocab - valid_cols).zero_();  // padding
       const auto local = target - start, inside = (local >= 0) & (local < valid_cols);
       d.scatter_add_(1, local.clamp(0, vocab - 1).unsqueeze(1), -inside.to(d.scalar_type()).unsqueeze(1));
@@ -213,6 +218,8 @@ at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& target, con
   const auto scale = static_cast<float>(options.grad_scale);
   DTRAIN_OP_CHECK(std::isfinite(scale) && scale != 0.f, kOp, "grad_scale is ", options.grad_scale,
                   "; allowed: finite and nonzero in float32");
+  DTRAIN_OP_CHECK(std::isfinite(options.z_loss) && options.z_loss >= 0, kOp, "z_loss is ", options.z_loss,
+                  "; allowed: finite and >= 0 (0: none; PaLM: 1e-4)");
   if (options.combine) {
     DTRAIN_OP_CHECK(options.vocab_size >= 1 && options.vocab_start >= 0, kOp, "a split vocabulary (combine) needs ",
                     "vocab_size >= 1 and vocab_start >= 0; got vocab_size ", options.vocab_size, ", vocab_start ",

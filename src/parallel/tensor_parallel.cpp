@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <mutex>
 
@@ -260,7 +261,7 @@ namespace {
 // Loss per row; backward: (softmax - onehot) x grad, on this rank's columns only.
 struct VocabParallelCrossEntropy : public torch::autograd::Function<VocabParallelCrossEntropy> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets,
-                            std::int64_t vocab, std::int64_t comm_handle) {
+                            std::int64_t vocab, std::int64_t comm_handle, double z_loss) {
     auto& c = *reinterpret_cast<Communicator*>(comm_handle);
     const std::int64_t cols = logits.size(-1), first = cols * c.rank();
     auto x = logits.detach().to(at::kFloat);
@@ -281,19 +282,23 @@ struct VocabParallelCrossEntropy : public torch::autograd::Function<VocabParalle
       all_reduce_counted(sum_exp, c);
       all_reduce_counted(target_logit, c);
     }
-    ctx->save_for_backward({exp / sum_exp.unsqueeze(-1), local, outside});
+    // The z-loss z lse^2 (lse = max + log sum_exp) adds softmax 2 z lse to the gradient.
+    const auto lse = row_max + sum_exp.log();
+    auto softmax = exp / sum_exp.unsqueeze(-1);
+    if (z_loss != 0) softmax.mul_((2 * z_loss * lse + 1).unsqueeze(-1));
+    ctx->save_for_backward({softmax, local, outside});
     ctx->saved_data["dtype"] = static_cast<std::int64_t>(logits.scalar_type());
-    return sum_exp.log() - target_logit;
+    return sum_exp.log() - target_logit + z_loss * lse * lse;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    auto grad = saved[0].clone();  // softmax over the full vocabulary, this rank's columns
+    auto grad = saved[0].clone();  // softmax over the full vocabulary (times 1 + 2 z lse), this rank's columns
     const auto& local = saved[1];
     const auto inside = saved[2].logical_not().to(grad.scalar_type());
     grad.scatter_add_(-1, local.unsqueeze(-1), -inside.unsqueeze(-1));
     grad.mul_(grads[0].unsqueeze(-1));
     const auto dtype = static_cast<c10::ScalarType>(ctx->saved_data["dtype"].toInt());
-    return {grad.to(dtype), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad.to(dtype), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -325,12 +330,15 @@ ops::CrossEntropyOptions split_vocabulary(ops::CrossEntropyOptions options, std:
 }  // namespace
 
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
-                                        std::int64_t vocab_size, const CommPtr& tp, std::int64_t ignore_index) {
+                                        std::int64_t vocab_size, const CommPtr& tp, std::int64_t ignore_index,
+                                        double z_loss) {
   check_vocab_parallel("vocab_parallel_cross_entropy", local_logits.sizes(), targets, vocab_size, tp);
+  DTRAIN_CHECK_ARG(std::isfinite(z_loss) && z_loss >= 0, "vocab_parallel_cross_entropy: z_loss is ", z_loss,
+                   "; allowed: finite and >= 0 (0: none; PaLM: 1e-4)");
   // An ignored row's loss is finite (its target is outside every rank's columns) and is
   // multiplied by 0, which also zeroes its gradient.
   const auto keep = targets.ne(ignore_index);
-  const auto rows = VocabParallelCrossEntropy::apply(local_logits, targets, vocab_size, handle(tp));
+  const auto rows = VocabParallelCrossEntropy::apply(local_logits, targets, vocab_size, handle(tp), z_loss);
   return (rows * keep).sum() / keep.sum().clamp_min(1);
 }
 

@@ -126,9 +126,10 @@ if(MPIEXEC)
   # Tensor parallelism: the tp group reads the same samples (dp 1 here).
   expect(np2-tp-sp 0 "batch: 4 samples x 32 tokens per step = dp 1 .*tensor parallel: 2 ranks with sequence parallelism.*val loss"
          NP 2 ARGS --config "${WORK_DIR}/run.json" ${DATA} --steps 2 --tp 2 --sequence-parallel --dropout 0.1)
-  # The fused cross-entropy over the vocabulary split across --tp 2 (its reference path).
-  expect(np2-tp-fused-ce 0 "tp=2.*fused cross-entropy on.*done: 3 steps" CPU NP 2
-         ARGS ${DATA} --global-batch 8 --steps 3 --warmup-steps 1 --tp 2 --fused-ce)
+  # The fused cross-entropy over the vocabulary split across --tp 2 (its reference path),
+  # with PaLM's z-loss.
+  expect(np2-tp-fused-ce 0 "tp=2.*z-loss=1e-4.*fused cross-entropy on.*done: 3 steps" CPU NP 2
+         ARGS ${DATA} --global-batch 8 --steps 3 --warmup-steps 1 --tp 2 --fused-ce --z-loss 1e-4)
   # The fused linear cross-entropy over the split vocabulary (each rank's rows of the head),
   # with sequence parallelism.
   expect(np2-linear-ce-with-tp 0 "tp=2.*fused linear cross-entropy on.*done: 3 steps" CPU NP 2
@@ -217,6 +218,7 @@ expect(pp-schedule-unknown 2 "--pp-schedule 'pipedream' is not known; allowed: g
 expect(virtual-stages-without-pp 2 "--virtual-stages / --pp-layers need --pp > 1" ARGS ${DATA} --virtual-stages 2)
 expect(sp-without-tp 2 "--sequence-parallel needs --tp > 1" ARGS ${DATA} --sequence-parallel)
 expect(dropout-range 2 "dropout=1.5 is out of range" ARGS ${DATA} --dropout 1.5)
+expect(z-loss-range 2 "z_loss=-0.001 \\(--z-loss\\) is out of range; allowed: a finite number >= 0" ARGS ${DATA} --z-loss -0.001)
 # Checkpoint options.
 expect(save-every-without-dir 2 "--save-every 5 needs --save-dir" ARGS ${DATA} --global-batch 8 --save-every 5)
 expect(resume-auto-without-dir 2 "--resume auto needs --save-dir" ARGS ${DATA} --global-batch 8 --resume auto)

@@ -185,16 +185,20 @@ TEST_F(TpTest, VocabParallelEmbeddingMatchesDense) {
 // ignored; loss and this rank's columns of the gradient (zero on padding); rows whose
 // target is the ignore index (two of five, then all five) as PyTorch leaves them out.
 // Both forms: Megatron's (max, sums reduced) and the fused op's (statistics gathered), with
-// the collectives each issues.
+// the collectives each issues; without and with PaLM's z-loss (z lse^2 a row, the dense
+// form's lse over the whole vocabulary), which takes no collective of its own.
 TEST_F(TpTest, VocabParallelCrossEntropyMatchesDense) {
   const auto tp = world();
   const int n = nranks(), r = rank();
-  for (bool fused : {false, true}) {
-    SCOPED_TRACE(fused ? "fused" : "Megatron's");
-    auto vocab_parallel_cross_entropy = [fused](const at::Tensor& local, const at::Tensor& targets,
-                                                std::int64_t vocab, const CommPtr& c) {
-      return fused ? tp::fused_vocab_parallel_cross_entropy(local, targets, vocab, c)
-                   : tp::vocab_parallel_cross_entropy(local, targets, vocab, c);
+  for (const auto& [fused, z] : {std::make_pair(false, 0.0), std::make_pair(true, 0.0), std::make_pair(false, 0.05),
+                                 std::make_pair(true, 0.05)}) {
+    SCOPED_TRACE(std::string(fused ? "fused" : "Megatron's") + " z-loss " + std::to_string(z));
+    auto vocab_parallel_cross_entropy = [fused = fused, z = z](const at::Tensor& local, const at::Tensor& targets,
+                                                               std::int64_t vocab, const CommPtr& c) {
+      ops::CrossEntropyOptions o;
+      o.z_loss = z;
+      return fused ? tp::fused_vocab_parallel_cross_entropy(local, targets, vocab, c, o)
+                   : tp::vocab_parallel_cross_entropy(local, targets, vocab, c, -100, z);
     };
     for (std::int64_t vocab : {12, 10, 9}) {
       const std::int64_t padded = tp::padded_vocab_size(vocab, n), cols = padded / n;
@@ -204,7 +208,9 @@ TEST_F(TpTest, VocabParallelCrossEntropyMatchesDense) {
       auto targets = torch::randint(0, vocab, {5}, gen, torch::kLong);
       if (vocab == 10) targets.index_put_({torch::tensor({1, 3})}, -100);
       auto dense_in = full.narrow(1, 0, vocab).clone().requires_grad_();
-      auto dense = torch::nn::functional::cross_entropy(dense_in, targets);
+      const auto kept = targets.ne(-100);
+      auto dense = torch::nn::functional::cross_entropy(dense_in, targets) +
+                   z * (dense_in.logsumexp(1).square() * kept).sum() / kept.sum();
       dense.backward();
 
       auto local = full.narrow(1, cols * r, cols).clone().requires_grad_();

@@ -484,6 +484,11 @@ TEST(KERNEL_SUITE(CrossEntropy), LossAndGradientsMatchFloat64WithIgnoredRows) {
       g = f;
       g.grad_scale = 0.f;
       EXPECT_EQ(dtrain_cross_entropy_fwd(&g, nullptr), cudaErrorInvalidValue);
+      for (float z : {-1e-4f, std::numeric_limits<float>::infinity(), std::nanf("")}) {  // a z-loss coefficient
+        g = f;
+        g.z_loss = z;
+        EXPECT_EQ(dtrain_cross_entropy_fwd(&g, nullptr), cudaErrorInvalidValue) << z;
+      }
       auto one = dev(torch::ones({1}));
       dtrain_cross_entropy_bwd_params b{ld.data_ptr(),         ld.data_ptr(), one.data_ptr<float>(),
                                         one.data_ptr<float>(), rows,          vocab,

@@ -628,6 +628,107 @@ TEST(KERNEL_SUITE(Ops), CrossEntropyMatchesTheReferencePath) {
   }
 }
 
+// Shards of `per` columns of the first `vocab` columns of whole (float64, [rows, >= vocab]):
+// each one's exact statistics [2, rows], the log-sum-exp over its ids and the target's
+// logit where it holds the target, else 0.
+std::vector<at::Tensor> shard_statistics(const at::Tensor& whole, const at::Tensor& target, std::int64_t per,
+                                         std::int64_t shards, std::int64_t vocab) {
+  std::vector<at::Tensor> out;
+  for (std::int64_t r = 0; r < shards; ++r) {
+    const auto cols = std::min(per, vocab - r * per);
+    auto x = whole.detach().narrow(1, r * per, cols);
+    const auto local = target - r * per, inside = (local >= 0) & (local < cols);
+    out.push_back(torch::stack(
+        {x.logsumexp(1), x.gather(1, local.clamp(0, cols - 1).unsqueeze(1)).squeeze(1).masked_fill(~inside, 0)}));
+  }
+  return out;
+}
+
+// Rank r's exchange (CrossEntropyOptions::combine): its own statistics among the others'
+// exact ones, merged as the ranks' all-gather and reduction would.
+std::function<at::Tensor(const at::Tensor&)> exchange_with(const std::vector<at::Tensor>& exact, std::int64_t r) {
+  return [exact, r](const at::Tensor& mine) {
+    EXPECT_EQ(mine.sizes(), exact[r].sizes());
+    auto all = exact;
+    all[r] = mine.cpu().to(at::kDouble);
+    auto st = torch::stack(all);
+    return torch::stack({st.select(1, 0).logsumexp(0), st.select(1, 1).sum(0)}).to(mine.options());
+  };
+}
+
+// PaLM's z-loss (options.z_loss): each row's loss gains z lse^2, its gradient softmax
+// 2 z lse, against LibTorch's cross-entropy plus that term in float64 with autograd: on
+// the reference path (float64) and the kernel (bf16), whole and over a vocabulary split
+// in 2 (the kernel's second call uses the whole vocabulary's lse), and through the fused
+// linear cross-entropy; ignored rows add nothing. A z of 0.05 makes the term about a
+// third of the loss; a negative or non-finite z is refused, naming the option.
+TEST(KERNEL_SUITE(Ops), CrossEntropyZLossIsPalms) {
+  KERNEL_DEVICE_OR_SKIP();
+  torch::manual_seed(19);
+  const std::int64_t rows = 29, vocab = 1008, half = vocab / 2;
+  const double z = 0.05;
+  auto logits = (torch::randn({rows, vocab}) * 2 + 1).to(at::kBFloat16);
+  auto target = torch::randint(0, vocab, {rows}, torch::kLong);
+  target[4] = -100;
+  const auto valid = target != -100;
+  auto whole = logits.to(at::kDouble).requires_grad_();
+  const auto want = at::cross_entropy_loss(whole, target, {}, at::Reduction::Mean, -100) +
+                    z * (whole.logsumexp(1).square() * valid).sum() / valid.sum();
+  (want * 3).backward();
+  auto check = [&](double loss, const at::Tensor& grad, bool exact, const std::string& what) {
+    SCOPED_TRACE(what);
+    EXPECT_NEAR(loss, want.item<double>(), exact ? 1e-10 : 2e-3 * want.item<double>());
+    // bf16 gradients up to 3 (1 + 2 z lse) / (rows - 1), 1 + 2 z lse below 3 here (lse
+    // about 10): allow four roundings of 2^-9 of that.
+    const double tol = exact ? 1e-12 : 4 * 3.0 * 3.0 / (rows - 1) / 512;
+    EXPECT_LT((grad.cpu().to(at::kDouble) - whole.grad()).abs().max().item<double>(), tol);
+    EXPECT_EQ(grad[4].abs().sum().item<double>(), 0.0) << "an ignored row";
+  };
+  for (bool exact : {true, false}) {
+    const std::string path = exact ? "float64" : "bf16";
+    auto input = [&](const at::Tensor& t) { return (exact ? t.to(at::kDouble) : dev(t)).requires_grad_(); };
+    ops::CrossEntropyOptions o;
+    o.z_loss = z;
+    o.grad_scale = 3;
+    {
+      auto l = input(logits);
+      auto loss = ops::cross_entropy(l, target.to(l.device()), o);
+      (loss * 3).backward();
+      check(loss.item<double>(), l.grad(), exact, path + " whole");
+    }
+    {  // two shards, each call with the other's exact statistics as its exchange
+      const auto stats = shard_statistics(whole, target, half, 2, vocab);
+      at::Tensor grad = torch::zeros({rows, vocab}, torch::kDouble);
+      double loss = 0;
+      for (std::int64_t r = 0; r < 2; ++r) {
+        auto l = input(logits.narrow(1, r * half, half).contiguous());
+        auto so = o;
+        so.vocab_start = r * half;
+        so.vocab_size = vocab;
+        so.combine = exchange_with(stats, r);
+        auto out = ops::cross_entropy(l, target.to(l.device()), so);
+        (out * 3).backward();
+        loss = out.item<double>();
+        grad.narrow(1, r * half, half).copy_(l.grad().cpu().to(at::kDouble));
+      }
+      check(loss, grad, exact, path + " split in 2");
+    }
+    {  // the fused linear form: logits = h w^T of an exact factorisation (w the identity)
+      auto h = input(logits);
+      auto w = exact ? torch::eye(vocab, torch::kDouble) : dev(torch::eye(vocab).to(at::kBFloat16));
+      auto loss = ops::linear_cross_entropy(h, w, target.to(h.device()), o, /*chunk_rows=*/8);
+      (loss * 3).backward();
+      check(loss.item<double>(), h.grad(), exact, path + " linear, chunks of 8 rows");
+    }
+  }
+  for (double bad : {-1e-4, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    ops::CrossEntropyOptions o;
+    o.z_loss = bad;
+    testing::expect_has(testing::error_message([&] { ops::cross_entropy(logits.to(at::kFloat), target, o); }),
+                        {"z_loss is ", "allowed: finite and >= 0"});
+  }
+}
+
 // The op over a vocabulary split across 3 ranks (padded to a multiple of 3: the last
 // shard's last columns are padding), each rank's call on its own: its combine adds the
 // other shards' statistics, computed here in float64 from the same logits, as the ranks'
@@ -649,14 +750,7 @@ TEST(KERNEL_SUITE(Ops), CrossEntropySplitVocabularyIsTheWhole) {
   const double want = ops::cross_entropy(whole, target).item<double>();
   (ops::cross_entropy(whole, target) * 2).backward();
   // Each shard's exact statistics [2, rows]: lse over its ids, the target's logit or 0.
-  std::vector<at::Tensor> exact;
-  for (std::int64_t r = 0; r < tp; ++r) {
-    const auto cols = std::min(per, vocab - r * per);
-    auto x = whole.detach().narrow(1, r * per, cols);
-    const auto local = target - r * per, inside = (local >= 0) & (local < cols);
-    exact.push_back(torch::stack(
-        {x.logsumexp(1), x.gather(1, local.clamp(0, cols - 1).unsqueeze(1)).squeeze(1).masked_fill(~inside, 0)}));
-  }
+  const auto exact = shard_statistics(whole, target, per, tp, vocab);
   struct Case {
     bool exact;  // float64 on the host (the reference path), else bf16 on the kernels' device
     bool in_place;
@@ -674,13 +768,7 @@ TEST(KERNEL_SUITE(Ops), CrossEntropySplitVocabularyIsTheWhole) {
       o.grad_scale = c.told;
       o.vocab_start = r * per;
       o.vocab_size = vocab;
-      o.combine = [&](const at::Tensor& mine) {
-        EXPECT_EQ(mine.sizes(), (at::IntArrayRef{2, rows}));
-        auto all = exact;
-        all[r] = mine.cpu().to(at::kDouble);
-        auto stacked = torch::stack(all);
-        return torch::stack({stacked.select(1, 0).logsumexp(0), stacked.select(1, 1).sum(0)}).to(mine.options());
-      };
+      o.combine = exchange_with(exact, r);
       auto loss = ops::cross_entropy(l, target.to(l.device()), o);
       (loss * 2).backward();
       EXPECT_NEAR(loss.item<double>(), want, exact_run ? 1e-10 : 1e-3 * want);

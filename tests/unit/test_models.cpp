@@ -360,6 +360,50 @@ TEST(Gpt, QkNormMakesAttentionBlindToTheScaleOfQueriesAndKeys) {
   }
 }
 
+// PaLM's z-loss (z_loss): in training mode the loss is the cross-entropy plus z times the
+// mean over the counted targets of the logits' log-sum-exp squared, and its gradient that
+// sum's; every loss form (plain, fused_ce, fused_linear_ce; the CPU's reference paths)
+// gives the same loss and head gradient. In eval mode (validation) the cross-entropy
+// alone. A negative z is refused, naming --z-loss.
+TEST(Gpt, ZLossIsAddedInTrainingInEveryLossForm) {
+  torch::manual_seed(5);
+  const auto idx = torch::randint(0, 256, {2, 24}, torch::kLong);
+  auto tgt = torch::randint(0, 256, {2, 24}, torch::kLong);
+  tgt[0][3] = -100;  // not counted
+  auto cfg = tiny_llama();
+  Gpt plain(single(), cfg, 4);
+  const auto logits = plain->forward(idx).reshape({-1, 256}).to(torch::kDouble);
+  const auto t = tgt.reshape({-1}), kept = t.ne(-100);
+  const double ce = at::cross_entropy_loss(logits, t, {}, at::Reduction::Mean, -100).item<double>();
+  const double lse2 = ((logits.logsumexp(1).square() * kept).sum() / kept.sum()).item<double>();
+  const double z = 0.01;
+  at::Tensor head_grad;
+  for (int form = 0; form < 3; ++form) {
+    SCOPED_TRACE(form == 0 ? "plain" : form == 1 ? "fused_ce" : "fused_linear_ce");
+    auto c = cfg;
+    c.z_loss = z;
+    c.fused_ce = form == 1;
+    c.fused_linear_ce = form == 2;
+    Gpt m(single(), c, 4);
+    auto loss = m->loss(idx, tgt);
+    EXPECT_NEAR(loss.item<double>(), ce + z * lse2, 1e-4);
+    loss.backward();
+    const auto g = m->named_parameters()["lm_head.weight"].grad();
+    if (form == 0) head_grad = g;
+    EXPECT_TRUE(torch::allclose(g, head_grad, 1e-4, 1e-6));
+    m->eval();
+    EXPECT_NEAR(m->loss(idx, tgt).item<double>(), ce, 1e-4) << "validation: the cross-entropy alone";
+  }
+  auto bad = cfg;
+  bad.z_loss = -1;
+  try {
+    Gpt m(single(), bad, 4);
+    ADD_FAILURE() << "no error";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("z_loss=-1 (--z-loss) is out of range"), std::string::npos) << e.what();
+  }
+}
+
 TEST(GptConfig, ParameterShapesListTheModelsParametersInOrder) {
   auto tied = tiny_llama();
   tied.tie_embeddings = true;

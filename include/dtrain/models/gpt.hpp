@@ -65,6 +65,11 @@ struct GptConfig {
   // Dropout on the embeddings, the attention probabilities and both residual branches
   // (training only); masks come from the model's tp::RngTracker.
   double dropout = 0.0;
+  // PaLM's z-loss (training only): z_loss lse^2 added to each token's loss, lse the log of
+  // its softmax's normaliser, which keeps the logits from drifting (PaLM: 1e-4; OLMo).
+  // Every loss form takes it (ops::CrossEntropyOptions::z_loss); the loss in eval mode
+  // (validation) is the cross-entropy alone. Finite, >= 0.
+  double z_loss = 0.0;
   // Mixture of experts: the MLP of every moe.every-th block (from block 0) becomes
   // moe.experts SwiGLU experts of which the router picks moe.topk per token.
   ep::MoeOptions moe;

@@ -26,6 +26,10 @@ struct CrossEntropyOptions {
   // nothing else may still need them): one logits-sized buffer instead of two. The
   // reference path leaves them as they are.
   bool in_place = false;
+  // PaLM's z-loss: z_loss lse^2 added to each row's loss (lse: its log-sum-exp, the log of
+  // the softmax's normaliser), which keeps lse near 0 and the logits from drifting (PaLM:
+  // 1e-4). Finite, >= 0; 0: none.
+  double z_loss = 0.0;
   // A vocabulary split across ranks (a tensor-parallel head:
   // tp::fused_vocab_parallel_cross_entropy sets these). The logits are columns [vocab_start, vocab_start + cols) of a vocabulary
   // of vocab_size ids; columns at or past vocab_size are padding (no loss, gradient 0);

@@ -134,16 +134,17 @@ std::int64_t padded_vocab_size(std::int64_t vocab_size, int tp);
 // the target logit are reduced across tp. Columns at or beyond vocab_size (padding) are
 // ignored. targets: [rows] in [0, vocab_size), or ignore_index: such rows are left out of
 // the mean (0 when every row is) and get no gradient. Gradient flows to local_logits.
+// z_loss: PaLM's z-loss coefficient, as ops::CrossEntropyOptions::z_loss.
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
                                         std::int64_t vocab_size, const CommPtr& tp,
-                                        std::int64_t ignore_index = -100);
+                                        std::int64_t ignore_index = -100, double z_loss = 0.0);
 
 // The same loss by dtrain's fused cross-entropy over the split vocabulary (the model's
 // fused_ce, --fused-ce): on CUDA one kernel pass over this rank's logits for its row
 // statistics, one all-gather of two floats per row and rank, and one pass writing the
 // gradient (in place of the logits with options.in_place, so no float32 copy and no
 // saved softmax); the op's reference path elsewhere. options gives ignore_index,
-// grad_scale and in_place; vocab_start, vocab_size and combine are set here.
+// grad_scale, in_place and z_loss; vocab_start, vocab_size and combine are set here.
 at::Tensor fused_vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& targets,
                                               std::int64_t vocab_size, const CommPtr& tp,
                                               ops::CrossEntropyOptions options = {});

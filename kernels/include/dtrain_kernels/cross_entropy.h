@@ -3,11 +3,13 @@
  * with an online max/sum (no float32 copy of the logits), writes the row's loss (0 where
  * the target is ignore_index) and, when asked, then walks the row again (backwards, so the
  * chunks it read last and L2 still holds come first) writing
- *   dlogits = (softmax - onehot(target)) * grad_scale / max(*count, 1)
+ *   dlogits = (softmax (1 + 2 z lse) - onehot(target)) * grad_scale / max(*count, 1)
  * where grad_scale is the upstream gradient the caller expects the mean loss to get and
  * *count (a device scalar: no host synchronisation) the rows not ignored; ignored rows get
- * zeros. dlogits may be the logits themselves (same pointer and stride): the gradient
- * then replaces them, and no second logits-sized buffer exists.
+ * zeros. z (z_loss, 0: none) adds PaLM's z-loss z lse^2 to each row's loss, lse - x_target
+ * (lse: the row's log-sum-exp, the log of the softmax's normaliser). dlogits may be the
+ * logits themselves (same pointer and stride): the gradient then replaces them, and no
+ * second logits-sized buffer exists.
  * The backward only corrects a gradient written for the wrong upstream gradient: it
  * writes out = dlogits * *grad / *written, where *grad is the one autograd gives; a ratio
  * within 1e-6 of 1 counts as 1. In place (out == dlogits), a ratio of 1 returns at once:
@@ -36,6 +38,7 @@ typedef struct {
   void* dlogits;          /* [rows, vocab], row stride dlogits_stride, dtype; null: loss only */
   const int64_t* count;   /* device scalar: rows whose target is not ignore_index (with dlogits) */
   float grad_scale;       /* the upstream gradient dlogits is written for (with dlogits) */
+  float z_loss;           /* z-loss coefficient (finite, >= 0; 0: none): in loss and dlogits */
   int64_t rows, vocab, logits_stride, dlogits_stride, ignore_index;
   dtrain_kernel_dtype dtype;
 } dtrain_cross_entropy_fwd_params;
