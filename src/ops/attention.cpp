@@ -299,10 +299,10 @@ void fill_shape(Params& p, const at::Tensor& q, const at::Tensor& k, const Mask&
   check_shared_memory(p.kernel, p.head_dim, kForward, !kForward || with_backward);
 }
 
+// with_backward: a backward will follow (its kernel is checked before anything runs).
 std::pair<at::Tensor, at::Tensor> kernel_forward(at::Tensor q, at::Tensor k, at::Tensor v, const Mask& mask,
-                                                 double scale) {
+                                                 double scale, bool with_backward) {
   check_kernel_inputs(q);
-  const bool with_backward = q.requires_grad() || k.requires_grad() || v.requires_grad();
   q = kernel_layout(q), k = kernel_layout(k), v = kernel_layout(v);
   const detail::DeviceGuard guard(q.device());
   // o laid out [B, T, H, D]: the model's transpose back to [B, T, H * D] is free.
@@ -361,10 +361,11 @@ std::vector<at::Tensor> kernel_backward(at::Tensor q, at::Tensor k, at::Tensor v
 
 // The two passes on the kernel where it runs, else on the reference path.
 std::pair<at::Tensor, at::Tensor> forward_pass(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                               const Mask& mask, double scale) {
+                                               const Mask& mask, double scale, bool with_backward) {
 #ifdef DTRAIN_WITH_CUDA
-  if (detail::on_kernel_device(q)) return kernel_forward(q, k, v, mask, scale);
+  if (detail::on_kernel_device(q)) return kernel_forward(q, k, v, mask, scale, with_backward);
 #endif
+  (void)with_backward;
   return reference_forward(q, k, v, mask, scale);
 }
 
@@ -379,9 +380,10 @@ std::vector<at::Tensor> backward_pass(const at::Tensor& q, const at::Tensor& k, 
 
 class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
  public:
+  // with_backward: decided outside, where grad mode is the caller's.
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, const Mask& mask, double scale) {
-    const auto [o, lse] = forward_pass(q, k, v, mask, scale);
+                            const at::Tensor& v, const Mask& mask, double scale, bool with_backward) {
+    const auto [o, lse] = forward_pass(q, k, v, mask, scale, with_backward);
     ctx->save_for_backward({q, k, v, o, lse});
     ctx->saved_data["doc_start"] = mask.doc_start;
     ctx->saved_data["doc_end"] = mask.doc_end;
@@ -403,7 +405,7 @@ class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
     mask.doc_end = ctx->saved_data["doc_end"].toTensor();
     const double scale = ctx->saved_data["scale"].toDouble();
     const auto g = backward_pass(saved[0], saved[1], saved[2], saved[3], saved[4], grads[0], mask, scale);
-    return {g[0], g[1], g[2], at::Tensor(), at::Tensor()};
+    return {g[0], g[1], g[2], at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -503,7 +505,9 @@ double scale_or_default(double scale, const at::Tensor& q) {
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                            double scale, std::int64_t window, const Documents& documents, std::int64_t query_offset) {
   const Mask mask = checked_mask(q, k, v, causal, window, documents, query_offset);
-  return FlashAttentionFn::apply(q, k, v, mask, scale_or_default(scale, q));
+  const bool with_backward =
+      at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
+  return FlashAttentionFn::apply(q, k, v, mask, scale_or_default(scale, q), with_backward);
 }
 
 std::pair<at::Tensor, at::Tensor> flash_attention_forward(const at::Tensor& q, const at::Tensor& k,
@@ -511,7 +515,10 @@ std::pair<at::Tensor, at::Tensor> flash_attention_forward(const at::Tensor& q, c
                                                           std::int64_t window, const Documents& documents,
                                                           std::int64_t query_offset) {
   const Mask mask = checked_mask(q, k, v, causal, window, documents, query_offset);
-  return forward_pass(q, k, v, mask, scale_or_default(scale, q));
+  // Its callers (ring attention) run the backward themselves, often from inside a
+  // Function's forward where grad mode is off: inputs that require grad will have one.
+  const bool with_backward = q.requires_grad() || k.requires_grad() || v.requires_grad();
+  return forward_pass(q, k, v, mask, scale_or_default(scale, q), with_backward);
 }
 
 std::vector<at::Tensor> flash_attention_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
