@@ -258,7 +258,8 @@ at::Tensor VocabParallelEmbeddingImpl::forward(const at::Tensor& ids) {
 
 namespace {
 
-// Loss per row; backward: (softmax - onehot) x grad, on this rank's columns only.
+// Loss per row (with the z-loss: + z lse^2); backward: (softmax (1 + 2 z lse) - onehot) x grad,
+// on this rank's columns only.
 struct VocabParallelCrossEntropy : public torch::autograd::Function<VocabParallelCrossEntropy> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets,
                             std::int64_t vocab, std::int64_t comm_handle, double z_loss) {
@@ -292,7 +293,7 @@ struct VocabParallelCrossEntropy : public torch::autograd::Function<VocabParalle
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    auto grad = saved[0].clone();  // softmax over the full vocabulary (times 1 + 2 z lse), this rank's columns
+    auto grad = saved[0].clone();  // softmax (times 1 + 2 z lse) over the whole vocabulary, this rank's columns
     const auto& local = saved[1];
     const auto inside = saved[2].logical_not().to(grad.scalar_type());
     grad.scatter_add_(-1, local.unsqueeze(-1), -inside.unsqueeze(-1));
