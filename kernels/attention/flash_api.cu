@@ -140,6 +140,14 @@ int pick_kernel(dtrain_attention_kernel kernel, int64_t head_dim) {
   return k;
 }
 
+// Whether a launch of this pass asking for `kernel` takes this head dim, on any device:
+// every kernel the supported ones, wgmma up to its largest for the pass.
+template <typename Params>
+int takes_head_dim(dtrain_attention_kernel kernel, int64_t head_dim) {
+  const bool fits = kernel != DTRAIN_ATTENTION_KERNEL_WGMMA || head_dim <= kMaxWgmmaDim<Params>;
+  return dtrain_attention_supports_head_dim(head_dim) && fits ? 1 : 0;
+}
+
 // A block's dynamic shared memory in the kernel that pick_kernel names (0: none), and the
 // most the current device gives a block (0 without a device).
 template <template <typename, int> class Mma, template <typename, int> class Wgmma, typename Params>
@@ -200,19 +208,11 @@ extern "C" int dtrain_attention_kernel_available(dtrain_attention_kernel kernel)
 }
 
 extern "C" int dtrain_attention_fwd_kernel_takes_head_dim(dtrain_attention_kernel kernel, int64_t head_dim) {
-  const bool wgmma_only = kernel == DTRAIN_ATTENTION_KERNEL_WGMMA;
-  return dtrain_attention_supports_head_dim(head_dim) &&
-                 (!wgmma_only || head_dim <= dtrain_kernels::kMaxWgmmaFwdHeadDim)
-             ? 1
-             : 0;
+  return dtrain_kernels::takes_head_dim<dtrain_attention_fwd_params>(kernel, head_dim);
 }
 
 extern "C" int dtrain_attention_bwd_kernel_takes_head_dim(dtrain_attention_kernel kernel, int64_t head_dim) {
-  const bool wgmma_only = kernel == DTRAIN_ATTENTION_KERNEL_WGMMA;
-  return dtrain_attention_supports_head_dim(head_dim) &&
-                 (!wgmma_only || head_dim <= dtrain_kernels::kMaxWgmmaBwdHeadDim)
-             ? 1
-             : 0;
+  return dtrain_kernels::takes_head_dim<dtrain_attention_bwd_params>(kernel, head_dim);
 }
 
 extern "C" size_t dtrain_attention_fwd_smem_bytes(dtrain_attention_kernel kernel, int64_t head_dim) {
