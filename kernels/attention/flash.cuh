@@ -3,6 +3,8 @@
 // that they compile in parallel.
 #pragma once
 
+#include <type_traits>
+
 #include "attention/tile_order.cuh"
 #include "common.cuh"
 #include "dtrain_kernels/attention.h"
@@ -22,8 +24,12 @@ inline int mma_kernel_dim(int64_t head_dim) {
 }
 inline int wgmma_kernel_dim(int64_t head_dim) { return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256; }
 
-template <int D>
+// kCompact (D 256 only): tiles for devices that give a block 99 KB of shared memory
+// (sm_86, sm_89), where the default tiles need 132 KB (forward) and 151 KB (backward);
+// the launchers pick them by the device's number (flash_fwd.cuh, flash_bwd.cuh).
+template <int D, bool kCompact = false>
 struct FlashConfig {
+  static_assert(!kCompact || D > 128, "the compact tiles are for head dims above 128");
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kPitch = D + 8;  // shared-memory row pitch (elements): no bank conflicts
@@ -31,20 +37,34 @@ struct FlashConfig {
   // from shared memory feeds that many MMAs; key tiles of kFwdBlockN. At D 256 one tile
   // (its output accumulators alone take 128 registers a thread) and 8 warps, so that a
   // block still owns 128 rows: each K and V tile comes from L2 once per 128 queries.
+  // Compact: key tiles of 32, (128 + 2 x 32) rows of 264 bf16 = 99 KB.
   static constexpr int kFwdRowTiles = D <= 128 ? 2 : 1;
   static constexpr int kFwdWarps = kWarps * (D <= 128 ? 1 : 2);
   static constexpr int kFwdThreads = 32 * kFwdWarps;
   static constexpr int kFwdBlockM = 16 * kFwdRowTiles * kFwdWarps;
-  static constexpr int kFwdBlockN = 64;
-  // Backward: a warp owns 16 keys; query tiles of kBwdBlockM. Above D 128, kBwdSplit
-  // warps share each 16 keys, one part of the head dim's columns each (flash_bwd.cuh).
-  static constexpr int kBwdBlockN = 16 * kWarps;
-  static constexpr int kBwdBlockM = 64;
+  static constexpr int kFwdBlockN = kCompact ? 32 : 64;
+  // Backward: a warp owns 16 keys (kBwdGroups groups of 16 a block); query tiles of
+  // kBwdBlockM. Above D 128, kBwdSplit warps share each 16 keys, one part of the head
+  // dim's columns each (flash_bwd.cuh). Compact: 2 groups, 32 keys by 32 queries (71 KB).
+  static constexpr int kBwdGroups = kCompact ? 2 : kWarps;
+  static constexpr int kBwdBlockN = 16 * kBwdGroups;
+  static constexpr int kBwdBlockM = kBwdBlockN;
   static constexpr int kBwdSplit = D <= 128 ? 1 : 2;
-  static constexpr int kBwdThreads = kThreads * kBwdSplit;
+  static constexpr int kBwdThreads = 32 * kBwdGroups * kBwdSplit;
   static_assert(kBwdBlockM == kBwdBlockN, "kPitchS pitches dS both ways");
   static constexpr int kPitchS = kBwdBlockN + 8;  // the backward's dS tile ([query][key], or [key][query])
 };
+
+// The most dynamic shared memory the current device gives a block (0 without a device).
+inline size_t device_block_smem() {
+  int device = 0, bytes = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+    cudaGetLastError();  // no device: leave no sticky error behind
+    return 0;
+  }
+  return static_cast<size_t>(bytes);
+}
 
 template <typename T, int D>
 cudaError_t run_flash_fwd(const dtrain_attention_fwd_params& p, cudaStream_t stream);
@@ -54,7 +74,8 @@ template <typename T, int D>
 cudaError_t run_flash_bwd(const dtrain_attention_bwd_params& p, cudaStream_t stream);
 template <typename T, int D>
 cudaError_t run_flash_bwd_sm90(const dtrain_attention_bwd_params& p, cudaStream_t stream);  // wgmma
-// The dynamic shared memory of a block of each (its launcher's number; instantiated with it).
+// The dynamic shared memory of a block of each, in the tiles its launcher picks on the
+// current device (instantiated with it).
 template <typename T, int D>
 size_t flash_fwd_smem_bytes();
 template <typename T, int D>

@@ -148,8 +148,7 @@ int takes_head_dim(dtrain_attention_kernel kernel, int64_t head_dim) {
   return dtrain_attention_supports_head_dim(head_dim) && fits ? 1 : 0;
 }
 
-// A block's dynamic shared memory in the kernel that pick_kernel names (0: none), and the
-// most the current device gives a block (0 without a device).
+// A block's dynamic shared memory in the kernel that pick_kernel names (0: none).
 template <template <typename, int> class Mma, template <typename, int> class Wgmma, typename Params>
 size_t picked_smem(dtrain_attention_kernel kernel, int64_t head_dim) {
   if (!dtrain_attention_supports_head_dim(head_dim)) return 0;
@@ -164,16 +163,6 @@ size_t picked_smem(dtrain_attention_kernel kernel, int64_t head_dim) {
       return 0;
   }
 }
-size_t device_smem() {
-  int device = 0, bytes = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
-    cudaGetLastError();  // no device: leave no sticky error behind
-    return 0;
-  }
-  return static_cast<size_t>(bytes);
-}
-
 // Runs the kernel a launch asking for p.kernel gets here (pick_kernel); one whose block
 // needs more shared memory than the device gives is refused before anything runs. The
 // wgmma kernels load through tensor maps; strides the driver cannot describe
@@ -182,7 +171,7 @@ size_t device_smem() {
 template <template <typename, int> class Mma, template <typename, int> class Wgmma, typename Params>
 cudaError_t run_picked(const Params& p, cudaStream_t stream) {
   const int kernel = pick_kernel<Params>(p.kernel, p.head_dim);
-  if (kernel < 0 || picked_smem<Mma, Wgmma, Params>(p.kernel, p.head_dim) > device_smem()) {
+  if (kernel < 0 || picked_smem<Mma, Wgmma, Params>(p.kernel, p.head_dim) > device_block_smem()) {
     return cudaErrorInvalidValue;
   }
   auto run = [&](auto r) { return decltype(r)::run(p, stream); };
@@ -225,7 +214,7 @@ extern "C" size_t dtrain_attention_bwd_smem_bytes(dtrain_attention_kernel kernel
   return picked_smem<Bwd, BwdSm90, dtrain_attention_bwd_params>(kernel, head_dim);
 }
 
-extern "C" size_t dtrain_attention_device_smem_bytes(void) { return dtrain_kernels::device_smem(); }
+extern "C" size_t dtrain_attention_device_smem_bytes(void) { return dtrain_kernels::device_block_smem(); }
 
 extern "C" cudaError_t dtrain_attention_fwd(const dtrain_attention_fwd_params* params, cudaStream_t stream) {
   using namespace dtrain_kernels;

@@ -213,9 +213,9 @@ __device__ __forceinline__ void stage_row_stats(float* lse_s, float* delta_s, co
 // [kBwdBlockM][kPitch], kBwdSplit score tiles [64][kPitchS] (dS; split: P^T, then dS^T),
 // the query tile's log-sum-exp and delta [kBwdBlockM] floats, and the keys' query ends
 // [kBwdBlockN] ints (stage_query_ends). kBytes is what the launch asks for.
-template <typename T, int D>
+template <typename T, int D, bool kCompact = false>
 struct BwdSmem {
-  using C = FlashConfig<D>;
+  using C = FlashConfig<D, kCompact>;
   static constexpr int kTileElems = (2 * C::kBwdBlockN + 2 * C::kBwdBlockM) * C::kPitch;
   static constexpr int kScoreElems = C::kBwdSplit * C::kBwdBlockM * C::kPitchS;
   static constexpr size_t kBytes = sizeof(T) * static_cast<size_t>(kTileElems + kScoreElems) +
@@ -421,21 +421,23 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads, D <= 64 ? 3 : 1)
 }
 
 // Head dims above 128 (D 256): one warp's dK and dV of 16 keys by D columns would take
-// 256 registers a thread. So kBwdSplit = 2 warps share each 16 keys (8 warps a block):
-// warp w owns keys 16 (w % 4).. and columns [c0, c0 + D / 2), c0 = (D / 2) (w / 4), of dK
-// and dV, and of dQ for query rows 16 (w % 4).. of each tile. The two split a tile's 64
+// 256 registers a thread. So kBwdSplit = 2 warps share each 16 keys (8 warps a block, 4
+// in the compact tiles): with G key groups (4; compact 2), warp w owns keys 16 (w % G)..
+// and columns [c0, c0 + D / 2), c0 = (D / 2) (w / G), of dK and dV, and of dQ for query
+// rows 16 (w % G).. of each tile (16 G of them). The two split a tile's 16 G
 // queries for S^T and dP^T (32 each, the key group's 16 keys over the whole head dim) and
 // exchange P^T and dS^T through shared memory ([key][query]), from which both read them
 // as A fragments for dV += P^T dO and dK += dS^T Q, and (transposed) dS for dQ = dS K.
-template <typename T, int D>
-__global__ void __launch_bounds__(FlashConfig<D>::kBwdThreads, 1)
+template <typename T, int D, bool kCompact>
+__global__ void __launch_bounds__(FlashConfig<D, kCompact>::kBwdThreads, 1)
     flash_bwd_split_kernel(dtrain_attention_bwd_params p, float* dq_accum, const float* delta) {
-  using C = FlashConfig<D>;
+  using C = FlashConfig<D, kCompact>;
   constexpr int BM = C::kBwdBlockM, BN = C::kBwdBlockN, P = C::kPitch, PS = C::kPitchS, kThreads = C::kBwdThreads;
-  static_assert(C::kBwdSplit == 2 && C::kWarps == 4, "two warps for each of 4 key groups");
+  constexpr int kGroups = C::kBwdGroups;
+  static_assert(C::kBwdSplit == 2 && BN == 16 * kGroups, "two warps for each key group of 16");
   constexpr int kQueries = BM / 2, kChunks = D / 16;  // a warp's queries of S^T, its 8-column chunks
   DTRAIN_DYNAMIC_SMEM(T, smem);
-  const BwdSmem<T, D> sm(smem);
+  const BwdSmem<T, D, kCompact> sm(smem);
   T *ks = sm.ks, *vs = sm.vs, *qs = sm.qs, *dos = sm.dos;
   T* pts = sm.s_tiles;      // [BN][PS]: P^T as [key][query]
   T* dsts = pts + BN * PS;  // [BN][PS]: dS^T as [key][query]
@@ -446,7 +448,8 @@ __global__ void __launch_bounds__(FlashConfig<D>::kBwdThreads, 1)
   const int64_t b = blk.b, hk = blk.hk, n0 = blk.n0;
   const int group = static_cast<int>(p.heads / p.kv_heads);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int kw = warp % 4, part = warp / 4;  // key group; half of the queries (S^T), of the columns (dK, dV, dQ)
+  const int kw = warp % kGroups, part = warp / kGroups;  // key group; half of the queries (S^T), of the columns
+                                                        // (dK, dV, dQ)
   const int mq = part * kQueries, c0 = part * (D / 2);
   const int64_t key0 = n0 + kw * 16 + g, key1 = key0 + 8;
   if (part == 0) stage_query_ends(ends_s, p, b, n0, n0 + kw * 16);  // read after the first tile's barrier
@@ -521,21 +524,28 @@ __global__ void __launch_bounds__(FlashConfig<D>::kBwdThreads, 1)
   store_dk_dv<T>(p, b, hk, key0, key1, dk_tiles[0], dv_tiles[0], c0);
 }
 
+// Whether this device gets the compact tiles: D 256 where the default ones do not fit.
+template <typename T, int D>
+bool bwd_compact() {
+  return D > 128 && device_block_smem() < BwdSmem<T, D>::kBytes;
+}
+
 template <typename T, int D>
 size_t flash_bwd_smem_bytes() {
-  return BwdSmem<T, D>::kBytes;
+  return bwd_compact<T, D>() ? BwdSmem<T, D, (D > 128)>::kBytes : BwdSmem<T, D>::kBytes;
 }
 
 template <typename T, int D>
 cudaError_t run_flash_bwd(const dtrain_attention_bwd_params& p, cudaStream_t stream) {
-  using C = FlashConfig<D>;
-  return run_bwd_passes<T, DqRows<D>>(p, stream, [&](float* dq_accum, const float* delta) {
-    const size_t smem = flash_bwd_smem_bytes<T, D>();
+  auto launch = [&](auto compact, float* dq_accum, const float* delta) {
+    constexpr bool kCompact = decltype(compact)::value;
+    using C = FlashConfig<D, kCompact>;
+    const size_t smem = BwdSmem<T, D, kCompact>::kBytes;
     auto* kernel = [] {
       if constexpr (C::kBwdSplit == 1) {
         return flash_bwd_kernel<T, D>;
       } else {
-        return flash_bwd_split_kernel<T, D>;
+        return flash_bwd_split_kernel<T, D, kCompact>;
       }
     }();
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
@@ -544,6 +554,13 @@ cudaError_t run_flash_bwd(const dtrain_attention_bwd_params& p, cudaStream_t str
                     static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch));
     DTRAIN_LAUNCH(kernel, grid, C::kBwdThreads, smem, stream, p, dq_accum, delta);
     return launched();
+  };
+  const bool compact = bwd_compact<T, D>();
+  return run_bwd_passes<T, DqRows<D>>(p, stream, [&](float* dq_accum, const float* delta) {
+    if constexpr (D > 128) {
+      if (compact) return launch(std::true_type{}, dq_accum, delta);
+    }
+    return launch(std::false_type{}, dq_accum, delta);
   });
 }
 

@@ -1,7 +1,7 @@
 // Flash attention forward (FlashAttention-2's loop order) on mma.sync: a block owns 128
 // query rows (4 warps of two 16-row tiles, so that every K or V fragment read from shared
 // memory feeds two MMAs; at D 256, 8 warps of one) of one (batch, head) and walks the
-// key/value tiles of 64 keys.
+// key/value tiles of 64 keys (32 in the compact tiles of 99 KB devices: flash.cuh).
 // Q, K and V fragments come from shared memory by ldmatrix (V transposed); at head dim 64
 // Q's stay in registers after the first tile.
 // S = Q K^T goes to registers, is masked (only tiles that cross the diagonal or the end of
@@ -16,9 +16,10 @@
 
 namespace dtrain_kernels {
 
-template <typename T, int D>
-__global__ void __launch_bounds__(FlashConfig<D>::kFwdThreads) flash_fwd_kernel(dtrain_attention_fwd_params p) {
-  using C = FlashConfig<D>;
+template <typename T, int D, bool kCompact>
+__global__ void __launch_bounds__(FlashConfig<D, kCompact>::kFwdThreads)
+    flash_fwd_kernel(dtrain_attention_fwd_params p) {
+  using C = FlashConfig<D, kCompact>;
   constexpr int BM = C::kFwdBlockM, BN = C::kFwdBlockN, P = C::kPitch, kThreads = C::kFwdThreads;
   constexpr int kM = C::kFwdRowTiles;  // 16-row tiles per warp
   // At head dim 64 Q's fragments fit in registers for the whole kernel (32 of them); at
@@ -101,16 +102,34 @@ __global__ void __launch_bounds__(FlashConfig<D>::kFwdThreads) flash_fwd_kernel(
   store_output<T>(p, b, h, warp_row0, acc, row_max, row_sum);
 }
 
-template <typename T, int D>
-size_t flash_fwd_smem_bytes() {  // Q, K and V tiles
-  using C = FlashConfig<D>;
+template <typename T, int D, bool kCompact>
+constexpr size_t fwd_smem_bytes() {  // Q, K and V tiles
+  using C = FlashConfig<D, kCompact>;
   return sizeof(T) * static_cast<size_t>(C::kFwdBlockM + 2 * C::kFwdBlockN) * C::kPitch;
+}
+// Whether this device gets the compact tiles: D 256 where the default ones do not fit.
+template <typename T, int D>
+bool fwd_compact() {
+  return D > 128 && device_block_smem() < fwd_smem_bytes<T, D, false>();
+}
+
+template <typename T, int D>
+size_t flash_fwd_smem_bytes() {
+  return fwd_compact<T, D>() ? fwd_smem_bytes<T, D, (D > 128)>() : fwd_smem_bytes<T, D, false>();
 }
 
 template <typename T, int D>
 cudaError_t run_flash_fwd(const dtrain_attention_fwd_params& p, cudaStream_t stream) {
-  using C = FlashConfig<D>;
-  return launch_fwd<C::kFwdBlockM>(flash_fwd_kernel<T, D>, p, C::kFwdThreads, flash_fwd_smem_bytes<T, D>(), stream);
+  auto launch = [&](auto compact) {
+    constexpr bool kCompact = decltype(compact)::value;
+    using C = FlashConfig<D, kCompact>;
+    return launch_fwd<C::kFwdBlockM>(flash_fwd_kernel<T, D, kCompact>, p, C::kFwdThreads,
+                                     fwd_smem_bytes<T, D, kCompact>(), stream);
+  };
+  if constexpr (D > 128) {
+    if (fwd_compact<T, D>()) return launch(std::true_type{});
+  }
+  return launch(std::false_type{});
 }
 
 }  // namespace dtrain_kernels

@@ -253,8 +253,8 @@ dtrain_attention_kernel chosen_kernel(std::int64_t head_dim, bool forward, bool 
 }
 
 // Whether this device gives a block the shared memory of the kernels a launch at head_dim
-// runs, in the passes that will run: D 256 (head dims 129-256) does not fit GPUs of 99 KB
-// a block (compute capability 8.6, 8.9, 12.x). An error names the head dim, the bytes
+// runs, in the passes that will run (every head dim fits every sm_80 and later GPU: D 256
+// runs in smaller tiles on those of 99 KB a block). An error names the head dim, the bytes
 // needed and given, and the head dims that fit.
 void check_shared_memory(dtrain_attention_kernel kernel, std::int64_t head_dim, bool forward, bool backward) {
   const std::size_t have = dtrain_attention_device_smem_bytes();

@@ -239,13 +239,13 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionBlocksMergeToTheWhole) {
 }
 
 #ifdef DTRAIN_KERNELS_EMULATE
-// On a GPU that gives a block 99 KB of shared memory (compute capability 8.6, 8.9, 12.x;
-// the emulated device set so), head dims whose kernels need more (129-256) are an error
-// naming the head dim, the bytes and the head dims that fit, before anything runs; a
-// forward alone is checked for its own kernel only. Head dim 128 still trains. (mma.sync:
-// wgmma's GPUs give 227 KB.)
+// On a device that gives a block less shared memory than a head dim's kernels need (the
+// emulated device set to 80 KB: less than the 99 KB that D 256's compact tiles take; no
+// sm_80 or later GPU gives so little), the head dim is an error naming it, the bytes and
+// the head dims that fit, before anything runs; a forward alone is checked for its own
+// kernel only. Head dim 128 still trains. (mma.sync: wgmma's GPUs give 227 KB.)
 TEST(KERNEL_SUITE(Ops), FlashAttentionHeadDimsBeyondTheGpusSharedMemoryAreAnError) {
-  const ScopedBlockSmemLimit limit(99 * 1024);
+  const ScopedBlockSmemLimit limit(80 * 1024);
   env::ScopedOverride mma(env::kAttentionKernel, "mma");
   const auto options = torch::TensorOptions().device(kernel_device()).dtype(torch::kBFloat16);
   for (std::int64_t d : {256, 136}) {
@@ -255,13 +255,19 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionHeadDimsBeyondTheGpusSharedMemoryAreAnErro
       ops::flash_attention(qg, q, q, true);
     });
     testing::expect_has(message, {"head_dim " + std::to_string(d) + ": the ", "kernel needs ",
-                                  "bytes of shared memory per block and this GPU gives a block 101376",
+                                  "bytes of shared memory per block and this GPU gives a block 81920",
                                   "allowed here: head_dim up to 128", "--attention sdpa"});
     EXPECT_THROW(ops::flash_attention(q, q, q, true), InvalidArgument) << "the forward alone, d " << d;
   }
   auto q = torch::randn({1, 2, 8, 128}, options).requires_grad_();
   ops::flash_attention(q, q, q, true).sum().backward();
   EXPECT_TRUE(q.grad().isfinite().all().item<bool>());
+  {  // 99 KB (compute capability 8.6, 8.9): D 256 trains in its compact tiles
+    const ScopedBlockSmemLimit limit99(99 * 1024);
+    auto q256 = torch::randn({1, 2, 8, 256}, options).requires_grad_();
+    ops::flash_attention(q256, q256, q256, true).sum().backward();
+    EXPECT_TRUE(q256.grad().isfinite().all().item<bool>());
+  }
 }
 #endif
 
