@@ -36,6 +36,8 @@
 //   build/benchmarks/kernel_bench --only ce_split [--tp 8]
 //   build/benchmarks/kernel_bench --only cp_chunks --seq 16384 --dims 128 [--cp 4] [--window W] [--documents L]
 //   build/benchmarks/kernel_bench --only linear_ce
+//   DTRAIN_ATTENTION_KERNEL=mma build/benchmarks/kernel_bench --only attention --seq 4096 --dims 256 --smem-cap 101376
+//     (D 256's compact tiles, those of GPUs of 99 KB a block, on a larger GPU)
 #include <ATen/SDPBackend.h>
 #include <torch/torch.h>
 
@@ -67,6 +69,7 @@ struct Options {
   int tp = 8;                     // ce_split: the vocabulary split across this many ranks
   int cp = 4;                     // cp_chunks: the context-parallel degree
   int iters = 0, rounds = 3;      // iters 0: 20 on CUDA, 3 on CPU
+  std::size_t smem_cap = 0;       // attention: dtrain_attention_set_smem_cap (0: none)
 };
 
 bool cuda(const c10::Device& d) { return d.is_cuda(); }
@@ -146,6 +149,11 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
 #endif
   std::printf("# dtrain_f, dtrain_fb: %s=%s%s\n", dtrain::env::kAttentionKernel, kernel.c_str(),
               both ? " (wgmma here; above head dim 128 its backward is mma.sync's); mma_f, mma_fb: mma.sync" : "");
+  if (o.smem_cap > 0) {
+    std::printf("# dtrain's kernels take a block to get at most %zu bytes of shared memory (--smem-cap): the tiles "
+                "of GPUs that give that much\n",
+                o.smem_cap);
+  }
   const std::int64_t w = o.window, L = o.documents;
   if (L > 0) {
     std::printf("# documents of %lld tokens (causal only): flash_* = LibTorch's FlashAttention-2 varlen, cudnn_* = "
@@ -288,7 +296,7 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
             cell(r_cudnn.b), rf, rfb, rb);
         out.line({{"bench", "kernel"}, {"op", "attention"}, {"device", cuda(dev) ? "cuda" : "cpu"},
                   {"dtype", c10::toString(dtype)}, {"seq", s}, {"head_dim", d}, {"causal", causal}, {"window", w},
-                  {"documents", L},
+                  {"documents", L}, {"smem_cap", o.smem_cap},
                   {"batch", b}, {"heads", h}, {"kernel", kernel},
                   {"fwd_kernel", pass_kernel(dev, kernel, d, false)}, {"bwd_kernel", pass_kernel(dev, kernel, d, true)},
                   {"fwd_tflops", opt(r_ours.f)},
@@ -780,6 +788,9 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--cp", o.cp, "cp_chunks: the context-parallel degree (each sequence in 2 x cp chunks)")
       ->check(CLI::PositiveNumber);
+  app.add_option("--smem-cap", o.smem_cap,
+                 "attention: dtrain's kernels take a block to get at most this many bytes of shared memory, as on "
+                 "a smaller GPU (101376: the 99 KB of compute capability 8.6 and 8.9; 0: the device's)");
   app.add_option("--iters", o.iters, "calls per timing (0: 20 on CUDA, 3 on CPU)");
   app.add_option("--rounds", o.rounds, "timings per case (the median is reported)");
   app.add_option("--json", o.json, "also append the JSON lines to this file");
@@ -792,6 +803,12 @@ int main(int argc, char** argv) {
     const c10::Device dev = (o.device == "cuda" || (o.device == "auto" && has_cuda)) ? c10::Device(c10::kCUDA, 0)
                                                                                        : c10::Device(c10::kCPU);
     const int iters = o.iters > 0 ? o.iters : (cuda(dev) ? 20 : 3);
+#ifdef DTRAIN_WITH_CUDA
+    dtrain_attention_set_smem_cap(o.smem_cap);
+#else
+    DTRAIN_CHECK_ARG(o.smem_cap == 0, "--smem-cap ", o.smem_cap, " caps the CUDA kernels, and this build has none; "
+                     "allowed: 0");
+#endif
     torch::manual_seed(0);
     Out out(o.json);
     if (o.only == "all" || o.only == "attention") attention(o, dev, iters, out);

@@ -55,16 +55,9 @@ struct FlashConfig {
   static constexpr int kPitchS = kBwdBlockN + 8;  // the backward's dS tile ([query][key], or [key][query])
 };
 
-// The most dynamic shared memory the current device gives a block (0 without a device).
-inline size_t device_block_smem() {
-  int device = 0, bytes = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
-    cudaGetLastError();  // no device: leave no sticky error behind
-    return 0;
-  }
-  return static_cast<size_t>(bytes);
-}
+// The most dynamic shared memory a launch may give a block here: the current device's (0
+// without a device), at most the cap set by dtrain_attention_set_smem_cap (flash_api.cu).
+size_t device_block_smem();
 
 template <typename T, int D>
 cudaError_t run_flash_fwd(const dtrain_attention_fwd_params& p, cudaStream_t stream);

@@ -148,6 +148,9 @@ int takes_head_dim(dtrain_attention_kernel kernel, int64_t head_dim) {
   return dtrain_attention_supports_head_dim(head_dim) && fits ? 1 : 0;
 }
 
+// dtrain_attention_set_smem_cap's (0: none).
+std::atomic<size_t> smem_cap{0};
+
 // A block's dynamic shared memory in the kernel that pick_kernel names (0: none).
 template <template <typename, int> class Mma, template <typename, int> class Wgmma, typename Params>
 size_t picked_smem(dtrain_attention_kernel kernel, int64_t head_dim) {
@@ -186,6 +189,18 @@ cudaError_t run_picked(const Params& p, cudaStream_t stream) {
 }
 
 }  // namespace
+
+size_t device_block_smem() {
+  int device = 0, bytes = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+    cudaGetLastError();  // no device: leave no sticky error behind
+    return 0;
+  }
+  const size_t cap = smem_cap.load(std::memory_order_relaxed);
+  return cap > 0 ? std::min(cap, static_cast<size_t>(bytes)) : static_cast<size_t>(bytes);
+}
+
 }  // namespace dtrain_kernels
 
 extern "C" int dtrain_attention_supports_head_dim(int64_t head_dim) {
@@ -215,6 +230,10 @@ extern "C" size_t dtrain_attention_bwd_smem_bytes(dtrain_attention_kernel kernel
 }
 
 extern "C" size_t dtrain_attention_device_smem_bytes(void) { return dtrain_kernels::device_block_smem(); }
+
+extern "C" void dtrain_attention_set_smem_cap(size_t bytes) {
+  dtrain_kernels::smem_cap.store(bytes, std::memory_order_relaxed);
+}
 
 extern "C" cudaError_t dtrain_attention_fwd(const dtrain_attention_fwd_params* params, cudaStream_t stream) {
   using namespace dtrain_kernels;

@@ -1089,14 +1089,19 @@ TEST(KERNEL_SUITE(FlashAttention), SharedMemoryPerBlockFitsTheDevice) {
 #endif
 }
 
-#ifdef DTRAIN_KERNELS_EMULATE
-// Head dims above 128 on a device that gives a block 99 KB (the emulator's set so; on such
-// a GPU the main test runs them there anyway): mma.sync's compact tiles (forward: key tiles
-// of 32; backward: blocks of 4 warps, 32 keys by 32 queries), against the reference as in
-// ForwardAndBackwardWithinTwiceTheNaiveError. Several key and query tiles, tails, GQA,
-// non-causal, a window, documents, an offset, zero-padded head dims.
+// Head dims above 128 where a block gets 99 KB (the launchers capped so, on any device;
+// on a GPU that gives 99 KB the main test runs them anyway): mma.sync's compact tiles
+// (forward: key tiles of 32; backward: blocks of 4 warps, 32 keys by 32 queries), against
+// the reference as in ForwardAndBackwardWithinTwiceTheNaiveError. Several key and query
+// tiles, tails, GQA, non-causal, a window, documents, an offset, zero-padded head dims.
+// And the cap itself: a smaller one refuses them, nothing written.
 TEST(KERNEL_SUITE(FlashAttention), HeadDim256RunsInCompactTilesWhereABlockGets99Kb) {
-  const ScopedBlockSmemLimit limit(99 * 1024);
+  KERNEL_DEVICE_OR_SKIP();
+  constexpr std::size_t kSm89 = 99 * 1024;
+  const ScopedAttentionSmemCap cap(kSm89);
+  ASSERT_EQ(dtrain_attention_device_smem_bytes(), kSm89);
+  ASSERT_EQ(dtrain_attention_fwd_smem_bytes(DTRAIN_ATTENTION_KERNEL_MMA, 256), kSm89);
+  ASSERT_LE(dtrain_attention_bwd_smem_bytes(DTRAIN_ATTENTION_KERNEL_MMA, 256), 72 * 1024);
   dtrain::env::ScopedOverride mma(dtrain::env::kAttentionKernel, "mma");  // wgmma's GPUs give 227 KB
   torch::manual_seed(17);
   for (const AttnCase& c : std::vector<AttnCase>{{1, 2, 1, 100, 100, 256, true, at::kBFloat16},
@@ -1107,8 +1112,14 @@ TEST(KERNEL_SUITE(FlashAttention), HeadDim256RunsInCompactTilesWhereABlockGets99
                                                  {1, 2, 2, 70, 200, 256, true, at::kHalf, 0, 0, 130}}) {
     expect_attention_case_within_twice_the_naive_error(c);
   }
+  const ScopedAttentionSmemCap smaller(kSm89 - 1);
+  EXPECT_EQ(dtrain_attention_device_smem_bytes(), kSm89 - 1);
+  auto q = dev(torch::randn({1, 2, 40, 256}).to(at::kBFloat16));
+  auto o = poisoned({1, 2, 40, 256}, at::kBFloat16), lse = poisoned({1, 2, 40}, at::kFloat);
+  auto f = fwd_params(q, q, q, o, lse, true, 0.0625, DTRAIN_ATTENTION_KERNEL_MMA);
+  EXPECT_EQ(run_fwd(f), cudaErrorInvalidValue);
+  EXPECT_TRUE(o.isnan().all().item<bool>()) << "a refused forward wrote its output";
 }
-#endif
 
 // The wgmma kernels load through tensor maps, which cannot step a kv head of stride 0 (a
 // broadcast view): AUTO then runs mma.sync, forward and backward, and an explicit WGMMA

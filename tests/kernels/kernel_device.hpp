@@ -39,6 +39,15 @@ inline void kernel_sync() { ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess); }
 constexpr bool kLargeCases = true;
 #endif
 
+// The attention launchers take the device to give a block at most `bytes` of shared memory
+// while this lives (dtrain_attention_set_smem_cap), on either build.
+struct ScopedAttentionSmemCap {
+  explicit ScopedAttentionSmemCap(std::size_t bytes) { dtrain_attention_set_smem_cap(bytes); }
+  ~ScopedAttentionSmemCap() { dtrain_attention_set_smem_cap(0); }
+  ScopedAttentionSmemCap(const ScopedAttentionSmemCap&) = delete;
+  ScopedAttentionSmemCap& operator=(const ScopedAttentionSmemCap&) = delete;
+};
+
 namespace {
 
 inline dtrain_kernel_dtype kernel_dtype(const at::Tensor& t) {

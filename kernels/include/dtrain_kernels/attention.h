@@ -123,6 +123,11 @@ int dtrain_attention_kernel_available(dtrain_attention_kernel kernel);
 size_t dtrain_attention_fwd_smem_bytes(dtrain_attention_kernel kernel, int64_t head_dim);
 size_t dtrain_attention_bwd_smem_bytes(dtrain_attention_kernel kernel, int64_t head_dim);
 size_t dtrain_attention_device_smem_bytes(void);
+/* Caps what the launchers take the device to give a block at `bytes` (0, the default: no
+ * cap), process-wide; dtrain_attention_device_smem_bytes reports the capped number. For
+ * tests and benchmarks: a GPU that gives more then runs, and so tests and times, the tiles
+ * of GPUs that give less (D 256's compact tiles under 101376 bytes, 99 KB). */
+void dtrain_attention_set_smem_cap(size_t bytes);
 
 #ifdef __cplusplus
 }

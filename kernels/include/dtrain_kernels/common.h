@@ -32,6 +32,7 @@
 #define dtrain_attention_fwd_smem_bytes dtrain_emu_attention_fwd_smem_bytes
 #define dtrain_attention_bwd_smem_bytes dtrain_emu_attention_bwd_smem_bytes
 #define dtrain_attention_device_smem_bytes dtrain_emu_attention_device_smem_bytes
+#define dtrain_attention_set_smem_cap dtrain_emu_attention_set_smem_cap
 /* For tests: the shared memory the emulated device gives a block (227 KB, Hopper's,
  * unless set), which launches and dtrain_attention_device_smem_bytes see. */
 #ifdef __cplusplus
