@@ -7,7 +7,7 @@
 # that include ATen/ATen.h or the LibTorch C++ frontend (<torch/...>), directly or through
 # the project's own headers, use it; the others (core, mesh, schedules, the launcher, ...)
 # compile without it. The scan follows #include "dtrain/..." and "<dir>/..." quotes into
-# include/ and src/ at configure time.
+# include/ and src/, and absolute ones (generated wrappers), at configure time.
 set(DTRAIN_WARNINGS -Wall -Wextra -Wno-unused-parameter)
 
 if(DTRAIN_USE_PCH)
@@ -48,6 +48,16 @@ function(_dtrain_heavy file out)
       endif()
       if(line MATCHES "\"([^\"]+)\"")
         set(name "${CMAKE_MATCH_1}")
+        if(IS_ABSOLUTE "${name}")  # a generated wrapper's include of a source (tests: emulated_ops)
+          if(EXISTS "${name}")
+            _dtrain_heavy("${name}" sub)
+            if(sub)
+              set(heavy TRUE)
+              break()
+            endif()
+          endif()
+          continue()
+        endif()
         foreach(root "${dir}" "${PROJECT_SOURCE_DIR}/include" "${PROJECT_SOURCE_DIR}/src"
                      "${PROJECT_SOURCE_DIR}/tests" "${PROJECT_SOURCE_DIR}/tests/dist"
                      "${PROJECT_SOURCE_DIR}/benchmarks")
