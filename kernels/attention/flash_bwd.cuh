@@ -210,7 +210,7 @@ __device__ __forceinline__ void stage_row_stats(float* lse_s, float* delta_s, co
 }
 
 // The mma.sync backward's shared memory, in order: K and V [kBwdBlockN][kPitch], Q and dO
-// [kBwdBlockM][kPitch], kBwdSplit score tiles [64][kPitchS] (dS; split: P^T, then dS^T),
+// [kBwdBlockM][kPitch], kBwdSplit score tiles [kBwdBlockM][kPitchS] (dS; split: P^T, then dS^T),
 // the query tile's log-sum-exp and delta [kBwdBlockM] floats, and the keys' query ends
 // [kBwdBlockN] ints (stage_query_ends). kBytes is what the launch asks for.
 template <typename T, int D, bool kCompact = false>
@@ -425,7 +425,7 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads, D <= 64 ? 3 : 1)
 // in the compact tiles): with G key groups (4; compact 2), warp w owns keys 16 (w % G)..
 // and columns [c0, c0 + D / 2), c0 = (D / 2) (w / G), of dK and dV, and of dQ for query
 // rows 16 (w % G).. of each tile (16 G of them). The two split a tile's 16 G
-// queries for S^T and dP^T (32 each, the key group's 16 keys over the whole head dim) and
+// queries for S^T and dP^T (8 G each, the key group's 16 keys over the whole head dim) and
 // exchange P^T and dS^T through shared memory ([key][query]), from which both read them
 // as A fragments for dV += P^T dO and dK += dS^T Q, and (transposed) dS for dQ = dS K.
 template <typename T, int D, bool kCompact>
