@@ -16,6 +16,8 @@
 // sequence shorter), against LibTorch's FlashAttention-2 varlen (at::_flash_attention_forward
 // with cu_seqlens over the rows laid end to end; q, k, v are stored [B, S, H, D] for every
 // side, so that its [B S, H, D] is a view) and sdpa with a boolean mask; FLOPs as above.
+// --dropout P: attention dropout on every side (LibTorch's flash and cuDNN backends and
+// FlashAttention-2 take it; dtrain's runs mma.sync then, on Hopper too).
 // --only gqa: grouped-query attention on the sdpa backend (sdpa's own GQA) against sdpa over
 // k and v repeated per query head (the call it replaced) and dtrain's flash attention:
 // forward+backward time and peak memory (see gqa() below).
@@ -32,6 +34,7 @@
 //   build/benchmarks/kernel_bench --only attention --seq 1024,4096,16384 --json out.jsonl
 //   build/benchmarks/kernel_bench --only attention --seq 4096,16384 --dims 128 --window 1024
 //   build/benchmarks/kernel_bench --only attention --seq 16384 --dims 128 --documents 2048
+//   build/benchmarks/kernel_bench --only attention --seq 4096 --dims 128 --dropout 0.1
 //   build/benchmarks/kernel_bench --only gqa --seq 4096 --dims 128 [--kv-heads 4] [--documents 512]
 //   build/benchmarks/kernel_bench --only ce_split [--tp 8]
 //   build/benchmarks/kernel_bench --only cp_chunks --seq 16384 --dims 128 [--cp 4] [--window W] [--documents L]
@@ -70,6 +73,7 @@ struct Options {
   int cp = 4;                     // cp_chunks: the context-parallel degree
   int iters = 0, rounds = 3;      // iters 0: 20 on CUDA, 3 on CPU
   std::size_t smem_cap = 0;       // attention: dtrain_attention_set_smem_cap (0: none)
+  double dropout = 0;             // attention: dropout probability on every side
 };
 
 bool cuda(const c10::Device& d) { return d.is_cuda(); }
@@ -121,16 +125,18 @@ at::ScalarType measured_dtype(const c10::Device& dev) {
 
 // What dtrain's op runs for a pass at head dim d when DTRAIN_ATTENTION_KERNEL is `kernel`:
 // wgmma, mma (mma.sync) or reference (off CUDA), so that a row says which kernels its
-// figures are of (at D 256 on Hopper, AUTO's forward is wgmma and its backward mma.sync).
-std::string pass_kernel(const c10::Device& dev, const std::string& kernel, std::int64_t d, bool backward) {
+// figures are of (at D 256 on Hopper, AUTO's forward is wgmma and its backward mma.sync;
+// with dropout, mma.sync both ways).
+std::string pass_kernel(const c10::Device& dev, const std::string& kernel, std::int64_t d, bool backward,
+                        bool dropout) {
 #ifdef DTRAIN_WITH_CUDA
   if (!cuda(dev)) return "reference";
-  if (kernel == "mma" || !dtrain_attention_kernel_available(DTRAIN_ATTENTION_KERNEL_WGMMA)) return "mma";
+  if (kernel == "mma" || dropout || !dtrain_attention_kernel_available(DTRAIN_ATTENTION_KERNEL_WGMMA)) return "mma";
   const bool takes = backward ? dtrain_attention_bwd_kernel_takes_head_dim(DTRAIN_ATTENTION_KERNEL_WGMMA, d)
                               : dtrain_attention_fwd_kernel_takes_head_dim(DTRAIN_ATTENTION_KERNEL_WGMMA, d);
   return takes ? "wgmma" : "mma";
 #else
-  (void)kernel, (void)d, (void)backward;
+  (void)kernel, (void)d, (void)backward, (void)dropout;
   return cuda(dev) ? "mma" : "reference";
 #endif
 }
@@ -145,7 +151,8 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
   const std::string kernel = dtrain::env::attention_kernel();
   bool both = false;
 #ifdef DTRAIN_WITH_CUDA
-  both = cuda(dev) && kernel == "auto" && dtrain_attention_kernel_available(DTRAIN_ATTENTION_KERNEL_WGMMA);
+  both = cuda(dev) && kernel == "auto" && o.dropout == 0 &&
+         dtrain_attention_kernel_available(DTRAIN_ATTENTION_KERNEL_WGMMA);
 #endif
   std::printf("# dtrain_f, dtrain_fb: %s=%s%s\n", dtrain::env::kAttentionKernel, kernel.c_str(),
               both ? " (wgmma here; above head dim 128 its backward is mma.sync's); mma_f, mma_fb: mma.sync" : "");
@@ -155,6 +162,8 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
                 o.smem_cap);
   }
   const std::int64_t w = o.window, L = o.documents;
+  const double dp = o.dropout;
+  if (dp > 0) std::printf("# dropout %g on every side (dtrain's: mma.sync)\n", dp);
   if (L > 0) {
     std::printf("# documents of %lld tokens (causal only): flash_* = LibTorch's FlashAttention-2 varlen, cudnn_* = "
                 "sdpa with a boolean mask (flash_*: CUDA only)\n",
@@ -222,19 +231,19 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
           cu.push_back(static_cast<std::int32_t>(b * s));
           cu_seqlens = torch::tensor(cu, torch::kInt).to(dev);
         }
-        auto ours = [&] { return dtrain::ops::flash_attention(q, k, v, causal, 0.0, w, doc_ids); };
+        auto ours = [&] { return dtrain::ops::flash_attention(q, k, v, causal, 0.0, w, doc_ids, 0, dp); };
         std::function<at::Tensor()> flash, cudnn;
         at::Tensor seen;  // with a window or documents: the keys each query sees, [s, s]
         if (L > 0) {
           auto i = torch::arange(s, torch::TensorOptions().device(dev).dtype(torch::kLong));
           seen = (i.unsqueeze(0) <= i.unsqueeze(1)).logical_and(i.div(L, "floor").unsqueeze(0) == i.div(L, "floor").unsqueeze(1));
-          cudnn = [&] { return at::scaled_dot_product_attention(q, k, v, seen, 0.0, false); };
+          cudnn = [&] { return at::scaled_dot_product_attention(q, k, v, seen, dp, false); };
           if (cuda(dev)) {
             flash = [&] {
               auto packed = [&](const at::Tensor& x) { return x.view({b * s, h, d}); };
               const std::int64_t longest = std::min(L, s);
               return std::get<0>(at::_flash_attention_forward(packed(leaves[0]), packed(leaves[1]), packed(leaves[2]),
-                                                              cu_seqlens, cu_seqlens, longest, longest, 0.0, true,
+                                                              cu_seqlens, cu_seqlens, longest, longest, dp, true,
                                                               false))
                   .view({b, s, h, d})
                   .transpose(1, 2);
@@ -243,20 +252,20 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
         } else if (w > 0) {
           auto i = torch::arange(s, torch::TensorOptions().device(dev).dtype(torch::kLong));
           seen = (i.unsqueeze(0) <= i.unsqueeze(1)).logical_and(i.unsqueeze(0) > i.unsqueeze(1) - w);
-          cudnn = [&] { return at::scaled_dot_product_attention(q, k, v, seen, 0.0, false); };
+          cudnn = [&] { return at::scaled_dot_product_attention(q, k, v, seen, dp, false); };
           if (cuda(dev)) {
             flash = [&] {
               auto t = [](const at::Tensor& x) { return x.transpose(1, 2); };  // [B, S, H, D]
-              return std::get<0>(at::_flash_attention_forward(t(q), t(k), t(v), std::nullopt, std::nullopt, s, s, 0.0,
+              return std::get<0>(at::_flash_attention_forward(t(q), t(k), t(v), std::nullopt, std::nullopt, s, s, dp,
                                                               true, false, std::nullopt, w - 1, 0))
                   .transpose(1, 2);
             };
           }
         } else if (cuda(dev)) {
-          flash = [&] { return std::get<0>(at::_scaled_dot_product_flash_attention(q, k, v, 0.0, causal)); };
-          cudnn = [&] { return std::get<0>(at::_scaled_dot_product_cudnn_attention(q, k, v, {}, true, 0.0, causal)); };
+          flash = [&] { return std::get<0>(at::_scaled_dot_product_flash_attention(q, k, v, dp, causal)); };
+          cudnn = [&] { return std::get<0>(at::_scaled_dot_product_cudnn_attention(q, k, v, {}, true, dp, causal)); };
         } else {
-          flash = [&] { return at::scaled_dot_product_attention(q, k, v, {}, 0.0, causal); };  // CPU default
+          flash = [&] { return at::scaled_dot_product_attention(q, k, v, {}, dp, causal); };  // CPU default
         }
         const int it = std::max(1, s >= 16384 ? iters / 4 : iters);
         // TFLOP/s of one implementation: forward, forward+backward, and the backward alone
@@ -296,9 +305,10 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
             cell(r_cudnn.b), rf, rfb, rb);
         out.line({{"bench", "kernel"}, {"op", "attention"}, {"device", cuda(dev) ? "cuda" : "cpu"},
                   {"dtype", c10::toString(dtype)}, {"seq", s}, {"head_dim", d}, {"causal", causal}, {"window", w},
-                  {"documents", L}, {"smem_cap", o.smem_cap},
+                  {"documents", L}, {"smem_cap", o.smem_cap}, {"dropout", dp},
                   {"batch", b}, {"heads", h}, {"kernel", kernel},
-                  {"fwd_kernel", pass_kernel(dev, kernel, d, false)}, {"bwd_kernel", pass_kernel(dev, kernel, d, true)},
+                  {"fwd_kernel", pass_kernel(dev, kernel, d, false, dp > 0)},
+                  {"bwd_kernel", pass_kernel(dev, kernel, d, true, dp > 0)},
                   {"fwd_tflops", opt(r_ours.f)},
                   {"fwd_tflops_mma", opt(r_mma.f)}, {"fwd_tflops_" + base1, opt(r_flash.f)},
                   {"fwd_tflops_" + base2, opt(r_cudnn.f)}, {"fwdbwd_tflops", opt(r_ours.fb)},
@@ -791,6 +801,8 @@ int main(int argc, char** argv) {
   app.add_option("--smem-cap", o.smem_cap,
                  "attention: dtrain's kernels take a block to get at most this many bytes of shared memory, as on "
                  "a smaller GPU (101376: the 99 KB of compute capability 8.6 and 8.9; 0: the device's)");
+  app.add_option("--dropout", o.dropout, "attention: dropout probability on every side (0: none)")
+      ->check(CLI::Range(0.0, 0.99));
   app.add_option("--iters", o.iters, "calls per timing (0: 20 on CUDA, 3 on CPU)");
   app.add_option("--rounds", o.rounds, "timings per case (the median is reported)");
   app.add_option("--json", o.json, "also append the JSON lines to this file");

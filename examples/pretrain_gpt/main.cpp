@@ -110,7 +110,7 @@ void define(CLI::App& app, Options& o) {
   app.add_option("--activation-checkpointing", o.activation_checkpointing, "none, full (every block recomputes its forward in backward), or N: the first N blocks of the model (of each pipeline chunk)")->group(model);
 
   const char* kernels = "Kernels";
-  app.add_option("--attention", o.attention, "sdpa (LibTorch's scaled_dot_product_attention) or flash (dtrain's kernel on CUDA: bf16/fp16, head dims multiples of 8 up to 256, no dropout)")->group(kernels);
+  app.add_option("--attention", o.attention, "sdpa (LibTorch's scaled_dot_product_attention) or flash (dtrain's kernel on CUDA: bf16/fp16, head dims multiples of 8 up to 256)")->group(kernels);
   auto on_off = [&](const std::string& name, bool& on, bool& off, const std::string& what) {
     auto* yes = app.add_flag("--" + name, on, what + " (default: on CUDA, not on the CPU)")->group(kernels);
     app.add_flag("--no-" + name, off, "LibTorch's op instead of --" + name)->group(kernels)->excludes(yes);

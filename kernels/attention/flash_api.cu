@@ -20,6 +20,7 @@ bool shape_ok(const Params& p) {
          p.batch <= 65535 && p.heads <= 65535 && (p.seq_q + 63) / 64 <= INT32_MAX && (p.seq_k + 63) / 64 <= INT32_MAX &&
          p.scale > 0.f && p.window >= 0 && (p.window == 0 || p.causal) && p.query_offset >= 0 &&
          (p.query_offset == 0 || p.causal) && p.query_offset <= INT32_MAX &&
+         p.dropout_p >= 0.f && p.dropout_p < 1.f &&  // NaN fails both
          (p.documents.start == nullptr) == (p.documents.end == nullptr) &&
          (p.documents.start == nullptr ||
           (p.causal && p.documents.stride >= 0 && document_row_tokens(p) >= imax(p.seq_k, p.query_offset + p.seq_q)));
@@ -167,14 +168,18 @@ size_t picked_smem(dtrain_attention_kernel kernel, int64_t head_dim) {
   }
 }
 // Runs the kernel a launch asking for p.kernel gets here (pick_kernel); one whose block
-// needs more shared memory than the device gives is refused before anything runs. The
+// needs more shared memory than the device gives is refused before anything runs. Only
+// mma.sync has dropout: AUTO with dropout asks for it, WGMMA with dropout is refused. The
 // wgmma kernels load through tensor maps; strides the driver cannot describe
 // (cudaErrorNotSupported, before anything is launched) send AUTO to mma.sync and make an
 // explicit WGMMA fail.
 template <template <typename, int> class Mma, template <typename, int> class Wgmma, typename Params>
 cudaError_t run_picked(const Params& p, cudaStream_t stream) {
-  const int kernel = pick_kernel<Params>(p.kernel, p.head_dim);
-  if (kernel < 0 || picked_smem<Mma, Wgmma, Params>(p.kernel, p.head_dim) > device_block_smem()) {
+  const bool dropout = p.dropout_p > 0.f;
+  if (dropout && p.kernel == DTRAIN_ATTENTION_KERNEL_WGMMA) return cudaErrorInvalidValue;
+  const dtrain_attention_kernel asked = dropout ? DTRAIN_ATTENTION_KERNEL_MMA : p.kernel;
+  const int kernel = pick_kernel<Params>(asked, p.head_dim);
+  if (kernel < 0 || picked_smem<Mma, Wgmma, Params>(asked, p.head_dim) > device_block_smem()) {
     return cudaErrorInvalidValue;
   }
   auto run = [&](auto r) { return decltype(r)::run(p, stream); };
@@ -182,7 +187,7 @@ cudaError_t run_picked(const Params& p, cudaStream_t stream) {
   const cudaError_t e = with_wgmma_dim<Wgmma, kMaxWgmmaDim<Params>>(
       p.head_dim, p.dtype, [] { return cudaErrorInvalidValue; }, run);
   if (e == cudaErrorNotSupported) {
-    return p.kernel == DTRAIN_ATTENTION_KERNEL_AUTO ? with_mma_dim<Mma>(p.head_dim, p.dtype, run)
+    return asked == DTRAIN_ATTENTION_KERNEL_AUTO ? with_mma_dim<Mma>(p.head_dim, p.dtype, run)
                                                     : cudaErrorInvalidValue;
   }
   return e;

@@ -9,6 +9,7 @@
 // runs over the rows of the stored tile); only tiles across the causal diagonal or the end
 // of the keys are masked. delta = rowsum(dO * O) comes from a small kernel first; a last
 // one converts dQ. Head dims above 128 take flash_bwd_split_kernel (two warps per 16 keys).
+// With attention dropout both recompute the forward's keep mask per tile (DropoutT).
 #pragma once
 
 #include "attention/flash.cuh"
@@ -196,6 +197,60 @@ __device__ __forceinline__ void ds_t(float (&dpt)[kN][4], const float (&pt)[kN][
   }
 }
 
+// Attention dropout in the backward: which of a warp's transposed probabilities (keys
+// key0 and key1, kN chunks of 8 queries from query token q0 = m0 + the query offset) the
+// forward kept, bit 4 nt + e (dtrain_attention_dropout_keeps, query head bh), and the
+// kept ones' scale 1 / (1 - dropout_p).
+struct DropoutT {
+  uint32_t keep;
+  float scale;
+  template <int kN>
+  __device__ __forceinline__ static DropoutT of(const dtrain_attention_bwd_params& p, int64_t bh, int64_t key0,
+                                                int64_t key1, int64_t q0) {
+    static_assert(kN * 4 <= 32, "a bit per element in one word");
+    const uint32_t threshold = dtrain_attention_dropout_threshold(p.dropout_p);
+    const int64_t q = q0 + 2 * (threadIdx.x % 4);
+    uint32_t keep = 0;
+#pragma unroll
+    for (int nt = 0; nt < kN; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const bool k = dtrain_attention_dropout_keeps(p.dropout_seed, bh, q + nt * 8 + (e & 1), e < 2 ? key0 : key1,
+                                                      threshold);
+        keep |= static_cast<uint32_t>(k) << (4 * nt + e);
+      }
+    }
+    return {keep, 1.f / (1.f - p.dropout_p)};
+  }
+  __device__ __forceinline__ bool kept(int nt, int e) const { return (keep >> (4 * nt + e)) & 1u; }
+  // The probability P V saw: p Z / (1 - dropout_p).
+  __device__ __forceinline__ float applied(float p, int nt, int e) const { return kept(nt, e) ? p * scale : 0.f; }
+};
+
+// The dropped P^T that dV += P^T dO takes (pd; pt stays undropped for dS).
+template <int kN>
+__device__ __forceinline__ void dropped_t(float (&pd)[kN][4], const float (&pt)[kN][4], const DropoutT& z) {
+#pragma unroll
+  for (int nt = 0; nt < kN; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) pd[nt][e] = z.applied(pt[nt][e], nt, e);
+  }
+}
+
+// dS^T = P^T (dP^T Z / (1 - dropout_p) - delta) under dropout, in place of dP^T: the
+// gradient reaches P through the kept elements only, and delta = rowsum(dO O) is the same
+// sum as without (O is the dropped output).
+template <int kN>
+__device__ __forceinline__ void ds_t(float (&dpt)[kN][4], const float (&pt)[kN][4], const float* delta_s,
+                                     const DropoutT& z) {
+#pragma unroll
+  for (int nt = 0; nt < kN; ++nt) {
+    const float2 d = query_pair(delta_s, nt);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dpt[nt][e] = pt[nt][e] * (z.applied(dpt[nt][e], nt, e) - (e & 1 ? d.y : d.x));
+  }
+}
+
 // A query tile's log-sum-exp (log2 domain; +inf for padding rows, whose p is then 0) and
 // delta into shared memory, by kThreads threads of which this is number `me`; stat is the
 // row of (b, h, query 0) in lse and delta.
@@ -376,14 +431,27 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads, D <= 64 ? 3 : 1)
       // so their p is 0 without one.
       mask_tile_t<BN, BM>(st, p, n0, m0, key0, key1, ends_s + warp * 16, n0);
       probabilities_t(st, lse_s, scale_log2);
-      // dV += P^T dO.
-      mma_acc_cols<T, 1, BM, D / 8>(dv_tiles, st_tiles, dos, P);
+      const bool dropout = p.dropout_p > 0.f;
+      DropoutT z{};
+      // dV += P^T dO (under dropout, the dropped P^T).
+      if (dropout) {
+        z = DropoutT::of<BM / 8>(p, b * p.heads + h, key0, key1, m0 + p.query_offset);
+        float pd_tiles[1][BM / 8][4];
+        dropped_t(pd_tiles[0], st, z);
+        mma_acc_cols<T, 1, BM, D / 8>(dv_tiles, pd_tiles, dos, P);
+      } else {
+        mma_acc_cols<T, 1, BM, D / 8>(dv_tiles, st_tiles, dos, P);
+      }
       // dP^T = V dO^T, then dS^T = P^T (dP^T - delta).
       float dpt_tiles[1][BM / 8][4];
       auto& dpt = dpt_tiles[0];
       zero_tiles(dpt);
       mma_rows_rows<T, 1, D, BM / 8>(dpt_tiles, vs + warp * 16 * P, P, dos, P);
-      ds_t(dpt, st, delta_s);
+      if (dropout) {
+        ds_t(dpt, st, delta_s, z);
+      } else {
+        ds_t(dpt, st, delta_s);
+      }
 #pragma unroll
       for (int nt = 0; nt < BM / 8; ++nt) {
 #pragma unroll
@@ -481,14 +549,24 @@ __global__ void __launch_bounds__(FlashConfig<D, kCompact>::kBwdThreads, 1)
         probabilities_t(st, lse_s + mq, scale_log2);
         zero_tiles(dpt_tiles);
         mma_rows_rows<T, 1, D, kQueries / 8>(dpt_tiles, vs + kw * 16 * P, P, dos + mq * P, P);
-        ds_t(dpt, st, delta_s + mq);
-        // Element (nt, e): key kw 16 + g + 8 (e / 2), query mq + 8 nt + 2 t + (e & 1).
+        const bool dropout = p.dropout_p > 0.f;
+        DropoutT z{};
+        if (dropout) {
+          z = DropoutT::of<kQueries / 8>(p, b * p.heads + h, key0, key1, m0 + mq + p.query_offset);
+          ds_t(dpt, st, delta_s + mq, z);
+        } else {
+          ds_t(dpt, st, delta_s + mq);
+        }
+        // Element (nt, e): key kw 16 + g + 8 (e / 2), query mq + 8 nt + 2 t + (e & 1). P^T
+        // as dV takes it: dropped under dropout.
 #pragma unroll
         for (int nt = 0; nt < kQueries / 8; ++nt) {
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const int at = (kw * 16 + g + 8 * r) * PS + mq + nt * 8 + 2 * t;
-            *reinterpret_cast<uint32_t*>(pts + at) = pack2<T>(st[nt][2 * r], st[nt][2 * r + 1]);
+            float p0 = st[nt][2 * r], p1 = st[nt][2 * r + 1];
+            if (dropout) p0 = z.applied(p0, nt, 2 * r), p1 = z.applied(p1, nt, 2 * r + 1);
+            *reinterpret_cast<uint32_t*>(pts + at) = pack2<T>(p0, p1);
             *reinterpret_cast<uint32_t*>(dsts + at) = pack2<T>(dpt[nt][2 * r], dpt[nt][2 * r + 1]);
           }
         }

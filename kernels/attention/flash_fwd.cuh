@@ -16,7 +16,9 @@
 
 namespace dtrain_kernels {
 
-template <typename T, int D, bool kCompact>
+// kDropout: attention dropout on P before P V (an instance of its own: the hash's
+// registers, branched around in one instance, made the D 64 and D 128 forwards spill).
+template <typename T, int D, bool kCompact, bool kDropout>
 __global__ void __launch_bounds__(FlashConfig<D, kCompact>::kFwdThreads)
     flash_fwd_kernel(dtrain_attention_fwd_params p) {
   using C = FlashConfig<D, kCompact>;
@@ -82,6 +84,7 @@ __global__ void __launch_bounds__(FlashConfig<D, kCompact>::kFwdThreads)
     }
     mask_tile<BM, BN>(s, p, b, m0, warp_row0, n0);
     online_softmax(s, acc, row_max, row_sum, scale_log2);
+    if constexpr (kDropout) dropout_probabilities(s, p, b, h, warp_row0 + p.query_offset, n0);
     if (more) {
       cp_async_wait<1>();  // V_j (K_{j+1} may still be in flight)
     } else {
@@ -123,8 +126,8 @@ cudaError_t run_flash_fwd(const dtrain_attention_fwd_params& p, cudaStream_t str
   auto launch = [&](auto compact) {
     constexpr bool kCompact = decltype(compact)::value;
     using C = FlashConfig<D, kCompact>;
-    return launch_fwd<C::kFwdBlockM>(flash_fwd_kernel<T, D, kCompact>, p, C::kFwdThreads,
-                                     fwd_smem_bytes<T, D, kCompact>(), stream);
+    auto* kernel = p.dropout_p > 0.f ? flash_fwd_kernel<T, D, kCompact, true> : flash_fwd_kernel<T, D, kCompact, false>;
+    return launch_fwd<C::kFwdBlockM>(kernel, p, C::kFwdThreads, fwd_smem_bytes<T, D, kCompact>(), stream);
   };
   if constexpr (D > 128) {
     if (fwd_compact<T, D>()) return launch(std::true_type{});

@@ -160,6 +160,30 @@ __device__ __forceinline__ void softmax_step(float (&s)[kM][kN][4], float (&row_
   }
 }
 
+// Attention dropout on a warp's probability tiles p (after softmax_step; rows from row0
+// and keys from col0 as for mask_scores, row0 a token of the keys' sequence): each is kept
+// and scaled by 1 / (1 - dropout_p), or zeroed, by dtrain_attention_dropout_keeps. The
+// row sums stay the undropped ones, as dropout's softmax has them.
+template <int kM, int kN>
+__device__ __forceinline__ void dropout_probabilities(float (&s)[kM][kN][4], const dtrain_attention_fwd_params& p,
+                                                      int64_t b, int64_t h, int64_t row0, int64_t col0) {
+  const uint32_t threshold = dtrain_attention_dropout_threshold(p.dropout_p);
+  const float keep_scale = 1.f / (1.f - p.dropout_p);
+  const int64_t bh = b * p.heads + h, c = col0 + 2 * (threadIdx.x % 4);
+#pragma unroll
+  for (int m = 0; m < kM; ++m) {
+#pragma unroll
+    for (int nt = 0; nt < kN; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const bool keep = dtrain_attention_dropout_keeps(p.dropout_seed, bh, row0 + m * 16 + 8 * (e / 2),
+                                                         c + nt * 8 + (e & 1), threshold);
+        s[m][nt][e] = keep ? s[m][nt][e] * keep_scale : 0.f;
+      }
+    }
+  }
+}
+
 template <int kM, int kD>
 __device__ __forceinline__ void rescale(float (&acc)[kM][kD][4], const float (&alpha)[kM][2]) {
 #pragma unroll

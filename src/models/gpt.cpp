@@ -74,8 +74,6 @@ void GptConfig::validate() const {
   DTRAIN_CHECK_ARG(std::isfinite(z_loss) && z_loss >= 0, "z_loss=", z_loss,
                    " (--z-loss) is out of range; allowed: a finite number >= 0 (0: none; PaLM: 1e-4)");
   moe.validate();
-  DTRAIN_CHECK_ARG(attention != ops::AttentionBackend::kFlash || dropout == 0, "--attention flash has no dropout "
-                   "(--dropout=", dropout, "); allowed: --dropout 0, or --attention sdpa");
 }
 
 void GptConfig::validate_tp(int tp) const {
@@ -331,8 +329,7 @@ torch::Tensor BlockImpl::attention(const torch::Tensor& in, const torch::Tensor&
     y = cp::attention(q, k, v, tp_.cp, tp_.cp_comm, config_.attention, 0.0, config_.attention_window, documents);
   } else if (p > 0) {  // heads differ across tp: the split stream
     const auto fork = tp_.rng->fork(tp::RngTracker::Stream::kSplit);
-    y = ops::attention(q, k, v, /*causal=*/true, p, ops::AttentionBackend::kSdpa, config_.attention_window,
-                       documents);
+    y = ops::attention(q, k, v, /*causal=*/true, p, config_.attention, config_.attention_window, documents);
   } else {
     y = ops::attention(q, k, v, /*causal=*/true, 0.0, config_.attention, config_.attention_window, documents);
   }

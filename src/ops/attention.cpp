@@ -4,13 +4,17 @@
 // function with ATen ops in float32, chunked over query rows.
 #include "dtrain/ops/attention.hpp"
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
 #include <ATen/SDPBackend.h>
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <list>
+#include <mutex>
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -19,8 +23,13 @@
 #include "dtrain/core/error.hpp"
 #include "ops/kernel_launch.hpp"
 
+#include "dtrain_kernels/attention_dropout.h"
+
 #ifdef DTRAIN_WITH_CUDA
 #include "dtrain_kernels/attention.h"
+#ifndef DTRAIN_OPS_EMULATED
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#endif
 #endif
 
 namespace dtrain::ops {
@@ -151,7 +160,52 @@ struct Mask {
   bool causal = false;
   std::int64_t window = 0, query_offset = 0;
   at::Tensor doc_start, doc_end;
+  // Attention dropout: probability (0: none) and the keep mask's seed
+  // (dtrain_attention_dropout_keeps), drawn once per forward and kept for its backward.
+  double dropout_p = 0.0;
+  std::uint64_t dropout_seed = 0;
 };
+
+// A seed for attention dropout from the default generator of `device` (under the model's
+// RngTracker fork, its split stream; replayed by activation checkpointing as sdpa's
+// dropout is): CUDA's Philox seed and offset (advanced past this call) mixed into one,
+// else 64 bits of the CPU generator.
+std::uint64_t draw_dropout_seed(const c10::Device& device) {
+#if defined(DTRAIN_WITH_CUDA) && !defined(DTRAIN_OPS_EMULATED)
+  if (device.is_cuda()) {
+    auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
+        std::nullopt, at::cuda::detail::getDefaultCUDAGenerator(device.index()));
+    std::lock_guard<std::mutex> lock(gen->mutex_);
+    const auto [seed, offset] = gen->philox_engine_inputs(4);
+    return seed ^ (offset * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull);
+  }
+#endif
+  DTRAIN_CHECK_ARG(device.is_cpu(), "attention: flash attention's dropout has no generator on ", device,
+                   "; allowed: CUDA or CPU tensors");
+  auto* gen = at::get_generator_or_default<at::CPUGeneratorImpl>(std::nullopt, at::detail::getDefaultCPUGenerator());
+  std::lock_guard<std::mutex> lock(gen->mutex_);
+  return gen->random64();
+}
+
+// Dropout's factor for the probabilities of query rows [r0, r0 + n) (before the query
+// offset) against Sk keys: 1 / (1 - p) where the kernels keep one, 0 where they drop it,
+// [B, H, n, Sk] in `options` (the hash runs on the host).
+at::Tensor dropout_factor(std::int64_t B, std::int64_t H, std::int64_t r0, std::int64_t n, std::int64_t Sk,
+                          const Mask& m, const at::TensorOptions& options) {
+  const auto threshold = dtrain_attention_dropout_threshold(static_cast<float>(m.dropout_p));
+  auto keep = at::empty({B, H, n, Sk}, at::TensorOptions().dtype(at::kByte));
+  std::uint8_t* out = keep.data_ptr<std::uint8_t>();
+  const std::int64_t first = m.query_offset + r0;
+  at::parallel_for(0, B * H * n, 1, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end; ++i) {
+      const std::int64_t bh = i / n, query = first + i % n;
+      for (std::int64_t j = 0; j < Sk; ++j) {
+        out[i * Sk + j] = dtrain_attention_dropout_keeps(m.dropout_seed, bh, query, j, threshold) ? 1 : 0;
+      }
+    }
+  });
+  return keep.to(options) * (1.0 / (1.0 - m.dropout_p));
+}
 
 // Scores of query rows [r0, r0 + n) against every key, scaled and masked: [B, H, n, Sk].
 at::Tensor scores(const at::Tensor& qf, const at::Tensor& kf, std::int64_t r0, std::int64_t n, const Mask& m,
@@ -175,7 +229,11 @@ std::pair<at::Tensor, at::Tensor> reference_forward(const at::Tensor& q, const a
     // A row that sees no key: log-sum-exp +inf (as the kernel's), so its probabilities are 0.
     auto l = s.logsumexp(-1, /*keepdim=*/true);
     l.masked_fill_(l == -std::numeric_limits<double>::infinity(), std::numeric_limits<double>::infinity());
-    o.narrow(2, r0, n).copy_(at::matmul((s - l).exp(), vf));
+    auto probs = (s - l).exp();
+    if (mask.dropout_p > 0) {
+      probs = probs * dropout_factor(q.size(0), q.size(1), r0, n, k.size(2), mask, probs.options());
+    }
+    o.narrow(2, r0, n).copy_(at::matmul(probs, vf));
     lse.narrow(2, r0, n).copy_(l.squeeze(-1));
   }
   return {o.to(q.scalar_type()), lse};
@@ -197,8 +255,14 @@ std::vector<at::Tensor> reference_backward(const at::Tensor& q, const at::Tensor
     const auto n = std::min(kChunk, q.size(2) - r0);
     auto p = (scores(qf, kf, r0, n, mask, scale) - lsef.narrow(2, r0, n)).exp();
     auto d = dof.narrow(2, r0, n);
-    dv += at::matmul(p.transpose(-2, -1), d);
-    auto ds = p * (at::matmul(d, vf.transpose(-2, -1)) - delta.narrow(2, r0, n));
+    // Under dropout P V took P Z / (1 - p): dV and dP go through the same factor, and delta
+    // = rowsum(dO O) is rowsum(P dP) all the same.
+    at::Tensor z;
+    if (mask.dropout_p > 0) z = dropout_factor(B, H, r0, n, Sk, mask, p.options());
+    dv += at::matmul((z.defined() ? p * z : p).transpose(-2, -1), d);
+    auto dp = at::matmul(d, vf.transpose(-2, -1));
+    if (z.defined()) dp = dp * z;
+    auto ds = p * (dp - delta.narrow(2, r0, n));
     dq.narrow(2, r0, n).copy_(at::matmul(ds, kf) * scale);
     dk += at::matmul(ds.transpose(-2, -1), qf.narrow(2, r0, n)) * scale;
   }
@@ -230,15 +294,19 @@ void check_kernel_inputs(const at::Tensor& q) {
                   " is not supported by the kernel; allowed: ", kFlashKernelHeadDims, " (or use --attention sdpa)");
 }
 
-// The kernel DTRAIN_ATTENTION_KERNEL asks for; one this build and device cannot run, or
-// that has no kernel for this head dim in a pass that will run (wgmma's backward above
-// 128), is an error naming the variable. A forward that will have a backward checks both,
+// The kernel DTRAIN_ATTENTION_KERNEL asks for (with dropout: mma.sync, and wgmma is an
+// error); one this build and device cannot run, or that has no kernel for this head dim in
+// a pass that will run (wgmma's backward above 128), is an error naming the variable. A forward that will have a backward checks both,
 // so that a training step fails before it runs anything.
-dtrain_attention_kernel chosen_kernel(std::int64_t head_dim, bool forward, bool backward) {
+dtrain_attention_kernel chosen_kernel(std::int64_t head_dim, bool forward, bool backward, bool dropout) {
   const std::string name = env::attention_kernel();
   const auto kernel = name == "mma"     ? DTRAIN_ATTENTION_KERNEL_MMA
                       : name == "wgmma" ? DTRAIN_ATTENTION_KERNEL_WGMMA
                                         : DTRAIN_ATTENTION_KERNEL_AUTO;
+  // Only mma.sync has dropout: auto runs it, wgmma is refused.
+  DTRAIN_OP_CHECK(!dropout || kernel != DTRAIN_ATTENTION_KERNEL_WGMMA, kOp, env::kAttentionKernel, "=", name,
+                  " has no attention dropout; allowed with dropout: auto, mma");
+  if (dropout) return DTRAIN_ATTENTION_KERNEL_MMA;
   DTRAIN_OP_CHECK(dtrain_attention_kernel_available(kernel), kOp, env::kAttentionKernel, "=", name,
                   " cannot run here (wgmma needs a compute capability 9.0 GPU and a library built for sm_90a); "
                   "allowed here: auto, mma");
@@ -293,9 +361,11 @@ void fill_shape(Params& p, const at::Tensor& q, const at::Tensor& k, const Mask&
     p.documents = {mask.doc_start.data_ptr<std::int32_t>(), mask.doc_end.data_ptr<std::int32_t>(),
                    mask.doc_start.size(1)};
   }
+  p.dropout_p = static_cast<float>(mask.dropout_p);
+  p.dropout_seed = mask.dropout_seed;
   p.dtype = detail::kernel_dtype(q, kOp, "q");
   constexpr bool kForward = std::is_same<Params, dtrain_attention_fwd_params>::value;
-  p.kernel = chosen_kernel(p.head_dim, kForward, !kForward || with_backward);
+  p.kernel = chosen_kernel(p.head_dim, kForward, !kForward || with_backward, mask.dropout_p > 0);
   check_shared_memory(p.kernel, p.head_dim, kForward, !kForward || with_backward);
 }
 
@@ -391,6 +461,10 @@ class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
     ctx->saved_data["window"] = mask.window;
     ctx->saved_data["query_offset"] = mask.query_offset;
     ctx->saved_data["scale"] = scale;
+    ctx->saved_data["dropout_p"] = mask.dropout_p;
+    std::int64_t seed = 0;  // the seed's bits in an int IValue
+    std::memcpy(&seed, &mask.dropout_seed, sizeof(seed));
+    ctx->saved_data["dropout_seed"] = seed;
     return o;
   }
 
@@ -403,6 +477,9 @@ class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
     mask.query_offset = ctx->saved_data["query_offset"].toInt();
     mask.doc_start = ctx->saved_data["doc_start"].toTensor();
     mask.doc_end = ctx->saved_data["doc_end"].toTensor();
+    mask.dropout_p = ctx->saved_data["dropout_p"].toDouble();
+    const std::int64_t seed = ctx->saved_data["dropout_seed"].toInt();
+    std::memcpy(&mask.dropout_seed, &seed, sizeof(seed));
     const double scale = ctx->saved_data["scale"].toDouble();
     const auto g = backward_pass(saved[0], saved[1], saved[2], saved[3], saved[4], grads[0], mask, scale);
     return {g[0], g[1], g[2], at::Tensor(), at::Tensor(), at::Tensor()};
@@ -503,8 +580,15 @@ double scale_or_default(double scale, const at::Tensor& q) {
 }  // namespace
 
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                           double scale, std::int64_t window, const Documents& documents, std::int64_t query_offset) {
-  const Mask mask = checked_mask(q, k, v, causal, window, documents, query_offset);
+                           double scale, std::int64_t window, const Documents& documents, std::int64_t query_offset,
+                           double dropout_p, std::optional<std::uint64_t> dropout_seed) {
+  Mask mask = checked_mask(q, k, v, causal, window, documents, query_offset);
+  DTRAIN_OP_CHECK(dropout_p >= 0 && dropout_p < 1, kOp, "dropout_p=", dropout_p,
+                  " is out of range; allowed: [0, 1)");
+  if (dropout_p > 0) {
+    mask.dropout_p = dropout_p;
+    mask.dropout_seed = dropout_seed ? *dropout_seed : draw_dropout_seed(q.device());
+  }
   const bool with_backward =
       at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
   return FlashAttentionFn::apply(q, k, v, mask, scale_or_default(scale, q), with_backward);
@@ -538,9 +622,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      double dropout_p, AttentionBackend backend, std::int64_t window, const Documents& documents,
                      std::int64_t query_offset) {
   if (backend == AttentionBackend::kFlash) {
-    DTRAIN_CHECK_ARG(dropout_p == 0.0, "attention: the flash backend has no dropout (dropout_p=", dropout_p,
-                     "); use the sdpa backend");
-    return flash_attention(q, k, v, causal, 0.0, window, documents, query_offset);
+    return flash_attention(q, k, v, causal, 0.0, window, documents, query_offset, dropout_p);
   }
   check_window("attention", causal, window);
   DTRAIN_CHECK_ARG(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,

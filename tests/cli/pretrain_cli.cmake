@@ -62,7 +62,6 @@ expect(vocab-too-small 2 "holds token id [0-9]+ but the model's vocabulary is 50
 expect(hybrid-without-dp-shard 2 "--fsdp hybrid needs --dp-shard N" ARGS ${DATA} --fsdp hybrid)
 expect(fsdp-unknown 2 "--fsdp 'zero9' is not known; allowed: none, zero1, zero2, full, hybrid" ARGS ${DATA} --fsdp zero9)
 expect(attention-unknown 2 "--attention=fast is not an attention backend; allowed: sdpa, flash" ARGS ${DATA} --attention fast)
-expect(flash-without-dropout 2 "--attention flash has no dropout \\(--dropout=0.1\\)" ARGS ${DATA} --attention flash --dropout 0.1)
 expect(attention-window-negative 2 "attention_window=-3 \\(--attention-window\\) is out of range; allowed: 0"
        ARGS ${DATA} --attention-window -3)
 expect(document-separator-range 2 "document_separator=256 \\(--document-separator\\) is out of range; allowed: -1 \\(none\\) or a token id in 0..255"
@@ -76,11 +75,12 @@ expect(reset-positions-without-documents 2 "reset_position_ids \\(--reset-positi
 # and whose separators get no loss.
 expect(fused-ops-on-cpu 0 "device cpu.*kernels: attention flash, fused norm on, fused cross-entropy on, fused AdamW on.*context 64 \\(attention window 16\\) \\(documents end at token 10, positions restart, no loss at separators\\).*done: 5 steps" CPU ARGS ${DATA} --global-batch 8 --steps 5 --warmup-steps 1 --attention flash --fused-norm
        --fused-ce --fused-adamw --fsdp zero1 --attention-window 16 --document-separator 10 --reset-position-ids --eod-mask-loss)
-# The same for Llama (SwiGLU, rotary embeddings with each document's own positions, GQA).
+# The same for Llama (SwiGLU, rotary embeddings with each document's own positions, GQA),
+# with dropout (flash attention's on the probabilities among it).
 expect(fused-llama-on-cpu 0 "kernels: attention flash, fused norm on, fused cross-entropy on, fused AdamW on, fused SwiGLU on, fused RoPE on, fused linear cross-entropy on.*done: 5 steps" CPU
        ARGS ${DATA} --family llama --n-kv-head 2 --global-batch 8 --steps 5 --warmup-steps 1 --attention flash
        --fused-norm --fused-ce --fused-adamw --fused-swiglu --fused-rope --fused-linear-ce --document-separator 10
-       --reset-position-ids)
+       --reset-position-ids --dropout 0.1)
 expect(fused-on-and-off nonzero "--fused-ce excludes --no-fused-ce" ARGS ${DATA} --fused-ce --no-fused-ce)
 expect(param-dtype-needs-fsdp 2 "--param-dtype / --reduce-dtype other than float32 need --fsdp"
        ARGS ${DATA} --param-dtype bfloat16)

@@ -288,7 +288,10 @@ TEST(Gpt, ActivationCheckpointingLeavesGradientsUnchangedAndLowersThePeak) {
 // tracker's states are saved and restored), so checkpointing still changes nothing; the
 // masks are a function of the seed and eval() turns dropout off.
 TEST(Gpt, DropoutMasksReplayUnderActivationCheckpointing) {
-  for (auto cfg : {GptConfig::preset("tiny"), tiny_llama()}) {
+  auto flash = tiny_llama();  // flash attention's dropout: a seed drawn from the same stream
+  flash.attention = ops::AttentionBackend::kFlash;
+  for (auto cfg : {GptConfig::preset("tiny"), tiny_llama(), flash}) {
+    SCOPED_TRACE(ops::to_string(cfg.attention));
     cfg.dropout = 0.2;
     Gpt plain(single(), cfg, 5);
     cfg.recompute_blocks = -1;

@@ -24,6 +24,7 @@
 #include "dtrain/parallel/context.hpp"
 #include "dtrain/train/autocast.hpp"
 #include "dtrain/train/trainer.hpp"
+#include "dtrain_kernels/attention_dropout.h"
 
 namespace dtrain {
 namespace {
@@ -102,6 +103,81 @@ TEST(FlashAttentionReference, MatchesSdpaForwardAndBackward) {
   auto o = ops::flash_attention(q, k, v, true);
   EXPECT_EQ(o.scalar_type(), at::kFloat);
   EXPECT_LT(max_abs(o, at::scaled_dot_product_attention(q, k, v, {}, 0.0, true)), 1e-5);
+}
+
+// Attention dropout is a mask on the probabilities that reach v: the op's output and
+// gradients are those of softmax(q k^T scale) Z / (1 - p) v written out with the mask Z
+// the kernels' hash gives (dtrain_attention_dropout_keeps, rebuilt here element by
+// element over the query tokens, the query offset counted) and differentiated by
+// autograd; the mask keeps 1 - p of the probabilities; a seed gives one mask, another
+// seed or head another; an unseeded call draws from the default generator.
+TEST(FlashAttentionReference, DropoutIsAMaskOnTheProbabilities) {
+  torch::manual_seed(4);
+  const std::int64_t B = 2, H = 4, Hkv = 2, Sk = 40, D = 8;
+  const double p = 0.3;
+  const std::uint64_t seed = 0x5EED;
+  auto z_of = [&](std::uint64_t s, std::int64_t sq, std::int64_t offset) {
+    auto z = torch::empty({B, H, sq, Sk}, torch::kDouble);
+    auto a = z.accessor<double, 4>();
+    const auto threshold = dtrain_attention_dropout_threshold(static_cast<float>(p));
+    for (std::int64_t b = 0; b < B; ++b) {
+      for (std::int64_t h = 0; h < H; ++h) {
+        for (std::int64_t i = 0; i < sq; ++i) {
+          for (std::int64_t j = 0; j < Sk; ++j) {
+            a[b][h][i][j] = dtrain_attention_dropout_keeps(s, b * H + h, offset + i, j, threshold) ? 1.0 : 0.0;
+          }
+        }
+      }
+    }
+    return z;
+  };
+  struct Case {
+    bool causal;
+    std::int64_t sq, offset, window;
+  };
+  for (const auto& c : {Case{true, Sk, 0, 0}, Case{false, Sk, 0, 0}, Case{true, 17, 23, 9}}) {
+    SCOPED_TRACE(std::string(c.causal ? "causal" : "full") + " offset " + std::to_string(c.offset));
+    auto q = torch::randn({B, H, c.sq, D}, torch::kDouble).requires_grad_();
+    auto k = torch::randn({B, Hkv, Sk, D}, torch::kDouble).requires_grad_();
+    auto v = torch::randn({B, Hkv, Sk, D}, torch::kDouble).requires_grad_();
+    auto dout = torch::randn({B, H, c.sq, D}, torch::kDouble);
+    auto got = ops::flash_attention(q, k, v, c.causal, 0.0, c.window, {}, c.offset, p, seed);
+    got.backward(dout);
+    const auto dq = q.grad().clone(), dk = k.grad().clone(), dv = v.grad().clone();
+    q.mutable_grad().reset(), k.mutable_grad().reset(), v.mutable_grad().reset();
+    auto s = at::matmul(q, k.repeat_interleave(H / Hkv, 1).transpose(-2, -1)) / std::sqrt(static_cast<double>(D));
+    if (c.causal) {
+      auto rows = torch::arange(c.offset, c.offset + c.sq).unsqueeze(1), cols = torch::arange(Sk).unsqueeze(0);
+      auto hidden = cols > rows;
+      if (c.window > 0) hidden = hidden.logical_or(cols <= rows - c.window);
+      s = s.masked_fill(hidden, -std::numeric_limits<double>::infinity());
+    }
+    const auto z = z_of(seed, c.sq, c.offset);
+    auto want = at::matmul(at::softmax(s, -1) * z / (1 - p), v.repeat_interleave(H / Hkv, 1));
+    want.backward(dout);
+    EXPECT_LT(max_abs(got, want), 1e-10);
+    EXPECT_LT(max_abs(dq, q.grad()), 1e-10);
+    EXPECT_LT(max_abs(dk, k.grad()), 1e-10);
+    EXPECT_LT(max_abs(dv, v.grad()), 1e-10);
+    EXPECT_GT(max_abs(got, at::matmul(at::softmax(s, -1), v.repeat_interleave(H / Hkv, 1))), 0.1)
+        << "dropout changed nothing";
+  }
+  // 1 - p of the probabilities kept (over 1M, within 5 standard deviations), a mask per
+  // seed and per head.
+  const auto many = z_of(seed, 6400, 0);
+  const double kept = many.mean().item<double>(), sd = std::sqrt(p * (1 - p) / many.numel());
+  EXPECT_NEAR(kept, 1 - p, 5 * sd);
+  EXPECT_FALSE(torch::equal(many.select(1, 0), many.select(1, 1))) << "heads share a mask";
+  EXPECT_FALSE(torch::equal(many.narrow(2, 0, 40), z_of(seed + 1, 40, 0))) << "seeds share a mask";
+  // Unseeded: a draw from the default generator, so the same generator seed gives the same
+  // output and the next call another.
+  auto q = torch::randn({B, H, 24, D}), k = torch::randn({B, Hkv, 24, D});
+  torch::manual_seed(9);
+  const auto a = ops::attention(q, k, k, true, p, ops::AttentionBackend::kFlash);
+  const auto b = ops::attention(q, k, k, true, p, ops::AttentionBackend::kFlash);
+  torch::manual_seed(9);
+  EXPECT_TRUE(torch::equal(a, ops::attention(q, k, k, true, p, ops::AttentionBackend::kFlash)));
+  EXPECT_FALSE(torch::equal(a, b));
 }
 
 // Packed documents are independent sequences: each document's rows of the output, and its
@@ -422,8 +498,10 @@ TEST(FlashAttentionReference, NamedInputChecks) {
              {"flash_attention", "one dtype", "Double"});
   expect_has(error_message([&] { ops::flash_attention(q.view({4, 8, 16}), q, q, true); }),
              {"[batch, heads, time, head_dim]"});
-  expect_has(error_message([&] { ops::attention(q, q, q, true, 0.1, ops::AttentionBackend::kFlash); }),
-             {"no dropout"});
+  expect_has(error_message([&] { ops::attention(q, q, q, true, 1.0, ops::AttentionBackend::kFlash); }),
+             {"flash_attention", "dropout_p=1", "allowed: [0, 1)"});
+  expect_has(error_message([&] { ops::flash_attention(q, q, q, true, 0.0, 0, {}, 0, -0.1); }),
+             {"dropout_p=-0.1", "allowed: [0, 1)"});
   expect_has(error_message([&] { ops::parse_attention_backend("fast"); }), {"--attention=fast", "sdpa, flash"});
   expect_has(error_message([&] { ops::flash_attention(q, q, q, false, 0.0, 16); }),
              {"flash_attention", "window=16 without causal", "allowed"});
@@ -873,7 +951,7 @@ TEST(FusedOps, TrainerMatchesThePlainRun) {
   auto cfg = models::GptConfig::preset("tiny");
   cfg.attention = ops::AttentionBackend::kFlash;
   cfg.dropout = 0.1;
-  expect_has(error_message([&] { cfg.validate(); }), {"--attention flash has no dropout", "--dropout=0.1"});
+  EXPECT_NO_THROW(cfg.validate()) << "flash attention has dropout";
 }
 
 }  // namespace

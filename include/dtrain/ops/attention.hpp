@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -54,8 +55,8 @@ enum class AttentionBackend { kSdpa, kFlash };
 AttentionBackend parse_attention_backend(const std::string& name, const char* option = "--attention");
 const char* to_string(AttentionBackend backend);
 
-// dropout_p: dropout on the attention probabilities, drawn from the default generator
-// (sdpa only: flash raises InvalidArgument for dropout_p > 0). window, documents,
+// dropout_p: dropout on the attention probabilities, drawn from the default generator of
+// q's device (flash: as flash_attention's). window, documents,
 // query_offset: as flash_attention's (sdpa takes them as documents.sdpa_mask, made once
 // for the calls that share `documents`). Grouped-query attention on sdpa: its own (enable_gqa) wherever a
 // backend other than math takes the call, else k and v repeated per query head.
@@ -79,10 +80,17 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 // path in chunks of query rows). InvalidArgument naming the input for mismatched shapes
 // and devices, a negative window or offset or either without causal, documents of another
 // shape, dtype or device or without causal, and on CUDA for a dtype other than
-// bfloat16/float16 or an unsupported head dim.
+// bfloat16/float16 or an unsupported head dim. dropout_p in [0, 1): attention dropout on
+// the probabilities that reach v (scaled by 1 / (1 - p)), its mask a hash of a seed drawn
+// from the default generator of q's device (CUDA's Philox state, advanced; the CPU's) and
+// of each (batch, head, query, key), recomputed by the backward; the kernel and the
+// reference path give the same mask for the same seed (dropout_seed: that seed instead of
+// a draw, for reproducing a mask). On CUDA it runs mma.sync (wgmma has none:
+// DTRAIN_ATTENTION_KERNEL=wgmma with dropout is InvalidArgument).
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                            double scale = 0.0, std::int64_t window = 0, const Documents& documents = {},
-                           std::int64_t query_offset = 0);
+                           std::int64_t query_offset = 0, double dropout_p = 0.0,
+                           std::optional<std::uint64_t> dropout_seed = std::nullopt);
 
 // Flash attention's two passes without autograd, for callers that split the keys into
 // blocks and merge the blocks' results themselves (ring attention): the forward's output

@@ -18,6 +18,11 @@
  * document [start, end), and a query sees only keys of its own document (what
  * FlashAttention's varlen interface gives sequences packed back to back, without
  * unpacking them); combined with a window, both apply.
+ * Attention dropout (dropout_p > 0; mma.sync only: AUTO then runs mma.sync, WGMMA is
+ * refused): P V takes P Z / (1 - dropout_p), Z the keep mask dtrain_attention_dropout_keeps
+ * gives each (batch, query head, query token, key) under dropout_seed, which the backward
+ * recomputes (FlashAttention's dropout, with a stateless hash for its Philox); the
+ * log-sum-exp is the undropped one.
  * The forward writes o and the log-sum-exp per query row (float32, [batch, heads, seq_q],
  * contiguous; +inf for a row that sees no key), by mma.sync or, on Hopper, by wgmma
  * (dtrain_attention_kernel). The backward recomputes the attention
@@ -25,6 +30,7 @@
  * a float32 workspace (dtrain_attention_bwd_workspace_bytes) for dq and row statistics. */
 #pragma once
 
+#include "dtrain_kernels/attention_dropout.h"
 #include "dtrain_kernels/common.h"
 
 #ifdef __cplusplus
@@ -75,6 +81,8 @@ typedef struct {
   int64_t window; /* 0: none; W > 0 (causal only): query i sees keys O + i - W < j <= O + i */
   dtrain_attention_documents documents;
   int64_t query_offset; /* O: 0, or with causal the queries' first token in the keys' sequence */
+  float dropout_p;       /* 0: none; in (0, 1): attention dropout (mma.sync only) */
+  uint64_t dropout_seed; /* the keep mask's key (dtrain_attention_dropout_keeps) */
 } dtrain_attention_fwd_params;
 
 typedef struct {
@@ -97,7 +105,10 @@ typedef struct {
   int64_t window; /* as the forward's */
   dtrain_attention_documents documents; /* as the forward's */
   int64_t query_offset;                 /* as the forward's */
+  float dropout_p;                      /* as the forward's: the same p and seed give the same mask */
+  uint64_t dropout_seed;
 } dtrain_attention_bwd_params;
+
 
 cudaError_t dtrain_attention_fwd(const dtrain_attention_fwd_params* params, cudaStream_t stream);
 cudaError_t dtrain_attention_bwd(const dtrain_attention_bwd_params* params, cudaStream_t stream);
