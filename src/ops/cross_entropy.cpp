@@ -27,10 +27,12 @@ namespace {
 
 constexpr const char* kOp = "cross_entropy";
 
+#ifdef DTRAIN_WITH_CUDA
 bool use_kernel(const at::Tensor& logits) {
   const auto t = logits.scalar_type();
   return detail::on_kernel_device(logits) && (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf);
 }
+#endif
 
 // Where the logits sit in the vocabulary: columns [start, start + cols), of which the
 // first `valid` hold ids below its size (the rest: a split vocabulary's padding).
