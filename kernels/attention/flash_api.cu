@@ -152,22 +152,35 @@ int takes_head_dim(dtrain_attention_kernel kernel, int64_t head_dim) {
 // dtrain_attention_set_smem_cap's (0: none).
 std::atomic<size_t> smem_cap{0};
 
-// A block's dynamic shared memory in the kernel that pick_kernel names (0: none).
+// A block's dynamic shared memory in the mma.sync (0) or wgmma (1) kernel at this head dim
+// (0 bytes: none).
+template <template <typename, int> class Mma, template <typename, int> class Wgmma, typename Params>
+size_t kernel_smem(int kernel, int64_t head_dim) {
+  auto smem = [](auto run) { return decltype(run)::smem(); };
+  if (kernel == 0) return with_mma_dim<Mma>(head_dim, DTRAIN_KERNEL_BF16, smem);
+  return with_wgmma_dim<Wgmma, kMaxWgmmaDim<Params>>(head_dim, DTRAIN_KERNEL_BF16, [] { return size_t{0}; }, smem);
+}
+
+// pick_kernel, where AUTO also goes to mma.sync when wgmma's block would not get its shared
+// memory (under dtrain_attention_set_smem_cap: a GPU of less, emulated); -1 for no kernel.
+template <template <typename, int> class Mma, template <typename, int> class Wgmma, typename Params>
+int fitted_kernel(dtrain_attention_kernel kernel, int64_t head_dim) {
+  if (!dtrain_attention_supports_head_dim(head_dim)) return -1;
+  const int k = pick_kernel<Params>(kernel, head_dim);
+  if (k == 1 && kernel == DTRAIN_ATTENTION_KERNEL_AUTO &&
+      kernel_smem<Mma, Wgmma, Params>(1, head_dim) > device_block_smem()) {
+    return 0;
+  }
+  return k;
+}
+
+// A block's dynamic shared memory in the kernel that fitted_kernel names (0: none).
 template <template <typename, int> class Mma, template <typename, int> class Wgmma, typename Params>
 size_t picked_smem(dtrain_attention_kernel kernel, int64_t head_dim) {
-  if (!dtrain_attention_supports_head_dim(head_dim)) return 0;
-  auto smem = [](auto run) { return decltype(run)::smem(); };
-  switch (pick_kernel<Params>(kernel, head_dim)) {
-    case 0:
-      return with_mma_dim<Mma>(head_dim, DTRAIN_KERNEL_BF16, smem);
-    case 1:
-      return with_wgmma_dim<Wgmma, kMaxWgmmaDim<Params>>(head_dim, DTRAIN_KERNEL_BF16, [] { return size_t{0}; },
-                                                         smem);
-    default:
-      return 0;
-  }
+  const int k = fitted_kernel<Mma, Wgmma, Params>(kernel, head_dim);
+  return k < 0 ? 0 : kernel_smem<Mma, Wgmma, Params>(k, head_dim);
 }
-// Runs the kernel a launch asking for p.kernel gets here (pick_kernel); one whose block
+// Runs the kernel a launch asking for p.kernel gets here (fitted_kernel); one whose block
 // needs more shared memory than the device gives is refused before anything runs. Only
 // mma.sync has dropout: AUTO with dropout asks for it, WGMMA with dropout is refused. The
 // wgmma kernels load through tensor maps; strides the driver cannot describe
@@ -178,8 +191,8 @@ cudaError_t run_picked(const Params& p, cudaStream_t stream) {
   const bool dropout = p.dropout_p > 0.f;
   if (dropout && p.kernel == DTRAIN_ATTENTION_KERNEL_WGMMA) return cudaErrorInvalidValue;
   const dtrain_attention_kernel asked = dropout ? DTRAIN_ATTENTION_KERNEL_MMA : p.kernel;
-  const int kernel = pick_kernel<Params>(asked, p.head_dim);
-  if (kernel < 0 || picked_smem<Mma, Wgmma, Params>(asked, p.head_dim) > device_block_smem()) {
+  const int kernel = fitted_kernel<Mma, Wgmma, Params>(asked, p.head_dim);
+  if (kernel < 0 || kernel_smem<Mma, Wgmma, Params>(kernel, p.head_dim) > device_block_smem()) {
     return cudaErrorInvalidValue;
   }
   auto run = [&](auto r) { return decltype(r)::run(p, stream); };

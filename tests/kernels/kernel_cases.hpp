@@ -1109,7 +1109,8 @@ TEST(KERNEL_SUITE(FlashAttention), SharedMemoryPerBlockFitsTheDevice) {
 // (forward: key tiles of 32; backward: blocks of 4 warps, 32 keys by 32 queries), against
 // the reference as in ForwardAndBackwardWithinTwiceTheNaiveError. Several key and query
 // tiles, tails, GQA, non-causal, a window, documents, an offset, zero-padded head dims.
-// And the cap itself: a smaller one refuses them, nothing written.
+// AUTO under the cap runs mma.sync where wgmma's tiles do not fit. And the cap itself: a
+// smaller one refuses them, nothing written.
 TEST(KERNEL_SUITE(FlashAttention), HeadDim256RunsInCompactTilesWhereABlockGets99Kb) {
   KERNEL_DEVICE_OR_SKIP();
   constexpr std::size_t kSm89 = 99 * 1024;
@@ -1126,6 +1127,20 @@ TEST(KERNEL_SUITE(FlashAttention), HeadDim256RunsInCompactTilesWhereABlockGets99
                                                  {1, 2, 1, 130, 130, 256, true, at::kBFloat16, 0, 40},
                                                  {1, 2, 2, 70, 200, 256, true, at::kHalf, 0, 0, 130}}) {
     expect_attention_case_within_twice_the_naive_error(c);
+  }
+  {  // AUTO under the cap: mma.sync wherever wgmma's tiles (Hopper's, 227 KB) do not fit
+    for (std::int64_t d : {64, 128, 256}) {
+      const std::size_t fwd = dtrain_attention_fwd_smem_bytes(DTRAIN_ATTENTION_KERNEL_AUTO, d),
+                        bwd = dtrain_attention_bwd_smem_bytes(DTRAIN_ATTENTION_KERNEL_AUTO, d);
+      EXPECT_GT(fwd, 0u) << d;
+      EXPECT_GT(bwd, 0u) << d;
+      EXPECT_LE(std::max(fwd, bwd), kSm89) << d;
+    }
+    auto q = dev(torch::randn({1, 2, 40, 256}).to(at::kBFloat16));
+    auto o = poisoned({1, 2, 40, 256}, at::kBFloat16), lse = poisoned({1, 2, 40}, at::kFloat);
+    auto f = fwd_params(q, q, q, o, lse, true, 0.0625, DTRAIN_ATTENTION_KERNEL_AUTO);
+    EXPECT_EQ(run_fwd(f), cudaSuccess);
+    EXPECT_FALSE(o.isnan().any().item<bool>());
   }
   const ScopedAttentionSmemCap smaller(kSm89 - 1);
   EXPECT_EQ(dtrain_attention_device_smem_bytes(), kSm89 - 1);

@@ -130,7 +130,8 @@ int dtrain_attention_kernel_available(dtrain_attention_kernel kernel);
  * (cudaDevAttrMaxSharedMemoryPerBlockOptin; 0 without a device). A launch whose kernel
  * needs more than that is cudaErrorInvalidValue, before anything runs. mma.sync's head
  * dim 256 (129-256) runs in smaller tiles where its default ones do not fit (99 KB a block:
- * compute capability 8.6, 8.9, 12.x), so every head dim runs on every sm_80 and later GPU. */
+ * compute capability 8.6, 8.9, 12.x), so every head dim runs on every sm_80 and later GPU.
+ * AUTO runs mma.sync where wgmma's tiles would not fit (only under a cap, below). */
 size_t dtrain_attention_fwd_smem_bytes(dtrain_attention_kernel kernel, int64_t head_dim);
 size_t dtrain_attention_bwd_smem_bytes(dtrain_attention_kernel kernel, int64_t head_dim);
 size_t dtrain_attention_device_smem_bytes(void);
