@@ -162,23 +162,27 @@ __device__ __forceinline__ void softmax_step(float (&s)[kM][kN][4], float (&row_
 
 // Attention dropout on a warp's probability tiles p (after softmax_step; rows from row0
 // and keys from col0 as for mask_scores, row0 a token of the keys' sequence): each is kept
-// and scaled by 1 / (1 - dropout_p), or zeroed, by dtrain_attention_dropout_keeps. The
-// row sums stay the undropped ones, as dropout's softmax has them.
+// and scaled by 1 / (1 - dropout_p), or zeroed, by dtrain_attention_dropout_keeps: one
+// hash per pair of adjacent keys (col0 is even). The row sums stay the undropped ones, as
+// dropout's softmax has them.
 template <int kM, int kN>
 __device__ __forceinline__ void dropout_probabilities(float (&s)[kM][kN][4], const dtrain_attention_fwd_params& p,
                                                       int64_t b, int64_t h, int64_t row0, int64_t col0) {
   const uint32_t threshold = dtrain_attention_dropout_threshold(p.dropout_p);
   const float keep_scale = 1.f / (1.f - p.dropout_p);
-  const int64_t bh = b * p.heads + h, c = col0 + 2 * (threadIdx.x % 4);
+  const int64_t bh = b * p.heads + h, pair0 = (col0 + 2 * (threadIdx.x % 4)) / 2;
 #pragma unroll
   for (int m = 0; m < kM; ++m) {
 #pragma unroll
     for (int nt = 0; nt < kN; ++nt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const bool keep = dtrain_attention_dropout_keeps(p.dropout_seed, bh, row0 + m * 16 + 8 * (e / 2),
-                                                         c + nt * 8 + (e & 1), threshold);
-        s[m][nt][e] = keep ? s[m][nt][e] * keep_scale : 0.f;
+      for (int r = 0; r < 2; ++r) {
+        const uint64_t z = dtrain_attention_dropout_hash(p.dropout_seed, bh, row0 + m * 16 + 8 * r, pair0 + nt * 4);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          float& x = s[m][nt][2 * r + j];
+          x = dtrain_attention_dropout_keeps_in(z, j, threshold) ? x * keep_scale : 0.f;
+        }
       }
     }
   }
