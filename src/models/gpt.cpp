@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <memory>
 
 #include "dtrain/core/error.hpp"
 #include "dtrain/ops/attention.hpp"
@@ -327,11 +328,10 @@ torch::Tensor BlockImpl::attention(const torch::Tensor& in, const torch::Tensor&
   torch::Tensor y;
   if (tp_.cp && tp_.cp->size() > 1) {  // no dropout: the Gpt constructor checks
     y = cp::attention(q, k, v, tp_.cp, tp_.cp_comm, config_.attention, 0.0, config_.attention_window, documents);
-  } else if (p > 0) {  // heads differ across tp: the split stream
-    const auto fork = tp_.rng->fork(tp::RngTracker::Stream::kSplit);
-    y = ops::attention(q, k, v, /*causal=*/true, p, config_.attention, config_.attention_window, documents);
   } else {
-    y = ops::attention(q, k, v, /*causal=*/true, 0.0, config_.attention, config_.attention_window, documents);
+    std::unique_ptr<tp::RngTracker::Fork> fork;  // dropout: heads differ across tp, the split stream
+    if (p > 0) fork = tp_.rng->fork(tp::RngTracker::Stream::kSplit);
+    y = ops::attention(q, k, v, /*causal=*/true, p, config_.attention, config_.attention_window, documents);
   }
   return y.transpose(1, 2).reshape({B, T, H * D});
 }
