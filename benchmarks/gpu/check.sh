@@ -120,10 +120,12 @@ phase kernel_bench_hdims 150 "$build/benchmarks/kernel_bench" --only attention -
 # mma_* at D 256 (the default tiles) and the same LibTorch backends.
 phase kernel_bench_compact 60 env DTRAIN_ATTENTION_KERNEL=mma "$build/benchmarks/kernel_bench" --only attention \
   --seq 4096 --dims 256 --smem-cap 101376 --json "$out/kernel_bench_compact.jsonl"
-# Sliding windows (causal, 1024 keys) at 4k and 16k, D 128, against LibTorch's
-# FlashAttention-2 with the same window and sdpa with a mask.
+# Attention dropout 0.1 at S 4096, D 128 on every side (on Hopper dtrain_* is wgmma and
+# mma_* mma.sync), against LibTorch's flash and cuDNN backends with the same dropout.
 phase kernel_bench_dropout 60 "$build/benchmarks/kernel_bench" --only attention --seq 4096 --dims 128 --dropout 0.1 \
   --json "$out/kernel_bench_dropout.jsonl"
+# Sliding windows (causal, 1024 keys) at 4k and 16k, D 128, against LibTorch's
+# FlashAttention-2 with the same window and sdpa with a mask.
 phase kernel_bench_window 120 "$build/benchmarks/kernel_bench" --only attention --seq 4096,16384 --dims 128 \
   --window 1024 --json "$out/kernel_bench_window.jsonl"
 # Packed documents of 2048 tokens at 16k, D 128, against LibTorch's FlashAttention-2
@@ -241,7 +243,7 @@ done
 [ -f "$out/kernel_bench.log" ] && { echo "-- kernel_bench"; grep -vE '^\{' "$out/kernel_bench.log"; }
 [ -f "$out/kernel_bench_hdims.log" ] && { echo "-- kernel_bench, head dims 32, 80, 96, 256"; grep -vE '^\{|^#' "$out/kernel_bench_hdims.log"; }
 [ -f "$out/kernel_bench_compact.log" ] && { echo "-- kernel_bench, D 256 in 99 KB tiles (mma.sync)"; grep -vE '^\{|^#' "$out/kernel_bench_compact.log"; }
-[ -f "$out/kernel_bench_dropout.log" ] && { echo "-- kernel_bench, dropout 0.1 (dtrain: mma.sync)"; grep -vE '^\{' "$out/kernel_bench_dropout.log"; }
+[ -f "$out/kernel_bench_dropout.log" ] && { echo "-- kernel_bench, dropout 0.1 (dtrain: wgmma on Hopper, mma_*: mma.sync)"; grep -vE '^\{' "$out/kernel_bench_dropout.log"; }
 [ -f "$out/kernel_bench_window.log" ] && { echo "-- kernel_bench, window 1024"; grep -vE '^\{' "$out/kernel_bench_window.log"; }
 [ -f "$out/kernel_bench_documents.log" ] && { echo "-- kernel_bench, documents of 2048"; grep -vE '^\{' "$out/kernel_bench_documents.log"; }
 for f in "$out"/kernel_bench_gqa*.log "$out"/kernel_bench_ce_split.log "$out"/kernel_bench_cp_chunks.log; do

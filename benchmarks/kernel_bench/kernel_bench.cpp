@@ -17,7 +17,7 @@
 // with cu_seqlens over the rows laid end to end; q, k, v are stored [B, S, H, D] for every
 // side, so that its [B S, H, D] is a view) and sdpa with a boolean mask; FLOPs as above.
 // --dropout P: attention dropout on every side (LibTorch's flash and cuDNN backends and
-// FlashAttention-2 take it; dtrain's runs mma.sync then, on Hopper too).
+// FlashAttention-2 take it; dtrain's on its kernel, and on Hopper mma.sync's beside it).
 // --only gqa: grouped-query attention on the sdpa backend (sdpa's own GQA) against sdpa over
 // k and v repeated per query head (the call it replaced) and dtrain's flash attention:
 // forward+backward time and peak memory (see gqa() below).
@@ -125,18 +125,16 @@ at::ScalarType measured_dtype(const c10::Device& dev) {
 
 // What dtrain's op runs for a pass at head dim d when DTRAIN_ATTENTION_KERNEL is `kernel`:
 // wgmma, mma (mma.sync) or reference (off CUDA), so that a row says which kernels its
-// figures are of (at D 256 on Hopper, AUTO's forward is wgmma and its backward mma.sync;
-// with dropout, mma.sync both ways).
-std::string pass_kernel(const c10::Device& dev, const std::string& kernel, std::int64_t d, bool backward,
-                        bool dropout) {
+// figures are of (at D 256 on Hopper, AUTO's forward is wgmma and its backward mma.sync).
+std::string pass_kernel(const c10::Device& dev, const std::string& kernel, std::int64_t d, bool backward) {
 #ifdef DTRAIN_WITH_CUDA
   if (!cuda(dev)) return "reference";
-  if (kernel == "mma" || dropout || !dtrain_attention_kernel_available(DTRAIN_ATTENTION_KERNEL_WGMMA)) return "mma";
+  if (kernel == "mma" || !dtrain_attention_kernel_available(DTRAIN_ATTENTION_KERNEL_WGMMA)) return "mma";
   const bool takes = backward ? dtrain_attention_bwd_kernel_takes_head_dim(DTRAIN_ATTENTION_KERNEL_WGMMA, d)
                               : dtrain_attention_fwd_kernel_takes_head_dim(DTRAIN_ATTENTION_KERNEL_WGMMA, d);
   return takes ? "wgmma" : "mma";
 #else
-  (void)kernel, (void)d, (void)backward, (void)dropout;
+  (void)kernel, (void)d, (void)backward;
   return cuda(dev) ? "mma" : "reference";
 #endif
 }
@@ -151,8 +149,7 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
   const std::string kernel = dtrain::env::attention_kernel();
   bool both = false;
 #ifdef DTRAIN_WITH_CUDA
-  both = cuda(dev) && kernel == "auto" && o.dropout == 0 &&
-         dtrain_attention_kernel_available(DTRAIN_ATTENTION_KERNEL_WGMMA);
+  both = cuda(dev) && kernel == "auto" && dtrain_attention_kernel_available(DTRAIN_ATTENTION_KERNEL_WGMMA);
 #endif
   std::printf("# dtrain_f, dtrain_fb: %s=%s%s\n", dtrain::env::kAttentionKernel, kernel.c_str(),
               both ? " (wgmma here; above head dim 128 its backward is mma.sync's); mma_f, mma_fb: mma.sync" : "");
@@ -163,7 +160,7 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
   }
   const std::int64_t w = o.window, L = o.documents;
   const double dp = o.dropout;
-  if (dp > 0) std::printf("# dropout %g on every side (dtrain's: mma.sync)\n", dp);
+  if (dp > 0) std::printf("# dropout %g on every side\n", dp);
   if (L > 0) {
     std::printf("# documents of %lld tokens (causal only): flash_* = LibTorch's FlashAttention-2 varlen, cudnn_* = "
                 "sdpa with a boolean mask (flash_*: CUDA only)\n",
@@ -307,8 +304,8 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
                   {"dtype", c10::toString(dtype)}, {"seq", s}, {"head_dim", d}, {"causal", causal}, {"window", w},
                   {"documents", L}, {"smem_cap", o.smem_cap}, {"dropout", dp},
                   {"batch", b}, {"heads", h}, {"kernel", kernel},
-                  {"fwd_kernel", pass_kernel(dev, kernel, d, false, dp > 0)},
-                  {"bwd_kernel", pass_kernel(dev, kernel, d, true, dp > 0)},
+                  {"fwd_kernel", pass_kernel(dev, kernel, d, false)},
+                  {"bwd_kernel", pass_kernel(dev, kernel, d, true)},
                   {"fwd_tflops", opt(r_ours.f)},
                   {"fwd_tflops_mma", opt(r_mma.f)}, {"fwd_tflops_" + base1, opt(r_flash.f)},
                   {"fwd_tflops_" + base2, opt(r_cudnn.f)}, {"fwdbwd_tflops", opt(r_ours.fb)},

@@ -181,16 +181,13 @@ size_t picked_smem(dtrain_attention_kernel kernel, int64_t head_dim) {
   return k < 0 ? 0 : kernel_smem<Mma, Wgmma, Params>(k, head_dim);
 }
 // Runs the kernel a launch asking for p.kernel gets here (fitted_kernel); one whose block
-// needs more shared memory than the device gives is refused before anything runs. Only
-// mma.sync has dropout: AUTO with dropout asks for it, WGMMA with dropout is refused. The
+// needs more shared memory than the device gives is refused before anything runs. The
 // wgmma kernels load through tensor maps; strides the driver cannot describe
 // (cudaErrorNotSupported, before anything is launched) send AUTO to mma.sync and make an
 // explicit WGMMA fail.
 template <template <typename, int> class Mma, template <typename, int> class Wgmma, typename Params>
 cudaError_t run_picked(const Params& p, cudaStream_t stream) {
-  const bool dropout = p.dropout_p > 0.f;
-  if (dropout && p.kernel == DTRAIN_ATTENTION_KERNEL_WGMMA) return cudaErrorInvalidValue;
-  const dtrain_attention_kernel asked = dropout ? DTRAIN_ATTENTION_KERNEL_MMA : p.kernel;
+  const dtrain_attention_kernel asked = p.kernel;
   const int kernel = fitted_kernel<Mma, Wgmma, Params>(asked, p.head_dim);
   if (kernel < 0 || kernel_smem<Mma, Wgmma, Params>(kernel, p.head_dim) > device_block_smem()) {
     return cudaErrorInvalidValue;

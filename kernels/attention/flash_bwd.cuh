@@ -197,10 +197,23 @@ __device__ __forceinline__ void ds_t(float (&dpt)[kN][4], const float (&pt)[kN][
   }
 }
 
+// Bits 0-7 of x to bits 0, 4, .., 28 (bit i to bit 4 i).
+__device__ __forceinline__ uint32_t spread_bits4(uint32_t x) {
+  x &= 0xFFu;
+  x = (x | (x << 12)) & 0x000F000Fu;
+  x = (x | (x << 6)) & 0x03030303u;
+  return (x | (x << 3)) & 0x11111111u;
+}
+
 // Attention dropout in the backward: which of a warp's transposed probabilities (keys
 // key0 and key1, kN chunks of 8 queries from query token q0 = m0 + the query offset) the
 // forward kept, bit 4 nt + e (dtrain_attention_dropout_keeps, query head bh), and the
-// kept ones' scale 1 / (1 - dropout_p).
+// kept ones' scale 1 / (1 - dropout_p). The four lanes l ^ 4 x (x 0-3: rows g ^ x) hold
+// the four keys of key0's quad and of key1's (key0 - g is a multiple of 4) for the same
+// queries, and one hash gives a quad's four draws. Of the four hashes a chunk needs there
+// (its two queries by the two quads), lane x' = g % 4 computes hash x' (query 2 t + x' %
+// 2, key1's quad if x' / 2), which holds element e = x' of every lane of the four: each
+// lane keeps its own draw and hands each of the other three theirs by a shuffle.
 struct DropoutT {
   uint32_t keep;
   float scale;
@@ -209,17 +222,19 @@ struct DropoutT {
                                                 int64_t key1, int64_t q0) {
     static_assert(kN * 4 <= 32, "a bit per element in one word");
     const uint32_t threshold = dtrain_attention_dropout_threshold(p.dropout_p);
-    const int64_t q = q0 + 2 * (threadIdx.x % 4);
-    uint32_t keep = 0;
+    const int me = static_cast<int>(key0 & 3);  // this lane's key in its quads, and the element it hashes
+    const int64_t q = q0 + 2 * (threadIdx.x % 4) + (me & 1), quad = (me < 2 ? key0 : key1) >> 2;
+    uint32_t to[4] = {0, 0, 0, 0};  // to[x], bit nt: draw me ^ x of hash me, lane l ^ 4 x's element me
 #pragma unroll
     for (int nt = 0; nt < kN; ++nt) {
+      const uint64_t z = dtrain_attention_dropout_hash(p.dropout_seed, bh, q + nt * 8, quad);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const bool k = dtrain_attention_dropout_keeps(p.dropout_seed, bh, q + nt * 8 + (e & 1), e < 2 ? key0 : key1,
-                                                      threshold);
-        keep |= static_cast<uint32_t>(k) << (4 * nt + e);
-      }
+      for (int x = 0; x < 4; ++x) to[x] |= dtrain_attention_dropout_keeps_in(z, me ^ x, threshold) << nt;
     }
+    // From lane l ^ 4 x: this lane's draws in hash me ^ x, its element me ^ x.
+    uint32_t keep = spread_bits4(to[0]) << me;
+#pragma unroll
+    for (int x = 1; x < 4; ++x) keep |= spread_bits4(__shfl_xor_sync(0xffffffffu, to[x], 4 * x)) << (me ^ x);
     return {keep, 1.f / (1.f - p.dropout_p)};
   }
   __device__ __forceinline__ bool kept(int nt, int e) const { return (keep >> (4 * nt + e)) & 1u; }

@@ -10,7 +10,8 @@
 // P^T (dP^T - delta) in registers, dV += P^T dO and dK += dS^T Q with P^T and dS^T as
 // register operands; dS also goes to shared memory (two buffers, by tile parity), and once
 // both have stored theirs, each computes half of dQ's columns over all 128 keys (dQ = dS K)
-// into a staged float32 tile in the buffer's tile order (flash_bwd.cuh: DqTiles).
+// into a staged float32 tile in the buffer's tile order (flash_bwd.cuh: DqTiles). Under
+// attention dropout, P^T and dS^T take the forward's mask (flash_bwd.cuh: DropoutT).
 #pragma once
 
 #include "attention/flash_bwd.cuh"
@@ -198,8 +199,19 @@ __global__ void __launch_bounds__(FlashBwdSm90Config<D>::kThreads, 1)
     wgmma_fence_regs(s_t);
     mask_tile_t<64, BM>(s_t, p, kc0, m0, key0, key1, ends_s + 64 * cg + warp * 16, n0);
     probabilities_t(s_t, lse_s, scale_log2);
+    // P^T as dV's product takes it: under dropout, dropped (flash_bwd.cuh: DropoutT; its
+    // hashes run while dP^T is on the tensor cores).
     uint32_t pf[BM / 16][4], dsf[BM / 16][4];
-    pack_a_fragments<T>(pf, s_t);
+    const bool dropout = p.dropout_p > 0.f;
+    DropoutT z{};
+    if (dropout) {
+      z = DropoutT::of<BM / 8>(p, b * p.heads + head_of(i), key0, key1, m0 + p.query_offset);
+      float pd[BM / 8][4];
+      dropped_t(pd, s_t, z);
+      pack_a_fragments<T>(pf, pd);
+    } else {
+      pack_a_fragments<T>(pf, s_t);
+    }
     // dV += P^T dO and, below, dK += dS^T Q (the softmax scale is applied at the end): dO
     // and Q MN-major, 16 queries (two 8-row swizzle groups, 2048 bytes) per step, the
     // second 64 columns one box (BM rows of 128 bytes) on.
@@ -219,7 +231,11 @@ __global__ void __launch_bounds__(FlashBwdSm90Config<D>::kThreads, 1)
     // keys 0-7 and 8-15, and lane l gives the row (query 16 kk + 8 (l / 16) + l % 8) of
     // block l / 8 in dS's blocked layout. Four stores a tile instead of 32 of 16 bits.
     T* dss = dsbuf(i & 1, cg);
-    ds_t(dp_t, s_t, delta_s);
+    if (dropout) {
+      ds_t(dp_t, s_t, delta_s, z);
+    } else {
+      ds_t(dp_t, s_t, delta_s);
+    }
     pack_a_fragments<T>(dsf, dp_t);
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) {

@@ -13,7 +13,8 @@
 // taking query blocks in tile_order as it finishes them (its first is blockIdx.x, the next
 // from an atomic counter in the workspace: heaviest first, dynamically balanced), so that
 // the next query block's Q and K/V tiles load, and one warpgroup starts its first S, while
-// the last P V and the output stores of this one finish.
+// the last P V and the output stores of this one finish. Attention dropout is an instance
+// of its own (kDropout), as in the mma.sync forward: the same mask on the same layout.
 #pragma once
 
 #include "attention/flash_fwd_tile.cuh"
@@ -41,7 +42,7 @@ struct FlashSm90Config {
   static constexpr size_t kSmemBytes = 1024 + 2 * kTileElements + 8 * (2 + 4 * kStages) + 40;
 };
 
-template <typename T, int D>
+template <typename T, int D, bool kDropout>
 __global__ void __launch_bounds__(FlashSm90Config<D>::kThreads, 1)
     flash_fwd_sm90_kernel(dtrain_attention_fwd_params p, const __grid_constant__ CUtensorMap tm_q,
                           const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v) {
@@ -178,11 +179,14 @@ __global__ void __launch_bounds__(FlashSm90Config<D>::kThreads, 1)
     const int64_t k_first = current[4] * BN;  // the first key tile's (a sliding window's or a document's)
     const int64_t row0 = m0 + cg * 64 + warp * 16 + g;  // this thread's first row
     // The mask (only the tiles that need one: mask_tile) and the softmax of the block's key
-    // tile n: s becomes P, alpha the rescale of what O holds so far.
+    // tile n: s becomes P (under dropout, the dropped P; the row sums stay undropped),
+    // alpha the rescale of what O holds so far.
     auto softmax_tile = [&](float (&s)[1][BN / 8][4], int n, float (&row_max)[1][2], float (&row_sum)[1][2],
                             float (&alpha)[1][2]) {
-      mask_tile<BM, BN>(s, p, b, m0, row0, k_first + int64_t{n} * BN);
+      const int64_t n0 = k_first + int64_t{n} * BN;
+      mask_tile<BM, BN>(s, p, b, m0, row0, n0);
       softmax_step(s, row_max, row_sum, scale_log2, alpha);
+      if constexpr (kDropout) dropout_probabilities(s, p, b, h, row0 + p.query_offset, n0);
     };
 
     zero_tiles(acc);
@@ -277,7 +281,7 @@ cudaError_t run_flash_fwd_sm90(const dtrain_attention_fwd_params& p, cudaStream_
   // Persistent: as many blocks as the GPU holds at once (one an SM), each taking query
   // blocks from the counter in the workspace, zeroed here on the stream.
   if ((e = cudaMemsetAsync(p.workspace, 0, sizeof(int), stream)) != cudaSuccess) return e;
-  auto* kernel = flash_fwd_sm90_kernel<T, D>;
+  auto* kernel = p.dropout_p > 0.f ? flash_fwd_sm90_kernel<T, D, true> : flash_fwd_sm90_kernel<T, D, false>;
   const int64_t n_blocks = FwdBlock<T, C::kBlockM, C::kBlockN, true>::query_blocks(p) * p.heads * p.batch;
   const Occupancy o = occupancy(kernel, C::kThreads, C::kSmemBytes);
   if ((e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

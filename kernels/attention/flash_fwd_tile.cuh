@@ -161,28 +161,45 @@ __device__ __forceinline__ void softmax_step(float (&s)[kM][kN][4], float (&row_
 }
 
 // Attention dropout on a warp's probability tiles p (after softmax_step; rows from row0
-// and keys from col0 as for mask_scores, row0 a token of the keys' sequence): each is kept
-// and scaled by 1 / (1 - dropout_p), or zeroed, by dtrain_attention_dropout_keeps: one
-// hash per pair of adjacent keys (col0 is even). The row sums stay the undropped ones, as
-// dropout's softmax has them.
+// and keys from col0 as for mask_scores, row0 a token of the keys' sequence, col0 a
+// multiple of 8): each is kept and scaled by 1 / (1 - dropout_p), or zeroed, by
+// dtrain_attention_dropout_keeps. Lanes t and t ^ 1 (t = lane % 4) hold the two halves of
+// each quad of keys (keys 4 (t / 2) .. of a chunk of 8) for the same rows, and one hash
+// gives a quad's four draws: each lane hashes one of its two rows (the even lane row r 0),
+// applies its own keys' draws and hands the other lane theirs by one shuffle. The row
+// sums stay the undropped ones, as dropout's softmax has them.
 template <int kM, int kN>
 __device__ __forceinline__ void dropout_probabilities(float (&s)[kM][kN][4], const dtrain_attention_fwd_params& p,
                                                       int64_t b, int64_t h, int64_t row0, int64_t col0) {
+  static_assert(kM * kN * 2 <= 32, "two bits per (row tile, chunk) in one word");
   const uint32_t threshold = dtrain_attention_dropout_threshold(p.dropout_p);
   const float keep_scale = 1.f / (1.f - p.dropout_p);
-  const int64_t bh = b * p.heads + h, pair0 = (col0 + 2 * (threadIdx.x % 4)) / 2;
+  const int t = threadIdx.x % 4, half = t & 1;  // this lane's keys: draws 2 half, 2 half + 1 of their quad
+  const int64_t bh = b * p.heads + h, quad0 = col0 / 4 + t / 2;
+  uint32_t mine = 0, theirs = 0;  // bits 2 (m kN + nt) + j: key j of this lane's pair (the other's), row half
+#pragma unroll
+  for (int m = 0; m < kM; ++m) {
+#pragma unroll
+    for (int nt = 0; nt < kN; ++nt) {
+      const uint64_t z = dtrain_attention_dropout_hash(p.dropout_seed, bh, row0 + m * 16 + 8 * half, quad0 + nt * 2);
+      const int at = 2 * (m * kN + nt);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        mine |= dtrain_attention_dropout_keeps_in(z, 2 * half + j, threshold) << (at + j);
+        theirs |= dtrain_attention_dropout_keeps_in(z, 2 * (1 - half) + j, threshold) << (at + j);
+      }
+    }
+  }
+  const uint32_t other = __shfl_xor_sync(0xffffffffu, theirs, 1);  // this lane's keys in the other row
+  const uint32_t rows[2] = {half ? other : mine, half ? mine : other};
 #pragma unroll
   for (int m = 0; m < kM; ++m) {
 #pragma unroll
     for (int nt = 0; nt < kN; ++nt) {
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const uint64_t z = dtrain_attention_dropout_hash(p.dropout_seed, bh, row0 + m * 16 + 8 * r, pair0 + nt * 4);
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          float& x = s[m][nt][2 * r + j];
-          x = dtrain_attention_dropout_keeps_in(z, j, threshold) ? x * keep_scale : 0.f;
-        }
+      for (int e = 0; e < 4; ++e) {
+        float& x = s[m][nt][e];
+        x = (rows[e / 2] >> (2 * (m * kN + nt) + e % 2)) & 1u ? x * keep_scale : 0.f;
       }
     }
   }

@@ -294,19 +294,15 @@ void check_kernel_inputs(const at::Tensor& q) {
                   " is not supported by the kernel; allowed: ", kFlashKernelHeadDims, " (or use --attention sdpa)");
 }
 
-// The kernel DTRAIN_ATTENTION_KERNEL asks for (with dropout: mma.sync, and wgmma is an
-// error); one this build and device cannot run, or that has no kernel for this head dim in
-// a pass that will run (wgmma's backward above 128), is an error naming the variable. A forward that will have a backward checks both,
+// The kernel DTRAIN_ATTENTION_KERNEL asks for; one this build and device cannot run, or
+// that has no kernel for this head dim in a pass that will run (wgmma's backward above
+// 128), is an error naming the variable. A forward that will have a backward checks both,
 // so that a training step fails before it runs anything.
-dtrain_attention_kernel chosen_kernel(std::int64_t head_dim, bool forward, bool backward, bool dropout) {
+dtrain_attention_kernel chosen_kernel(std::int64_t head_dim, bool forward, bool backward) {
   const std::string name = env::attention_kernel();
   const auto kernel = name == "mma"     ? DTRAIN_ATTENTION_KERNEL_MMA
                       : name == "wgmma" ? DTRAIN_ATTENTION_KERNEL_WGMMA
                                         : DTRAIN_ATTENTION_KERNEL_AUTO;
-  // Only mma.sync has dropout: auto runs it, wgmma is refused.
-  DTRAIN_OP_CHECK(!dropout || kernel != DTRAIN_ATTENTION_KERNEL_WGMMA, kOp, env::kAttentionKernel, "=", name,
-                  " has no attention dropout; allowed with dropout: auto, mma");
-  if (dropout) return DTRAIN_ATTENTION_KERNEL_MMA;
   DTRAIN_OP_CHECK(dtrain_attention_kernel_available(kernel), kOp, env::kAttentionKernel, "=", name,
                   " cannot run here (wgmma needs a compute capability 9.0 GPU and a library built for sm_90a); "
                   "allowed here: auto, mma");
@@ -365,7 +361,7 @@ void fill_shape(Params& p, const at::Tensor& q, const at::Tensor& k, const Mask&
   p.dropout_seed = mask.dropout_seed;
   p.dtype = detail::kernel_dtype(q, kOp, "q");
   constexpr bool kForward = std::is_same<Params, dtrain_attention_fwd_params>::value;
-  p.kernel = chosen_kernel(p.head_dim, kForward, !kForward || with_backward, mask.dropout_p > 0);
+  p.kernel = chosen_kernel(p.head_dim, kForward, !kForward || with_backward);
   check_shared_memory(p.kernel, p.head_dim, kForward, !kForward || with_backward);
 }
 

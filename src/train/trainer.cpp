@@ -547,9 +547,6 @@ void Trainer::check_options() const {
     DTRAIN_CHECK_ARG(ops::flash_kernel_supports_head_dim(model_config_.head_dim()), "--attention flash on CUDA ",
                      "takes head dims that are ", ops::kFlashKernelHeadDims, "; this model's is ",
                      model_config_.head_dim(), " (--d-model / --n-head). Allowed otherwise: --attention sdpa");
-    DTRAIN_CHECK_ARG(model_config_.dropout == 0 || env::attention_kernel() != "wgmma", env::kAttentionKernel,
-                     "=wgmma has no attention dropout (--dropout=", model_config_.dropout,
-                     "); allowed with dropout: auto or mma (auto runs mma.sync then)");
   }
   DTRAIN_CHECK_ARG(o.progress == "auto" || o.progress == "on" || o.progress == "off",
                    "--progress '", o.progress, "' is not known; allowed: auto, on, off");

@@ -148,24 +148,18 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionAutogradMatchesTheReferencePath) {
   EXPECT_THROW(ops::flash_attention(f, f, f, true), InvalidArgument);  // float32 on the kernels' device
 }
 
-// Attention dropout on the kernel: for the same seed the op's output and gradients are the
-// float64 reference path's (whose mask dtrain_attention_dropout_keeps gives; the unit
+// Attention dropout on the kernels: for the same seed the op's output and gradients are
+// the float64 reference path's (whose mask dtrain_attention_dropout_keeps gives; the unit
 // tests check that against a mask written out), within twice the error of LibTorch's bf16
 // attention without dropout, times 1 / (1 - p) (the kept probabilities' scale); a mask the
 // kernel got wrong differs in a quarter of the probabilities. Causal and not, a window
-// with a query offset, GQA; head dims 64, 128 and 256 (mma.sync's one-warp and split
-// backward), and 256 in the compact tiles of GPUs of 99 KB a block. auto runs mma.sync;
-// wgmma, asked for by name, is refused.
+// with a query offset, GQA; head dims 64, 128 and 256, on each kernel this device runs:
+// mma.sync's one-warp and split backward, 256 also in the compact tiles of GPUs of 99 KB a
+// block; wgmma both ways at 64 and 128, and at 256 (auto) its forward with mma.sync's
+// backward, which must find the forward's mask.
 TEST(KERNEL_SUITE(Ops), FlashAttentionDropoutMatchesTheReferencePath) {
   KERNEL_DEVICE_OR_SKIP();
   const auto bf16 = torch::TensorOptions().device(kernel_device()).dtype(torch::kBFloat16);
-  if (dtrain_attention_kernel_available(DTRAIN_ATTENTION_KERNEL_WGMMA)) {
-    env::ScopedOverride wgmma(env::kAttentionKernel, "wgmma");
-    auto q = torch::randn({1, 2, 8, 64}, bf16);
-    testing::expect_has(testing::error_message([&] { ops::flash_attention(q, q, q, true, 0.0, 0, {}, 0, 0.1); }),
-               {"wgmma", "no attention dropout", "allowed with dropout: auto, mma"});
-  }
-  torch::manual_seed(12);
   const double p = 0.25;
   const std::uint64_t seed = 77;
   const std::int64_t nb = 1, nh = 4, nt = kLargeCases ? 300 : 70, w = kLargeCases ? 100 : 23;
@@ -174,42 +168,50 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionDropoutMatchesTheReferencePath) {
     std::int64_t window, offset, d;
     bool compact = false;
   };
-  std::vector<Case> cases;
-  for (std::int64_t d : {64, 128, 256}) {
-    cases.push_back({true, 0, 0, d});
-    cases.push_back({false, 0, 0, d});
-    cases.push_back({true, w, nt / 4, d});
-  }
-  cases.push_back({true, 0, 0, 256, true});
-  for (const auto& c : cases) {
-    SCOPED_TRACE("d " + std::to_string(c.d) + (c.causal ? " causal" : "") + " window " + std::to_string(c.window) +
-                 " offset " + std::to_string(c.offset) + (c.compact ? " compact" : ""));
-    std::optional<ScopedAttentionSmemCap> cap;
-    if (c.compact) cap.emplace(101376);
-    const std::int64_t nq = c.offset > 0 ? nt / 2 : nt;
-    auto q = torch::randn({nb, nh, nq, c.d}), k = torch::randn({nb, 2, nt, c.d}), v = torch::randn({nb, 2, nt, c.d});
-    auto dout = torch::randn({nb, nh, nq, c.d});
-    auto run = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& cc, const at::Tensor& g,
-                   double dropout, bool sdpa) -> std::vector<at::Tensor> {
-      auto qa = a.detach().requires_grad_(), kb = b.detach().requires_grad_(), vc = cc.detach().requires_grad_();
-      auto o = sdpa ? ops::attention(qa, kb, vc, c.causal, 0.0, ops::AttentionBackend::kSdpa, c.window, {}, c.offset)
-                    : ops::flash_attention(qa, kb, vc, c.causal, 0.0, c.window, {}, c.offset, dropout, seed);
-      o.backward(g);
-      return {o.cpu().to(at::kDouble), qa.grad().cpu().to(at::kDouble), kb.grad().cpu().to(at::kDouble),
-              vc.grad().cpu().to(at::kDouble)};
-    };
-    auto dbl = [](const at::Tensor& t) { return t.to(at::kDouble); };
-    auto dev = [&](const at::Tensor& t) { return t.to(bf16); };
-    const auto want = run(dbl(q), dbl(k), dbl(v), dbl(dout), p, false);
-    const auto plain = run(dbl(q), dbl(k), dbl(v), dbl(dout), 0.0, false);
-    const auto got = run(dev(q), dev(k), dev(v), dev(dout), p, false);
-    const auto sdpa = run(dev(q), dev(k), dev(v), dev(dout), 0.0, true);
-    for (int i = 0; i < 4; ++i) {
-      const double e = (got[i] - want[i]).abs().max().item<double>();
-      const double base = (sdpa[i] - plain[i]).abs().max().item<double>() / (1 - p);
-      EXPECT_LE(e, 2 * base + 1e-3) << "output " << i << ": flash " << e << ", sdpa without dropout " << base;
-      EXPECT_GT((want[i] - plain[i]).abs().max().item<double>(), 5 * (2 * base + 1e-3))
-          << "output " << i << ": dropout must change more than the tolerance";
+  for (auto kernel : attention_kernels()) {
+    const bool mma = kernel == DTRAIN_ATTENTION_KERNEL_MMA;
+    std::vector<Case> cases;
+    for (std::int64_t d : {64, 128, 256}) {
+      cases.push_back({true, 0, 0, d});
+      cases.push_back({false, 0, 0, d});
+      cases.push_back({true, w, nt / 4, d});
+    }
+    if (mma) cases.push_back({true, 0, 0, 256, true});
+    torch::manual_seed(12);
+    for (const auto& c : cases) {
+      const bool mixed = !mma && !dtrain_attention_bwd_kernel_takes_head_dim(kernel, c.d);
+      env::ScopedOverride only(env::kAttentionKernel, mma ? "mma" : mixed ? "auto" : "wgmma");
+      SCOPED_TRACE(std::string(mma ? "mma.sync" : mixed ? "auto (wgmma forward)" : "wgmma") + " d " +
+                   std::to_string(c.d) + (c.causal ? " causal" : "") + " window " + std::to_string(c.window) +
+                   " offset " + std::to_string(c.offset) + (c.compact ? " compact" : ""));
+      std::optional<ScopedAttentionSmemCap> cap;
+      if (c.compact) cap.emplace(101376);
+      const std::int64_t nq = c.offset > 0 ? nt / 2 : nt;
+      auto q = torch::randn({nb, nh, nq, c.d}), k = torch::randn({nb, 2, nt, c.d}), v = torch::randn({nb, 2, nt, c.d});
+      auto dout = torch::randn({nb, nh, nq, c.d});
+      auto run = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& cc, const at::Tensor& g,
+                     double dropout, bool sdpa) -> std::vector<at::Tensor> {
+        auto qa = a.detach().requires_grad_(), kb = b.detach().requires_grad_(), vc = cc.detach().requires_grad_();
+        auto o = sdpa ? ops::attention(qa, kb, vc, c.causal, 0.0, ops::AttentionBackend::kSdpa, c.window, {},
+                                       c.offset)
+                      : ops::flash_attention(qa, kb, vc, c.causal, 0.0, c.window, {}, c.offset, dropout, seed);
+        o.backward(g);
+        return {o.cpu().to(at::kDouble), qa.grad().cpu().to(at::kDouble), kb.grad().cpu().to(at::kDouble),
+                vc.grad().cpu().to(at::kDouble)};
+      };
+      auto dbl = [](const at::Tensor& t) { return t.to(at::kDouble); };
+      auto dev = [&](const at::Tensor& t) { return t.to(bf16); };
+      const auto want = run(dbl(q), dbl(k), dbl(v), dbl(dout), p, false);
+      const auto plain = run(dbl(q), dbl(k), dbl(v), dbl(dout), 0.0, false);
+      const auto got = run(dev(q), dev(k), dev(v), dev(dout), p, false);
+      const auto sdpa = run(dev(q), dev(k), dev(v), dev(dout), 0.0, true);
+      for (int i = 0; i < 4; ++i) {
+        const double e = (got[i] - want[i]).abs().max().item<double>();
+        const double base = (sdpa[i] - plain[i]).abs().max().item<double>() / (1 - p);
+        EXPECT_LE(e, 2 * base + 1e-3) << "output " << i << ": flash " << e << ", sdpa without dropout " << base;
+        EXPECT_GT((want[i] - plain[i]).abs().max().item<double>(), 5 * (2 * base + 1e-3))
+            << "output " << i << ": dropout must change more than the tolerance";
+      }
     }
   }
 }

@@ -85,8 +85,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 // from the default generator of q's device (CUDA's Philox state, advanced; the CPU's) and
 // of each (batch, head, query, key), recomputed by the backward; the kernel and the
 // reference path give the same mask for the same seed (dropout_seed: that seed instead of
-// a draw, for reproducing a mask). On CUDA it runs mma.sync (wgmma has none:
-// DTRAIN_ATTENTION_KERNEL=wgmma with dropout is InvalidArgument).
+// a draw, for reproducing a mask). On CUDA either kernel takes it (the mask depends on
+// the coordinates alone, so a forward and backward on different kernels agree).
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                            double scale = 0.0, std::int64_t window = 0, const Documents& documents = {},
                            std::int64_t query_offset = 0, double dropout_p = 0.0,

@@ -18,11 +18,11 @@
  * document [start, end), and a query sees only keys of its own document (what
  * FlashAttention's varlen interface gives sequences packed back to back, without
  * unpacking them); combined with a window, both apply.
- * Attention dropout (dropout_p > 0; mma.sync only: AUTO then runs mma.sync, WGMMA is
- * refused): P V takes P Z / (1 - dropout_p), Z the keep mask dtrain_attention_dropout_keeps
- * gives each (batch, query head, query token, key) under dropout_seed, which the backward
- * recomputes (FlashAttention's dropout, with a stateless hash for its Philox); the
- * log-sum-exp is the undropped one.
+ * Attention dropout (dropout_p > 0, either kernel): P V takes P Z / (1 - dropout_p), Z
+ * the keep mask dtrain_attention_dropout_keeps gives each (batch, query head, query
+ * token, key) under dropout_seed, which the backward recomputes (FlashAttention's dropout,
+ * with a stateless hash for its Philox), so a forward and backward on different kernels
+ * agree; the log-sum-exp is the undropped one.
  * The forward writes o and the log-sum-exp per query row (float32, [batch, heads, seq_q],
  * contiguous; +inf for a row that sees no key), by mma.sync or, on Hopper, by wgmma
  * (dtrain_attention_kernel). The backward recomputes the attention
@@ -81,7 +81,7 @@ typedef struct {
   int64_t window; /* 0: none; W > 0 (causal only): query i sees keys O + i - W < j <= O + i */
   dtrain_attention_documents documents;
   int64_t query_offset; /* O: 0, or with causal the queries' first token in the keys' sequence */
-  float dropout_p;       /* 0: none; in (0, 1): attention dropout (mma.sync only) */
+  float dropout_p;       /* 0: none; in (0, 1): attention dropout */
   uint64_t dropout_seed; /* the keep mask's key (dtrain_attention_dropout_keeps) */
 } dtrain_attention_fwd_params;
 

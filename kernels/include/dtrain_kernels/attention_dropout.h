@@ -19,27 +19,28 @@ static inline DTRAIN_ATTENTION_HD uint32_t dtrain_attention_dropout_threshold(fl
   return (uint32_t)((double)dropout_p * 65536.0);
 }
 
-/* The 64 hash bits of keys 2 pair and 2 pair + 1 of (query head bh = b heads + h, query
+/* The 64 hash bits of keys 4 quad .. 4 quad + 3 of (query head bh = b heads + h, query
  * token): SplitMix64's output function (a bijection of 64 bits) of seed plus the
- * coordinates times odd constants; a query token counts the query offset. Bits 32-47 are
- * the even key's draw, 48-63 the odd one's: the forward, whose threads hold pairs of
- * adjacent keys, hashes once per pair. */
+ * coordinates times odd constants; a query token counts the query offset. Bits 16 j ..
+ * 16 j + 15 are key 4 quad + j's draw: the kernels' threads hash once per four
+ * probabilities, sharing a hash's draws with the lanes that hold its other keys. */
 static inline DTRAIN_ATTENTION_HD uint64_t dtrain_attention_dropout_hash(uint64_t seed, int64_t bh, int64_t query,
-                                                                        int64_t pair) {
+                                                                        int64_t quad) {
   uint64_t z = seed + (uint64_t)bh * 0xD1B54A32D192ED03ull + (uint64_t)query * 0xAEF17502108EF2D9ull +
-               (uint64_t)pair * 0x9E3779B97F4A7C15ull;
+               (uint64_t)quad * 0x9E3779B97F4A7C15ull;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
 }
 
-/* Whether a key's draw in hash z (dtrain_attention_dropout_hash of its pair) keeps it. */
-static inline DTRAIN_ATTENTION_HD int dtrain_attention_dropout_keeps_in(uint64_t z, int64_t key, uint32_t threshold) {
-  return ((uint32_t)(z >> (key & 1 ? 48 : 32)) & 0xFFFFu) >= threshold;
+/* Whether draw j (0-3: key 4 quad + j) of hash z keeps its probability. */
+static inline DTRAIN_ATTENTION_HD uint32_t dtrain_attention_dropout_keeps_in(uint64_t z, int j, uint32_t threshold) {
+  return ((uint32_t)(z >> (16 * j)) & 0xFFFFu) >= threshold ? 1u : 0u;
 }
 
 /* Whether attention dropout keeps the probability of (query head bh, query token, key). */
 static inline DTRAIN_ATTENTION_HD int dtrain_attention_dropout_keeps(uint64_t seed, int64_t bh, int64_t query,
                                                                     int64_t key, uint32_t threshold) {
-  return dtrain_attention_dropout_keeps_in(dtrain_attention_dropout_hash(seed, bh, query, key >> 1), key, threshold);
+  return (int)dtrain_attention_dropout_keeps_in(dtrain_attention_dropout_hash(seed, bh, query, key >> 2),
+                                                (int)(key & 3), threshold);
 }
