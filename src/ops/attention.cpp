@@ -199,8 +199,11 @@ at::Tensor dropout_factor(std::int64_t B, std::int64_t H, std::int64_t r0, std::
   at::parallel_for(0, B * H * n, 1, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t i = begin; i < end; ++i) {
       const std::int64_t bh = i / n, query = first + i % n;
-      for (std::int64_t j = 0; j < Sk; ++j) {
-        out[i * Sk + j] = dtrain_attention_dropout_keeps(m.dropout_seed, bh, query, j, threshold) ? 1 : 0;
+      for (std::int64_t quad = 0; quad * 4 < Sk; ++quad) {  // one hash per 4 keys, as the kernels
+        const std::uint64_t z = dtrain_attention_dropout_hash(m.dropout_seed, bh, query, quad);
+        for (int j = 0; j < 4 && quad * 4 + j < Sk; ++j) {
+          out[i * Sk + quad * 4 + j] = static_cast<std::uint8_t>(dtrain_attention_dropout_keeps_in(z, j, threshold));
+        }
       }
     }
   });
