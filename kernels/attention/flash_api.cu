@@ -187,8 +187,7 @@ size_t picked_smem(dtrain_attention_kernel kernel, int64_t head_dim) {
 // explicit WGMMA fail.
 template <template <typename, int> class Mma, template <typename, int> class Wgmma, typename Params>
 cudaError_t run_picked(const Params& p, cudaStream_t stream) {
-  const dtrain_attention_kernel asked = p.kernel;
-  const int kernel = fitted_kernel<Mma, Wgmma, Params>(asked, p.head_dim);
+  const int kernel = fitted_kernel<Mma, Wgmma, Params>(p.kernel, p.head_dim);
   if (kernel < 0 || kernel_smem<Mma, Wgmma, Params>(kernel, p.head_dim) > device_block_smem()) {
     return cudaErrorInvalidValue;
   }
@@ -197,8 +196,8 @@ cudaError_t run_picked(const Params& p, cudaStream_t stream) {
   const cudaError_t e = with_wgmma_dim<Wgmma, kMaxWgmmaDim<Params>>(
       p.head_dim, p.dtype, [] { return cudaErrorInvalidValue; }, run);
   if (e == cudaErrorNotSupported) {
-    return asked == DTRAIN_ATTENTION_KERNEL_AUTO ? with_mma_dim<Mma>(p.head_dim, p.dtype, run)
-                                                    : cudaErrorInvalidValue;
+    return p.kernel == DTRAIN_ATTENTION_KERNEL_AUTO ? with_mma_dim<Mma>(p.head_dim, p.dtype, run)
+                                                       : cudaErrorInvalidValue;
   }
   return e;
 }
