@@ -109,8 +109,9 @@ TEST(FlashAttentionReference, MatchesSdpaForwardAndBackward) {
 // gradients are those of softmax(q k^T scale) Z / (1 - p) v written out with the mask Z
 // the kernels' hash gives (dtrain_attention_dropout_keeps, rebuilt here element by
 // element over the query tokens, the query offset counted) and differentiated by
-// autograd; the mask keeps 1 - p of the probabilities; a seed gives one mask, another
-// seed or head another; an unseeded call draws from the default generator.
+// autograd; the mask keeps 1 - p of the probabilities, each of a hash's four draws alike,
+// and neighbours independently; a seed gives one mask, another seed or head another; an
+// unseeded call draws from the default generator.
 TEST(FlashAttentionReference, DropoutIsAMaskOnTheProbabilities) {
   torch::manual_seed(4);
   const std::int64_t B = 2, H = 4, Hkv = 2, Sk = 40, D = 8;
@@ -167,6 +168,18 @@ TEST(FlashAttentionReference, DropoutIsAMaskOnTheProbabilities) {
   const auto many = z_of(seed, 6400, 0);
   const double kept = many.mean().item<double>(), sd = std::sqrt(p * (1 - p) / many.numel());
   EXPECT_NEAR(kept, 1 - p, 5 * sd);
+  // Each of a hash's four 16-bit draws (keys 4 j + i) keeps 1 - p, and neighbours are
+  // independent: adjacent keys (within a quad and across) and adjacent queries are both
+  // kept (1 - p)^2 of the time (a draw shared by two keys would give 1 - p).
+  for (std::int64_t i = 0; i < 4; ++i) {
+    const auto slice = many.slice(3, i, Sk, 4);
+    EXPECT_NEAR(slice.mean().item<double>(), 1 - p, 5 * std::sqrt(p * (1 - p) / slice.numel())) << "draw " << i;
+  }
+  const double both = (1 - p) * (1 - p);
+  for (const auto& pairs : {many.narrow(3, 0, Sk - 1) * many.narrow(3, 1, Sk - 1),
+                            many.narrow(2, 0, 6399) * many.narrow(2, 1, 6399)}) {
+    EXPECT_NEAR(pairs.mean().item<double>(), both, 5 * std::sqrt(both * (1 - both) / pairs.numel()));
+  }
   EXPECT_FALSE(torch::equal(many.select(1, 0), many.select(1, 1))) << "heads share a mask";
   EXPECT_FALSE(torch::equal(many.narrow(2, 0, 40), z_of(seed + 1, 40, 0))) << "seeds share a mask";
   // Unseeded: a draw from the default generator, so the same generator seed gives the same
