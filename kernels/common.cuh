@@ -171,6 +171,29 @@ __device__ __forceinline__ float fast_exp2(float x) {
 #endif
 }
 
+// tanh(x) on the special-function unit (tanh.approx.f32, sm_75 and later: relative error
+// about 2^-11), as FlashAttention's softcap takes it.
+__device__ __forceinline__ float fast_tanh(float x) {
+#ifdef DTRAIN_KERNELS_EMULATE
+  return std::tanh(x);
+#else
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+
+// log2(x) on the special-function unit (lg2.approx.ftz.f32; log2(0) = -inf).
+__device__ __forceinline__ float fast_log2(float x) {
+#ifdef DTRAIN_KERNELS_EMULATE
+  return std::log2(x < 1.17549435e-38f ? 0.f : x);
+#else
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+
 // ---- reductions --------------------------------------------------------------------------
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll

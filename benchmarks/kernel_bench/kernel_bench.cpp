@@ -16,6 +16,8 @@
 // sequence shorter), against LibTorch's FlashAttention-2 varlen (at::_flash_attention_forward
 // with cu_seqlens over the rows laid end to end; q, k, v are stored [B, S, H, D] for every
 // side, so that its [B S, H, D] is a view) and sdpa with a boolean mask; FLOPs as above.
+// --softcap C: logit soft-capping on dtrain's side only (LibTorch's backends have none), so
+// the ratios against the table without it say what it costs.
 // --dropout P: attention dropout on every side (LibTorch's flash and cuDNN backends and
 // FlashAttention-2 take it; dtrain's on its kernel, and on Hopper mma.sync's beside it).
 // --only gqa: grouped-query attention on the sdpa backend (sdpa's own GQA) against sdpa over
@@ -74,6 +76,7 @@ struct Options {
   int iters = 0, rounds = 3;      // iters 0: 20 on CUDA, 3 on CPU
   std::size_t smem_cap = 0;       // attention: dtrain_attention_set_smem_cap (0: none)
   double dropout = 0;             // attention: dropout probability on every side
+  double softcap = 0;             // attention: dtrain's logit soft-capping (LibTorch has none)
 };
 
 bool cuda(const c10::Device& d) { return d.is_cuda(); }
@@ -161,6 +164,11 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
   const std::int64_t w = o.window, L = o.documents;
   const double dp = o.dropout;
   if (dp > 0) std::printf("# dropout %g on every side\n", dp);
+  if (o.softcap > 0) {
+    std::printf("# logit soft-capping %g on dtrain's side only (LibTorch's backends have none): the ratios say what "
+                "it costs\n",
+                o.softcap);
+  }
   if (L > 0) {
     std::printf("# documents of %lld tokens (causal only): flash_* = LibTorch's FlashAttention-2 varlen, cudnn_* = "
                 "sdpa with a boolean mask (flash_*: CUDA only)\n",
@@ -228,7 +236,9 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
           cu.push_back(static_cast<std::int32_t>(b * s));
           cu_seqlens = torch::tensor(cu, torch::kInt).to(dev);
         }
-        auto ours = [&] { return dtrain::ops::flash_attention(q, k, v, causal, 0.0, w, doc_ids, 0, dp); };
+        auto ours = [&] {
+          return dtrain::ops::flash_attention(q, k, v, causal, 0.0, w, doc_ids, 0, dp, std::nullopt, o.softcap);
+        };
         std::function<at::Tensor()> flash, cudnn;
         at::Tensor seen;  // with a window or documents: the keys each query sees, [s, s]
         if (L > 0) {
@@ -302,7 +312,7 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
             cell(r_cudnn.b), rf, rfb, rb);
         out.line({{"bench", "kernel"}, {"op", "attention"}, {"device", cuda(dev) ? "cuda" : "cpu"},
                   {"dtype", c10::toString(dtype)}, {"seq", s}, {"head_dim", d}, {"causal", causal}, {"window", w},
-                  {"documents", L}, {"smem_cap", o.smem_cap}, {"dropout", dp},
+                  {"documents", L}, {"smem_cap", o.smem_cap}, {"dropout", dp}, {"softcap", o.softcap},
                   {"batch", b}, {"heads", h}, {"kernel", kernel},
                   {"fwd_kernel", pass_kernel(dev, kernel, d, false)},
                   {"bwd_kernel", pass_kernel(dev, kernel, d, true)},
@@ -798,6 +808,8 @@ int main(int argc, char** argv) {
   app.add_option("--smem-cap", o.smem_cap,
                  "attention: dtrain's kernels take a block to get at most this many bytes of shared memory, as on "
                  "a smaller GPU (101376: the 99 KB of compute capability 8.6 and 8.9; 0: the device's)");
+  app.add_option("--softcap", o.softcap, "attention: dtrain's logit soft-capping (Gemma 2: 50; LibTorch has none)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--dropout", o.dropout, "attention: dropout probability on every side (0: none)")
       ->check(CLI::Range(0.0, 0.99));
   app.add_option("--iters", o.iters, "calls per timing (0: 20 on CUDA, 3 on CPU)");

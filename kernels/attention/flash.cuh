@@ -199,4 +199,17 @@ inline size_t flash_bwd_workspace_floats(const dtrain_attention_bwd_params& p) {
                                       static_cast<size_t>(p.seq_q);
 }
 
+// Logit soft-capping on score tiles (either pass's layout): s, before the softmax scale,
+// becomes (c / scale) tanh(s scale / c), so that the softmax sees c tanh(s scale / c). It
+// comes before the mask, whose -inf it would turn into -c.
+template <int kN>
+__device__ __forceinline__ void softcap_scores(float (&s)[kN][4], float scale, float cap) {
+  const float in = scale / cap, out = cap / scale;
+#pragma unroll
+  for (int nt = 0; nt < kN; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[nt][e] = out * fast_tanh(s[nt][e] * in);
+  }
+}
+
 }  // namespace dtrain_kernels

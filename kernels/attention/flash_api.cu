@@ -21,6 +21,7 @@ bool shape_ok(const Params& p) {
          p.scale > 0.f && p.window >= 0 && (p.window == 0 || p.causal) && p.query_offset >= 0 &&
          (p.query_offset == 0 || p.causal) && p.query_offset <= INT32_MAX &&
          p.dropout_p >= 0.f && p.dropout_p < 1.f &&  // NaN fails both
+         p.softcap >= 0.f && p.softcap <= 3.4e38f &&   // NaN and inf fail
          (p.documents.start == nullptr) == (p.documents.end == nullptr) &&
          (p.documents.start == nullptr ||
           (p.causal && p.documents.stride >= 0 && document_row_tokens(p) >= imax(p.seq_k, p.query_offset + p.seq_q)));

@@ -197,6 +197,26 @@ __device__ __forceinline__ void ds_t(float (&dpt)[kN][4], const float (&pt)[kN][
   }
 }
 
+// Logit soft-capping's derivative, as a factor on dS^T (dst: dS^T, or P^T itself before
+// dS^T = P^T (dP^T - delta) takes it): the softmax saw c = cap tanh(u / cap) of u = s
+// scale, so dL/du = dS (1 - tanh^2), and tanh = c / cap comes back from P^T and the
+// log-sum-exp (lse_s, log2 domain): c log2 e = log2 p + lse. A p of 0 (masked, or a
+// padding row's) gives 0, its dS^T being 0 already.
+template <int kN>
+__device__ __forceinline__ void softcap_grad_t(float (&dst)[kN][4], const float (&pt)[kN][4], const float* lse_s,
+                                               float cap) {
+  const float inv = 1.f / (cap * kLog2e);
+#pragma unroll
+  for (int nt = 0; nt < kN; ++nt) {
+    const float2 l = query_pair(lse_s, nt);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float t = (fast_log2(pt[nt][e]) + (e & 1 ? l.y : l.x)) * inv;
+      dst[nt][e] *= fmaxf(1.f - t * t, 0.f);  // NaN (p 0 on a padding row's +inf) gives 0
+    }
+  }
+}
+
 // Bits 0-7 of x to bits 0, 4, .., 28 (bit i to bit 4 i).
 __device__ __forceinline__ uint32_t spread_bits4(uint32_t x) {
   x &= 0xFFu;
@@ -393,7 +413,9 @@ cudaError_t run_bwd_passes(const dtrain_attention_bwd_params& p, cudaStream_t st
   return launched();
 }
 
-template <typename T, int D>
+// kSoftcap: logit soft-capping, an instance of its own (branched at run time, its
+// constants held across the loop made D 64 spill 20 bytes at the 168-register cap).
+template <typename T, int D, bool kSoftcap>
 // At D <= 64, three blocks an SM: ptxas took 168 registers for D 64 on its own until the
 // documents' load (2026-12-05), then 208 (two blocks); held to 170, it spills 8 bytes (two
 // stores and two loads a query tile). Untimed, like the documents.
@@ -444,6 +466,7 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads, D <= 64 ? 3 : 1)
       mma_rows_rows<T, 1, D, BM / 8>(st_tiles, ks + warp * 16 * P, P, qs, P);
       // Mask only the tiles that need one (mask_tile_t); padding query rows have lse = inf,
       // so their p is 0 without one.
+      if constexpr (kSoftcap) softcap_scores(st, p.scale, p.softcap);
       mask_tile_t<BN, BM>(st, p, n0, m0, key0, key1, ends_s + warp * 16, n0);
       probabilities_t(st, lse_s, scale_log2);
       const bool dropout = p.dropout_p > 0.f;
@@ -462,6 +485,8 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads, D <= 64 ? 3 : 1)
       auto& dpt = dpt_tiles[0];
       zero_tiles(dpt);
       mma_rows_rows<T, 1, D, BM / 8>(dpt_tiles, vs + warp * 16 * P, P, dos, P);
+      // Soft-capping's factor into P^T in place (dV has taken it): dS^T then carries it.
+      if constexpr (kSoftcap) softcap_grad_t(st, st, lse_s, p.softcap);
       if (dropout) {
         ds_t(dpt, st, delta_s, z);
       } else {
@@ -560,6 +585,7 @@ __global__ void __launch_bounds__(FlashConfig<D, kCompact>::kBwdThreads, 1)
         auto &st = st_tiles[0], &dpt = dpt_tiles[0];
         zero_tiles(st_tiles);
         mma_rows_rows<T, 1, D, kQueries / 8>(st_tiles, ks + kw * 16 * P, P, qs + mq * P, P);
+        if (p.softcap > 0.f) softcap_scores(st, p.scale, p.softcap);
         mask_tile_t<BN, kQueries>(st, p, n0, m0 + mq, key0, key1, ends_s + kw * 16, n0);
         probabilities_t(st, lse_s + mq, scale_log2);
         zero_tiles(dpt_tiles);
@@ -572,6 +598,7 @@ __global__ void __launch_bounds__(FlashConfig<D, kCompact>::kBwdThreads, 1)
         } else {
           ds_t(dpt, st, delta_s + mq);
         }
+        if (p.softcap > 0.f) softcap_grad_t(dpt, st, lse_s + mq, p.softcap);
         // Element (nt, e): key kw 16 + g + 8 (e / 2), query mq + 8 nt + 2 t + (e & 1). P^T
         // as dV takes it: dropped under dropout.
 #pragma unroll
@@ -634,9 +661,9 @@ cudaError_t run_flash_bwd(const dtrain_attention_bwd_params& p, cudaStream_t str
     constexpr bool kCompact = decltype(compact)::value;
     using C = FlashConfig<D, kCompact>;
     const size_t smem = BwdSmem<T, D, kCompact>::kBytes;
-    auto* kernel = [] {
+    auto* kernel = [&] {
       if constexpr (C::kBwdSplit == 1) {
-        return flash_bwd_kernel<T, D>;
+        return p.softcap > 0.f ? flash_bwd_kernel<T, D, true> : flash_bwd_kernel<T, D, false>;
       } else {
         return flash_bwd_split_kernel<T, D, kCompact>;
       }

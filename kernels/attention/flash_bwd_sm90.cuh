@@ -197,6 +197,7 @@ __global__ void __launch_bounds__(FlashBwdSm90Config<D>::kThreads, 1)
     wgmma_commit();
     wgmma_wait<1>();  // S^T
     wgmma_fence_regs(s_t);
+    if (p.softcap > 0.f) softcap_scores(s_t, p.scale, p.softcap);
     mask_tile_t<64, BM>(s_t, p, kc0, m0, key0, key1, ends_s + 64 * cg + warp * 16, n0);
     probabilities_t(s_t, lse_s, scale_log2);
     // P^T as dV's product takes it: under dropout, dropped (flash_bwd.cuh: DropoutT; its
@@ -231,6 +232,7 @@ __global__ void __launch_bounds__(FlashBwdSm90Config<D>::kThreads, 1)
     // keys 0-7 and 8-15, and lane l gives the row (query 16 kk + 8 (l / 16) + l % 8) of
     // block l / 8 in dS's blocked layout. Four stores a tile instead of 32 of 16 bits.
     T* dss = dsbuf(i & 1, cg);
+    if (p.softcap > 0.f) softcap_grad_t(s_t, s_t, lse_s, p.softcap);  // into P^T (pf has it): dS^T carries it
     if (dropout) {
       ds_t(dp_t, s_t, delta_s, z);
     } else {

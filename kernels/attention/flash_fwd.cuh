@@ -82,6 +82,10 @@ __global__ void __launch_bounds__(FlashConfig<D, kCompact>::kFwdThreads)
                                        p.head_dim);
       cp_async_commit();
     }
+    if (p.softcap > 0.f) {
+#pragma unroll
+      for (int m = 0; m < kM; ++m) softcap_scores(s[m], p.scale, p.softcap);
+    }
     mask_tile<BM, BN>(s, p, b, m0, warp_row0, n0);
     online_softmax(s, acc, row_max, row_sum, scale_log2);
     if constexpr (kDropout) dropout_probabilities(s, p, b, h, warp_row0 + p.query_offset, n0);

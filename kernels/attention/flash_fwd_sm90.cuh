@@ -184,6 +184,7 @@ __global__ void __launch_bounds__(FlashSm90Config<D>::kThreads, 1)
     auto softmax_tile = [&](float (&s)[1][BN / 8][4], int n, float (&row_max)[1][2], float (&row_sum)[1][2],
                             float (&alpha)[1][2]) {
       const int64_t n0 = k_first + int64_t{n} * BN;
+      if (p.softcap > 0.f) softcap_scores(s[0], p.scale, p.softcap);
       mask_tile<BM, BN>(s, p, b, m0, row0, n0);
       softmax_step(s, row_max, row_sum, scale_log2, alpha);
       if constexpr (kDropout) dropout_probabilities(s, p, b, h, row0 + p.query_offset, n0);

@@ -62,6 +62,12 @@ void GptConfig::validate() const {
                    "init_std, norm_eps and rope_theta must be positive");
   DTRAIN_CHECK_ARG(attention_window >= 0, "attention_window=", attention_window,
                    " (--attention-window) is out of range; allowed: 0 (every earlier token) or a number of tokens >= 1");
+  DTRAIN_CHECK_ARG(std::isfinite(attention_softcap) && attention_softcap >= 0, "attention_softcap=",
+                   attention_softcap, " (--attention-softcap) is out of range; allowed: 0 (none) or a finite cap > 0 "
+                   "(Gemma 2: 50)");
+  DTRAIN_CHECK_ARG(attention_softcap == 0 || attention == ops::AttentionBackend::kFlash, "attention_softcap=",
+                   attention_softcap, " (--attention-softcap) needs --attention flash; got --attention ",
+                   ops::to_string(attention), " (LibTorch's sdpa has no soft-capping)");
   DTRAIN_CHECK_ARG(document_separator >= -1 && document_separator < vocab_size, "document_separator=",
                    document_separator, " (--document-separator) is out of range; allowed: -1 (none) or a token id in "
                    "0..", vocab_size - 1);
@@ -331,7 +337,8 @@ torch::Tensor BlockImpl::attention(const torch::Tensor& in, const torch::Tensor&
   } else {
     std::unique_ptr<tp::RngTracker::Fork> fork;  // dropout: heads differ across tp, the split stream
     if (p > 0) fork = tp_.rng->fork(tp::RngTracker::Stream::kSplit);
-    y = ops::attention(q, k, v, /*causal=*/true, p, config_.attention, config_.attention_window, documents);
+    y = ops::attention(q, k, v, /*causal=*/true, p, config_.attention, config_.attention_window, documents, 0,
+                       config_.attention_softcap);
   }
   return y.transpose(1, 2).reshape({B, T, H * D});
 }
@@ -506,6 +513,8 @@ GptImpl::GptImpl(ContextPtr ctx, const GptConfig& config, std::uint64_t seed, Gp
     }
     DTRAIN_CHECK_ARG(c.dropout == 0, "--dropout=", c.dropout, " with --cp=", cp,
                      " is not available; allowed: --dropout 0");
+    DTRAIN_CHECK_ARG(c.attention_softcap == 0, "--attention-softcap=", c.attention_softcap, " with --cp=", cp,
+                     " is not available; allowed: --attention-softcap 0");
   }
   // Registration order is parameter_shapes() order (own parameters first).
   if (stage_.head) {

@@ -164,6 +164,8 @@ struct Mask {
   // (dtrain_attention_dropout_keeps), drawn once per forward and kept for its backward.
   double dropout_p = 0.0;
   std::uint64_t dropout_seed = 0;
+  // Logit soft-capping (0: none): the softmax takes softcap tanh(s scale / softcap).
+  double softcap = 0.0;
 };
 
 // A seed for attention dropout from the default generator of `device` (under the model's
@@ -210,10 +212,16 @@ at::Tensor dropout_factor(std::int64_t B, std::int64_t H, std::int64_t r0, std::
   return keep.to(options) * (1.0 / (1.0 - m.dropout_p));
 }
 
-// Scores of query rows [r0, r0 + n) against every key, scaled and masked: [B, H, n, Sk].
+// Scores of query rows [r0, r0 + n) against every key, scaled, soft-capped and masked:
+// [B, H, n, Sk]. capped: where given, tanh(s scale / softcap) (unmasked), the derivative's.
 at::Tensor scores(const at::Tensor& qf, const at::Tensor& kf, std::int64_t r0, std::int64_t n, const Mask& m,
-                  double scale) {
+                  double scale, at::Tensor* capped = nullptr) {
   auto s = at::matmul(qf.narrow(2, r0, n), kf.transpose(-2, -1)) * scale;
+  if (m.softcap > 0) {
+    auto t = (s / m.softcap).tanh();
+    s = t * m.softcap;
+    if (capped != nullptr) *capped = t;
+  }
   const auto hidden = hidden_keys(m.query_offset + r0, n, kf.size(2), m.causal, m.window, m.doc_start, s.options());
   return hidden.defined() ? s.masked_fill(hidden, -std::numeric_limits<double>::infinity()) : s;
 }
@@ -256,7 +264,8 @@ std::vector<at::Tensor> reference_backward(const at::Tensor& q, const at::Tensor
   auto dk = at::zeros({B, H, Sk, D}, qf.options()), dv = at::zeros({B, H, Sk, D}, qf.options());
   for (std::int64_t r0 = 0; r0 < q.size(2); r0 += kChunk) {
     const auto n = std::min(kChunk, q.size(2) - r0);
-    auto p = (scores(qf, kf, r0, n, mask, scale) - lsef.narrow(2, r0, n)).exp();
+    at::Tensor t;  // with soft-capping: tanh of the scaled scores over the cap
+    auto p = (scores(qf, kf, r0, n, mask, scale, &t) - lsef.narrow(2, r0, n)).exp();
     auto d = dof.narrow(2, r0, n);
     // Under dropout P V took P Z / (1 - p): dV and dP go through the same factor, and delta
     // = rowsum(dO O) is rowsum(P dP) all the same.
@@ -266,6 +275,7 @@ std::vector<at::Tensor> reference_backward(const at::Tensor& q, const at::Tensor
     auto dp = at::matmul(d, vf.transpose(-2, -1));
     if (z.defined()) dp = dp * z;
     auto ds = p * (dp - delta.narrow(2, r0, n));
+    if (t.defined()) ds = ds * (1 - t.square());  // through softcap tanh(u / softcap)
     dq.narrow(2, r0, n).copy_(at::matmul(ds, kf) * scale);
     dk += at::matmul(ds.transpose(-2, -1), qf.narrow(2, r0, n)) * scale;
   }
@@ -362,6 +372,7 @@ void fill_shape(Params& p, const at::Tensor& q, const at::Tensor& k, const Mask&
   }
   p.dropout_p = static_cast<float>(mask.dropout_p);
   p.dropout_seed = mask.dropout_seed;
+  p.softcap = static_cast<float>(mask.softcap);
   p.dtype = detail::kernel_dtype(q, kOp, "q");
   constexpr bool kForward = std::is_same<Params, dtrain_attention_fwd_params>::value;
   p.kernel = chosen_kernel(p.head_dim, kForward, !kForward || with_backward);
@@ -464,6 +475,7 @@ class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
     std::int64_t seed = 0;  // the seed's bits in an int IValue
     std::memcpy(&seed, &mask.dropout_seed, sizeof(seed));
     ctx->saved_data["dropout_seed"] = seed;
+    ctx->saved_data["softcap"] = mask.softcap;
     return o;
   }
 
@@ -479,6 +491,7 @@ class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
     mask.dropout_p = ctx->saved_data["dropout_p"].toDouble();
     const std::int64_t seed = ctx->saved_data["dropout_seed"].toInt();
     std::memcpy(&mask.dropout_seed, &seed, sizeof(seed));
+    mask.softcap = ctx->saved_data["softcap"].toDouble();
     const double scale = ctx->saved_data["scale"].toDouble();
     const auto g = backward_pass(saved[0], saved[1], saved[2], saved[3], saved[4], grads[0], mask, scale);
     return {g[0], g[1], g[2], at::Tensor(), at::Tensor(), at::Tensor()};
@@ -564,10 +577,13 @@ namespace {
 
 // flash_attention's checks, then what its passes take.
 Mask checked_mask(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, std::int64_t window,
-                  const Documents& documents, std::int64_t query_offset) {
+                  const Documents& documents, std::int64_t query_offset, double softcap) {
   check_inputs(q, k, v, causal, window, query_offset);
   check_documents(kOp, q, k, causal, documents, query_offset);
+  DTRAIN_OP_CHECK(softcap >= 0 && softcap <= std::numeric_limits<float>::max(), kOp, "softcap=", softcap,
+                  " is out of range; allowed: 0 (none) or a finite cap > 0 (Gemma 2: 50)");
   Mask mask{causal, window, query_offset, {}, {}};
+  mask.softcap = softcap;
   if (documents.defined()) std::tie(mask.doc_start, mask.doc_end) = documents.bounds();
   return mask;
 }
@@ -580,8 +596,8 @@ double scale_or_default(double scale, const at::Tensor& q) {
 
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                            double scale, std::int64_t window, const Documents& documents, std::int64_t query_offset,
-                           double dropout_p, std::optional<std::uint64_t> dropout_seed) {
-  Mask mask = checked_mask(q, k, v, causal, window, documents, query_offset);
+                           double dropout_p, std::optional<std::uint64_t> dropout_seed, double softcap) {
+  Mask mask = checked_mask(q, k, v, causal, window, documents, query_offset, softcap);
   DTRAIN_OP_CHECK(dropout_p >= 0 && dropout_p < 1, kOp, "dropout_p=", dropout_p,
                   " is out of range; allowed: [0, 1)");
   if (dropout_p > 0) {
@@ -596,8 +612,8 @@ at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 std::pair<at::Tensor, at::Tensor> flash_attention_forward(const at::Tensor& q, const at::Tensor& k,
                                                           const at::Tensor& v, bool causal, double scale,
                                                           std::int64_t window, const Documents& documents,
-                                                          std::int64_t query_offset) {
-  const Mask mask = checked_mask(q, k, v, causal, window, documents, query_offset);
+                                                          std::int64_t query_offset, double softcap) {
+  const Mask mask = checked_mask(q, k, v, causal, window, documents, query_offset, softcap);
   // Its callers (ring attention) run the backward themselves, often from inside a
   // Function's forward where grad mode is off: inputs that require grad will have one.
   const bool with_backward = q.requires_grad() || k.requires_grad() || v.requires_grad();
@@ -607,8 +623,9 @@ std::pair<at::Tensor, at::Tensor> flash_attention_forward(const at::Tensor& q, c
 std::vector<at::Tensor> flash_attention_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  const at::Tensor& o, const at::Tensor& lse, const at::Tensor& dout,
                                                  bool causal, double scale, std::int64_t window,
-                                                 const Documents& documents, std::int64_t query_offset) {
-  const Mask mask = checked_mask(q, k, v, causal, window, documents, query_offset);
+                                                 const Documents& documents, std::int64_t query_offset,
+                                                 double softcap) {
+  const Mask mask = checked_mask(q, k, v, causal, window, documents, query_offset, softcap);
   DTRAIN_OP_CHECK(o.sizes() == q.sizes() && dout.sizes() == q.sizes(), kOp, "o ", o.sizes(), " and dout ",
                   dout.sizes(), " must have q's shape ", q.sizes());
   DTRAIN_OP_CHECK(lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) && lse.size(2) == q.size(2),
@@ -619,10 +636,12 @@ std::vector<at::Tensor> flash_attention_backward(const at::Tensor& q, const at::
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                      double dropout_p, AttentionBackend backend, std::int64_t window, const Documents& documents,
-                     std::int64_t query_offset) {
+                     std::int64_t query_offset, double softcap) {
   if (backend == AttentionBackend::kFlash) {
-    return flash_attention(q, k, v, causal, 0.0, window, documents, query_offset, dropout_p);
+    return flash_attention(q, k, v, causal, 0.0, window, documents, query_offset, dropout_p, std::nullopt, softcap);
   }
+  DTRAIN_CHECK_ARG(softcap == 0, "attention: softcap=", softcap, " needs the flash backend (sdpa has no logit "
+                   "soft-capping); allowed with sdpa: 0");
   check_window("attention", causal, window);
   DTRAIN_CHECK_ARG(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
                    "attention: q, k, v must be [batch, heads, time, head_dim]; got ", q.sizes(),

@@ -747,6 +747,9 @@ void Trainer::log_summary() const {
            model_config_.n_head, model_config_.n_kv_head, model_config_.context,
            (model_config_.attention_window > 0 ? format(" (attention window {})", model_config_.attention_window)
                                                : std::string()) +
+               (model_config_.attention_softcap > 0
+                    ? format(" (attention softcap {})", model_config_.attention_softcap)
+                    : std::string()) +
                (model_config_.document_separator >= 0
                     ? format(" (documents end at token {}{})", model_config_.document_separator,
                              std::string(model_config_.reset_position_ids ? ", positions restart" : "") +

@@ -76,11 +76,16 @@ expect(reset-positions-without-documents 2 "reset_position_ids \\(--reset-positi
 expect(fused-ops-on-cpu 0 "device cpu.*kernels: attention flash, fused norm on, fused cross-entropy on, fused AdamW on.*context 64 \\(attention window 16\\) \\(documents end at token 10, positions restart, no loss at separators\\).*done: 5 steps" CPU ARGS ${DATA} --global-batch 8 --steps 5 --warmup-steps 1 --attention flash --fused-norm
        --fused-ce --fused-adamw --fsdp zero1 --attention-window 16 --document-separator 10 --reset-position-ids --eod-mask-loss)
 # The same for Llama (SwiGLU, rotary embeddings with each document's own positions, GQA),
-# with dropout (flash attention's on the probabilities among it).
-expect(fused-llama-on-cpu 0 "kernels: attention flash, fused norm on, fused cross-entropy on, fused AdamW on, fused SwiGLU on, fused RoPE on, fused linear cross-entropy on.*done: 5 steps" CPU
+# with dropout (flash attention's on the probabilities among it) and Gemma 2's logit
+# soft-capping; soft-capping without flash, or negative, is refused.
+expect(fused-llama-on-cpu 0 "kernels: attention flash, fused norm on, fused cross-entropy on, fused AdamW on, fused SwiGLU on, fused RoPE on, fused linear cross-entropy on.*\\(attention softcap 20\\).*done: 5 steps" CPU
        ARGS ${DATA} --family llama --n-kv-head 2 --global-batch 8 --steps 5 --warmup-steps 1 --attention flash
        --fused-norm --fused-ce --fused-adamw --fused-swiglu --fused-rope --fused-linear-ce --document-separator 10
-       --reset-position-ids --dropout 0.1)
+       --reset-position-ids --dropout 0.1 --attention-softcap 20)
+expect(softcap-needs-flash 2 "attention_softcap=20 \\(--attention-softcap\\) needs --attention flash; got --attention sdpa"
+       ARGS ${DATA} --attention sdpa --attention-softcap 20)
+expect(softcap-negative 2 "attention_softcap=-1 \\(--attention-softcap\\) is out of range; allowed: 0 \\(none\\) or a finite cap > 0"
+       ARGS ${DATA} --attention-softcap -1)
 expect(fused-on-and-off nonzero "--fused-ce excludes --no-fused-ce" ARGS ${DATA} --fused-ce --no-fused-ce)
 expect(param-dtype-needs-fsdp 2 "--param-dtype / --reduce-dtype other than float32 need --fsdp"
        ARGS ${DATA} --param-dtype bfloat16)

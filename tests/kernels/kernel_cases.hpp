@@ -862,11 +862,17 @@ void expect_attention_case_within_twice_the_naive_error(const AttnCase& c) {
     EXPECT_EQ(run_fwd(g), cudaErrorInvalidValue) << "offset -1";
   }
   EXPECT_EQ(dtrain_attention_fwd(&f, nullptr), cudaErrorInvalidValue) << "no workspace";
-  {  // dropout in [0, 1), NaN refused (the ops' tests run dropout on each kernel)
+  {  // dropout in [0, 1), NaN refused; softcap 0 or finite > 0 (the ops' tests run both on
+     // each kernel)
     auto g = f;
     for (float bad : {-0.1f, 1.f, std::numeric_limits<float>::quiet_NaN()}) {
       g.dropout_p = bad;
       EXPECT_EQ(run_fwd(g), cudaErrorInvalidValue) << "dropout " << bad;
+    }
+    g = f;
+    for (float bad : {-1.f, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+      g.softcap = bad;
+      EXPECT_EQ(run_fwd(g), cudaErrorInvalidValue) << "softcap " << bad;
     }
   }
   if (c.window > 0) {  // a window is causal only, and never negative
@@ -914,11 +920,16 @@ void expect_attention_case_within_twice_the_naive_error(const AttnCase& c) {
   SCOPED_TRACE(kernel == DTRAIN_ATTENTION_KERNEL_MMA ? "mma.sync backward"
                : kernel == DTRAIN_ATTENTION_KERNEL_AUTO ? "auto backward" : "wgmma backward");
   auto g = bwd_params(f, o, dod, dq, dk, dv, kernel);
-  {  // dropout outside [0, 1) refused, nothing written
+  {  // dropout outside [0, 1) and a negative or non-finite softcap refused, nothing written
     auto w = g;
     for (float bad : {-0.1f, 1.f, std::numeric_limits<float>::quiet_NaN()}) {
       w.dropout_p = bad;
       EXPECT_EQ(run_bwd(w), cudaErrorInvalidValue) << "dropout " << bad;
+    }
+    w = g;
+    for (float bad : {-1.f, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+      w.softcap = bad;
+      EXPECT_EQ(run_bwd(w), cudaErrorInvalidValue) << "softcap " << bad;
     }
     EXPECT_TRUE(dq.isnan().all().item<bool>()) << "a refused backward wrote dq";
   }

@@ -197,6 +197,53 @@ TEST(FlashAttentionReference, DropoutIsAMaskOnTheProbabilities) {
 // rows of the gradients, are those of causal attention over that document alone (sliced
 // out, no mask), for both backends, with and without a window. Document numbers are runs:
 // a number that recurs after another starts a new document (batch 1's 0 0 1 1 0 0 ...).
+// Logit soft-capping: the op's output and gradients are those of softmax(softcap tanh(q k^T
+// scale / softcap)) v written out and differentiated by autograd (float64), causal, full,
+// and a window at a query offset, with GQA; the cap changes the result; a negative, NaN or
+// infinite cap is an error naming softcap.
+TEST(FlashAttentionReference, SoftcapIsTanhOnTheScores) {
+  torch::manual_seed(5);
+  const std::int64_t B = 2, H = 4, Hkv = 2, Sk = 40, D = 8;
+  const double cap = 1.5;
+  struct Case {
+    bool causal;
+    std::int64_t sq, offset, window;
+  };
+  for (const auto& c : {Case{true, Sk, 0, 0}, Case{false, Sk, 0, 0}, Case{true, 17, 23, 9}}) {
+    SCOPED_TRACE(std::string(c.causal ? "causal" : "full") + " offset " + std::to_string(c.offset));
+    auto q = (2 * torch::randn({B, H, c.sq, D}, torch::kDouble)).requires_grad_();
+    auto k = (2 * torch::randn({B, Hkv, Sk, D}, torch::kDouble)).requires_grad_();
+    auto v = torch::randn({B, Hkv, Sk, D}, torch::kDouble).requires_grad_();
+    auto dout = torch::randn({B, H, c.sq, D}, torch::kDouble);
+    auto got = ops::flash_attention(q, k, v, c.causal, 0.0, c.window, {}, c.offset, 0.0, std::nullopt, cap);
+    got.backward(dout);
+    const auto dq = q.grad().clone(), dk = k.grad().clone(), dv = v.grad().clone();
+    q.mutable_grad().reset(), k.mutable_grad().reset(), v.mutable_grad().reset();
+    auto s = at::matmul(q, k.repeat_interleave(H / Hkv, 1).transpose(-2, -1)) / std::sqrt(static_cast<double>(D));
+    auto capped = (s / cap).tanh() * cap;
+    if (c.causal) {
+      auto rows = torch::arange(c.offset, c.offset + c.sq).unsqueeze(1), cols = torch::arange(Sk).unsqueeze(0);
+      auto hidden = cols > rows;
+      if (c.window > 0) hidden = hidden.logical_or(cols <= rows - c.window);
+      s = s.masked_fill(hidden, -std::numeric_limits<double>::infinity());
+      capped = capped.masked_fill(hidden, -std::numeric_limits<double>::infinity());
+    }
+    auto want = at::matmul(at::softmax(capped, -1), v.repeat_interleave(H / Hkv, 1));
+    want.backward(dout);
+    EXPECT_LT(max_abs(got, want), 1e-10);
+    EXPECT_LT(max_abs(dq, q.grad()), 1e-10);
+    EXPECT_LT(max_abs(dk, k.grad()), 1e-10);
+    EXPECT_LT(max_abs(dv, v.grad()), 1e-10);
+    EXPECT_GT(max_abs(got, at::matmul(at::softmax(s, -1), v.repeat_interleave(H / Hkv, 1))), 0.1)
+        << "the cap changed nothing";
+  }
+  auto q = torch::randn({1, 2, 8, D});
+  for (double bad : {-1.0, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    expect_has(error_message([&] { ops::flash_attention(q, q, q, true, 0.0, 0, {}, 0, 0.0, std::nullopt, bad); }),
+               {"softcap=", "allowed: 0 (none) or a finite cap > 0"});
+  }
+}
+
 TEST(FlashAttentionReference, DocumentsAreIndependentSequences) {
   torch::manual_seed(3);
   const std::int64_t B = 2, H = 4, Hkv = 2, T = 300, D = 8;

@@ -52,6 +52,9 @@ struct GptConfig {
   // Sliding-window attention (Mistral's): 0 attends to every earlier token; W > 0 lets each
   // token attend to itself and the W - 1 before it (both attention backends).
   std::int64_t attention_window = 0;
+  // Logit soft-capping (Gemma 2: 50): the attention softmax takes c tanh(s / c) of each
+  // scaled score s; 0: none. --attention flash only (sdpa has none); not with cp > 1.
+  double attention_softcap = 0.0;
   // Packed documents (Megatron's --reset-attention-mask): -1 lets every token attend to
   // every earlier one; a token id >= 0 ends a document wherever it occurs, and tokens after
   // it attend only to tokens from there on (the separator belongs to the document it ends).

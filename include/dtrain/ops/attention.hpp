@@ -59,10 +59,12 @@ const char* to_string(AttentionBackend backend);
 // q's device (flash: as flash_attention's). window, documents,
 // query_offset: as flash_attention's (sdpa takes them as documents.sdpa_mask, made once
 // for the calls that share `documents`). Grouped-query attention on sdpa: its own (enable_gqa) wherever a
-// backend other than math takes the call, else k and v repeated per query head.
+// backend other than math takes the call, else k and v repeated per query head. softcap:
+// flash only (as flash_attention's; sdpa has none: InvalidArgument).
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                      double dropout_p = 0.0, AttentionBackend backend = AttentionBackend::kSdpa,
-                     std::int64_t window = 0, const Documents& documents = {}, std::int64_t query_offset = 0);
+                     std::int64_t window = 0, const Documents& documents = {}, std::int64_t query_offset = 0,
+                     double softcap = 0.0);
 
 // Flash attention with autograd: softmax(q k^T scale) v, causal masks top-left aligned as
 // in sdpa (query i sees keys j <= i); scale <= 0 means 1 / sqrt(D). query_offset O (causal
@@ -87,10 +89,12 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 // reference path give the same mask for the same seed (dropout_seed: that seed instead of
 // a draw, for reproducing a mask). On CUDA either kernel takes it (the mask depends on
 // the coordinates alone, so a forward and backward on different kernels agree).
+// softcap > 0: logit soft-capping (Gemma 2; FlashAttention's softcap): the softmax takes
+// softcap tanh(s scale / softcap) of each score s, before the mask; 0: none.
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                            double scale = 0.0, std::int64_t window = 0, const Documents& documents = {},
                            std::int64_t query_offset = 0, double dropout_p = 0.0,
-                           std::optional<std::uint64_t> dropout_seed = std::nullopt);
+                           std::optional<std::uint64_t> dropout_seed = std::nullopt, double softcap = 0.0);
 
 // Flash attention's two passes without autograd, for callers that split the keys into
 // blocks and merge the blocks' results themselves (ring attention): the forward's output
@@ -99,15 +103,16 @@ at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 // output and log-sum-exp the rows were normalised by (for one block of keys: the merged
 // ones of all blocks, which makes its dq a share of the whole and its dk, dv whole). The
 // kernel on CUDA (bfloat16/float16), the reference path elsewhere; window, documents,
-// query_offset and the input checks as flash_attention's.
+// query_offset, softcap and the input checks as flash_attention's.
 std::pair<at::Tensor, at::Tensor> flash_attention_forward(const at::Tensor& q, const at::Tensor& k,
                                                           const at::Tensor& v, bool causal, double scale = 0.0,
                                                           std::int64_t window = 0, const Documents& documents = {},
-                                                          std::int64_t query_offset = 0);
+                                                          std::int64_t query_offset = 0, double softcap = 0.0);
 std::vector<at::Tensor> flash_attention_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  const at::Tensor& o, const at::Tensor& lse, const at::Tensor& dout,
                                                  bool causal, double scale = 0.0, std::int64_t window = 0,
-                                                 const Documents& documents = {}, std::int64_t query_offset = 0);
+                                                 const Documents& documents = {}, std::int64_t query_offset = 0,
+                                                 double softcap = 0.0);
 
 // Whether the CUDA kernel takes this head dim (multiples of 8 from 8 to 256); false in a
 // build without CUDA. The reference path takes any.

@@ -83,6 +83,8 @@ typedef struct {
   int64_t query_offset; /* O: 0, or with causal the queries' first token in the keys' sequence */
   float dropout_p;       /* 0: none; in (0, 1): attention dropout */
   uint64_t dropout_seed; /* the keep mask's key (dtrain_attention_dropout_keeps) */
+  float softcap; /* 0: none; c > 0: the softmax takes c tanh(s scale / c) for each score s
+                    (Gemma 2's logit soft-capping; FlashAttention's softcap) */
 } dtrain_attention_fwd_params;
 
 typedef struct {
@@ -107,6 +109,7 @@ typedef struct {
   int64_t query_offset;                 /* as the forward's */
   float dropout_p;                      /* as the forward's: the same p and seed give the same mask */
   uint64_t dropout_seed;
+  float softcap; /* as the forward's */
 } dtrain_attention_bwd_params;
 
 
