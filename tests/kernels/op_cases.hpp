@@ -148,103 +148,35 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionAutogradMatchesTheReferencePath) {
   EXPECT_THROW(ops::flash_attention(f, f, f, true), InvalidArgument);  // float32 on the kernels' device
 }
 
-// Attention dropout on the kernels: for the same seed the op's output and gradients are
-// the float64 reference path's (whose mask dtrain_attention_dropout_keeps gives; the unit
-// tests check that against a mask written out), within twice the error of LibTorch's bf16
-// attention without dropout, times 1 / (1 - p) (the kept probabilities' scale); a mask the
-// kernel got wrong differs in a quarter of the probabilities. Causal and not, a window
-// with a query offset, GQA; head dims 64, 128 and 256, on each kernel this device runs:
-// mma.sync's one-warp and split backward, 256 also in the compact tiles of GPUs of 99 KB a
-// block; wgmma both ways at 64 and 128, and at 256 (auto) its forward with mma.sync's
-// backward, which must find the forward's mask.
-TEST(KERNEL_SUITE(Ops), FlashAttentionDropoutMatchesTheReferencePath) {
-  KERNEL_DEVICE_OR_SKIP();
-  const auto bf16 = torch::TensorOptions().device(kernel_device()).dtype(torch::kBFloat16);
-  const double p = 0.25;
-  const std::uint64_t seed = 77;
-  const std::int64_t nb = 1, nh = 4, nt = kLargeCases ? 300 : 70, w = kLargeCases ? 100 : 23;
-  struct Case {
-    bool causal;
-    std::int64_t window, offset, d;
-    bool compact = false;
-  };
-  for (auto kernel : attention_kernels()) {
-    const bool mma = kernel == DTRAIN_ATTENTION_KERNEL_MMA;
-    std::vector<Case> cases;
-    for (std::int64_t d : {64, 128, 256}) {
-      cases.push_back({true, 0, 0, d});
-      cases.push_back({false, 0, 0, d});
-      cases.push_back({true, w, nt / 4, d});
-    }
-    if (mma) cases.push_back({true, 0, 0, 256, true});
-    torch::manual_seed(12);
-    for (const auto& c : cases) {
-      const bool mixed = !mma && !dtrain_attention_bwd_kernel_takes_head_dim(kernel, c.d);
-      env::ScopedOverride only(env::kAttentionKernel, mma ? "mma" : mixed ? "auto" : "wgmma");
-      SCOPED_TRACE(std::string(mma ? "mma.sync" : mixed ? "auto (wgmma forward)" : "wgmma") + " d " +
-                   std::to_string(c.d) + (c.causal ? " causal" : "") + " window " + std::to_string(c.window) +
-                   " offset " + std::to_string(c.offset) + (c.compact ? " compact" : ""));
-      std::optional<ScopedAttentionSmemCap> cap;
-      if (c.compact) cap.emplace(101376);
-      const std::int64_t nq = c.offset > 0 ? nt / 2 : nt;
-      auto q = torch::randn({nb, nh, nq, c.d}), k = torch::randn({nb, 2, nt, c.d}), v = torch::randn({nb, 2, nt, c.d});
-      auto dout = torch::randn({nb, nh, nq, c.d});
-      auto run = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& cc, const at::Tensor& g,
-                     double dropout, bool sdpa) -> std::vector<at::Tensor> {
-        auto qa = a.detach().requires_grad_(), kb = b.detach().requires_grad_(), vc = cc.detach().requires_grad_();
-        auto o = sdpa ? ops::attention(qa, kb, vc, c.causal, 0.0, ops::AttentionBackend::kSdpa, c.window, {},
-                                       c.offset)
-                      : ops::flash_attention(qa, kb, vc, c.causal, 0.0, c.window, {}, c.offset, dropout, seed);
-        o.backward(g);
-        return {o.cpu().to(at::kDouble), qa.grad().cpu().to(at::kDouble), kb.grad().cpu().to(at::kDouble),
-                vc.grad().cpu().to(at::kDouble)};
-      };
-      auto dbl = [](const at::Tensor& t) { return t.to(at::kDouble); };
-      auto dev = [&](const at::Tensor& t) { return t.to(bf16); };
-      const auto want = run(dbl(q), dbl(k), dbl(v), dbl(dout), p, false);
-      const auto plain = run(dbl(q), dbl(k), dbl(v), dbl(dout), 0.0, false);
-      const auto got = run(dev(q), dev(k), dev(v), dev(dout), p, false);
-      const auto sdpa = run(dev(q), dev(k), dev(v), dev(dout), 0.0, true);
-      for (int i = 0; i < 4; ++i) {
-        const double e = (got[i] - want[i]).abs().max().item<double>();
-        const double base = (sdpa[i] - plain[i]).abs().max().item<double>() / (1 - p);
-        EXPECT_LE(e, 2 * base + 1e-3) << "output " << i << ": flash " << e << ", sdpa without dropout " << base;
-        EXPECT_GT((want[i] - plain[i]).abs().max().item<double>(), 5 * (2 * base + 1e-3))
-            << "output " << i << ": dropout must change more than the tolerance";
-      }
-    }
-  }
-}
+// A case of the dropout and soft-capping tests: causal or not, a window at a query offset,
+// the head dim, D 256's compact tiles, attention dropout.
+struct MaskCase {
+  bool causal;
+  std::int64_t window, offset, d;
+  bool compact = false;
+  double dropout = 0.0;
+};
 
-// Logit soft-capping on the kernels: the op's output and gradients against the float64
-// reference path with the same cap, within twice the error of soft-capped attention written
-// in LibTorch's bf16 ops (matmul, tanh, the mask, softmax, matmul; autograd), and the cap
-// must move the result by far more than that. Causal, full, and a window at a query offset,
-// GQA, head dims 64, 128 and 256 on each kernel this device runs (wgmma at 256: auto, its
-// forward with mma.sync's backward), 256 in the compact tiles, and once with dropout too.
-TEST(KERNEL_SUITE(Ops), FlashAttentionSoftcapMatchesTheReferencePath) {
-  KERNEL_DEVICE_OR_SKIP();
-  const auto bf16 = torch::TensorOptions().device(kernel_device()).dtype(torch::kBFloat16);
-  const double cap = 2.0, p = 0.25;
-  const std::uint64_t seed = 78;
-  const std::int64_t nb = 1, nh = 4, nt = kLargeCases ? 300 : 70, w = kLargeCases ? 100 : 23;
-  struct Case {
-    bool causal;
-    std::int64_t window, offset, d;
-    bool compact = false;
-    double dropout = 0.0;
-  };
+// Runs body(c) on each kernel this device runs for each case: causal, full, and a window of
+// w at query offset nt / 4, at head dims 64, 128 and 256, then D 256 in the compact tiles of
+// GPUs of 99 KB a block (mma.sync's) and `extra`. Each under DTRAIN_ATTENTION_KERNEL for
+// its kernel (wgmma where its backward takes the head dim, else auto: wgmma's forward with
+// mma.sync's backward), the compact ones under the smem cap, with a trace naming the case;
+// each kernel's cases draw from torch_seed afresh.
+template <typename Body>
+void for_each_mask_case(std::int64_t nt, std::int64_t w, const std::vector<MaskCase>& extra, std::uint64_t torch_seed,
+                        const Body& body) {
   for (auto kernel : attention_kernels()) {
     const bool mma = kernel == DTRAIN_ATTENTION_KERNEL_MMA;
-    std::vector<Case> cases;
+    std::vector<MaskCase> cases;
     for (std::int64_t d : {64, 128, 256}) {
       cases.push_back({true, 0, 0, d});
       cases.push_back({false, 0, 0, d});
       cases.push_back({true, w, nt / 4, d});
     }
     if (mma) cases.push_back({true, 0, 0, 256, true});
-    cases.push_back({true, 0, 0, 64, false, p});
-    torch::manual_seed(13);
+    cases.insert(cases.end(), extra.begin(), extra.end());
+    torch::manual_seed(torch_seed);
     for (const auto& c : cases) {
       const bool mixed = !mma && !dtrain_attention_bwd_kernel_takes_head_dim(kernel, c.d);
       env::ScopedOverride only(env::kAttentionKernel, mma ? "mma" : mixed ? "auto" : "wgmma");
@@ -252,54 +184,114 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionSoftcapMatchesTheReferencePath) {
                    std::to_string(c.d) + (c.causal ? " causal" : "") + " window " + std::to_string(c.window) +
                    " offset " + std::to_string(c.offset) + (c.compact ? " compact" : "") +
                    (c.dropout > 0 ? " dropout" : ""));
-      std::optional<ScopedAttentionSmemCap> smem;
-      if (c.compact) smem.emplace(101376);
-      const std::int64_t nq = c.offset > 0 ? nt / 2 : nt;
-      auto q = torch::randn({nb, nh, nq, c.d}), k = torch::randn({nb, 2, nt, c.d}), v = torch::randn({nb, 2, nt, c.d});
-      auto dout = torch::randn({nb, nh, nq, c.d});
-      auto grads = [](const at::Tensor& o, const at::Tensor& qa, const at::Tensor& kb,
-                      const at::Tensor& vc) -> std::vector<at::Tensor> {
-        return {o.cpu().to(at::kDouble), qa.grad().cpu().to(at::kDouble), kb.grad().cpu().to(at::kDouble),
-                vc.grad().cpu().to(at::kDouble)};
-      };
-      auto run = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& cc, const at::Tensor& g,
-                     double softcap, double dropout) {
-        auto qa = a.detach().requires_grad_(), kb = b.detach().requires_grad_(), vc = cc.detach().requires_grad_();
-        auto o = ops::flash_attention(qa, kb, vc, c.causal, 0.0, c.window, {}, c.offset, dropout, seed, softcap);
-        o.backward(g);
-        return grads(o, qa, kb, vc);
-      };
-      auto naive = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& cc, const at::Tensor& g) {
-        auto qa = a.detach().requires_grad_(), kb = b.detach().requires_grad_(), vc = cc.detach().requires_grad_();
-        auto s = at::matmul(qa, kb.repeat_interleave(nh / 2, 1).transpose(-2, -1)) / std::sqrt(double(c.d));
-        s = (s / cap).tanh() * cap;
-        if (c.causal) {
-          const auto opts = torch::TensorOptions().device(a.device()).dtype(torch::kLong);
-          auto rows = torch::arange(c.offset, c.offset + nq, opts).unsqueeze(1), cols = torch::arange(nt, opts);
-          auto hidden = cols.unsqueeze(0) > rows;
-          if (c.window > 0) hidden = hidden.logical_or(cols.unsqueeze(0) <= rows - c.window);
-          s = s.masked_fill(hidden, -std::numeric_limits<double>::infinity());
-        }
-        auto o = at::matmul(at::softmax(s, -1), vc.repeat_interleave(nh / 2, 1));
-        o.backward(g);
-        return grads(o, qa, kb, vc);
-      };
-      auto dbl = [](const at::Tensor& t) { return t.to(at::kDouble); };
-      auto dev = [&](const at::Tensor& t) { return t.to(bf16); };
-      const auto want = run(dbl(q), dbl(k), dbl(v), dbl(dout), cap, c.dropout);
-      const auto uncapped = run(dbl(q), dbl(k), dbl(v), dbl(dout), 0.0, c.dropout);
-      const auto plain = run(dbl(q), dbl(k), dbl(v), dbl(dout), cap, 0.0);
-      const auto got = run(dev(q), dev(k), dev(v), dev(dout), cap, c.dropout);
-      const auto base_run = naive(dev(q), dev(k), dev(v), dev(dout));
-      for (int i = 0; i < 4; ++i) {
-        const double e = (got[i] - want[i]).abs().max().item<double>();
-        const double base = (base_run[i] - plain[i]).abs().max().item<double>() / (1 - c.dropout);
-        EXPECT_LE(e, 2 * base + 1e-3) << "output " << i << ": flash " << e << ", bf16 ops " << base;
-        EXPECT_GT((want[i] - uncapped[i]).abs().max().item<double>(), 5 * (2 * base + 1e-3))
-            << "output " << i << ": the cap must change more than the tolerance";
-      }
+      std::optional<ScopedAttentionSmemCap> cap;
+      if (c.compact) cap.emplace(101376);
+      body(c);
     }
   }
+}
+
+// o and the leaves' gradients, float64 on the host.
+std::vector<at::Tensor> output_and_grads(const at::Tensor& o, const at::Tensor& q, const at::Tensor& k,
+                                         const at::Tensor& v) {
+  return {o.cpu().to(at::kDouble), q.grad().cpu().to(at::kDouble), k.grad().cpu().to(at::kDouble),
+          v.grad().cpu().to(at::kDouble)};
+}
+
+// Attention dropout on the kernels: for the same seed the op's output and gradients are
+// the float64 reference path's (whose mask dtrain_attention_dropout_keeps gives; the unit
+// tests check that against a mask written out), within twice the error of LibTorch's bf16
+// attention without dropout, times 1 / (1 - p) (the kept probabilities' scale); a mask the
+// kernel got wrong differs in a quarter of the probabilities. The cases of
+// for_each_mask_case, GQA: mma.sync's one-warp and split backward and its compact tiles;
+// wgmma both ways at 64 and 128, and at 256 its forward with mma.sync's backward, which
+// must find the forward's mask.
+TEST(KERNEL_SUITE(Ops), FlashAttentionDropoutMatchesTheReferencePath) {
+  KERNEL_DEVICE_OR_SKIP();
+  const auto bf16 = torch::TensorOptions().device(kernel_device()).dtype(torch::kBFloat16);
+  const double p = 0.25;
+  const std::uint64_t seed = 77;
+  const std::int64_t nb = 1, nh = 4, nt = kLargeCases ? 300 : 70, w = kLargeCases ? 100 : 23;
+  for_each_mask_case(nt, w, {}, 12, [&](const MaskCase& c) {
+    const std::int64_t nq = c.offset > 0 ? nt / 2 : nt;
+    auto q = torch::randn({nb, nh, nq, c.d}), k = torch::randn({nb, 2, nt, c.d}), v = torch::randn({nb, 2, nt, c.d});
+    auto dout = torch::randn({nb, nh, nq, c.d});
+    auto run = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& cc, const at::Tensor& g,
+                   double dropout, bool sdpa) {
+      auto qa = a.detach().requires_grad_(), kb = b.detach().requires_grad_(), vc = cc.detach().requires_grad_();
+      auto o = sdpa ? ops::attention(qa, kb, vc, c.causal, 0.0, ops::AttentionBackend::kSdpa, c.window, {}, c.offset)
+                    : ops::flash_attention(qa, kb, vc, c.causal, 0.0, c.window, {}, c.offset, dropout, seed);
+      o.backward(g);
+      return output_and_grads(o, qa, kb, vc);
+    };
+    auto dbl = [](const at::Tensor& t) { return t.to(at::kDouble); };
+    auto dev = [&](const at::Tensor& t) { return t.to(bf16); };
+    const auto want = run(dbl(q), dbl(k), dbl(v), dbl(dout), p, false);
+    const auto plain = run(dbl(q), dbl(k), dbl(v), dbl(dout), 0.0, false);
+    const auto got = run(dev(q), dev(k), dev(v), dev(dout), p, false);
+    const auto sdpa = run(dev(q), dev(k), dev(v), dev(dout), 0.0, true);
+    for (int i = 0; i < 4; ++i) {
+      const double e = (got[i] - want[i]).abs().max().item<double>();
+      const double base = (sdpa[i] - plain[i]).abs().max().item<double>() / (1 - p);
+      EXPECT_LE(e, 2 * base + 1e-3) << "output " << i << ": flash " << e << ", sdpa without dropout " << base;
+      EXPECT_GT((want[i] - plain[i]).abs().max().item<double>(), 5 * (2 * base + 1e-3))
+          << "output " << i << ": dropout must change more than the tolerance";
+    }
+  });
+}
+
+// Logit soft-capping on the kernels: the op's output and gradients against the float64
+// reference path with the same cap, within twice the error of soft-capped attention written
+// in LibTorch's bf16 ops (matmul, tanh, the mask, softmax, matmul; autograd), and the cap
+// must move the result by far more than that. The cases of for_each_mask_case, GQA, and
+// one with dropout too.
+TEST(KERNEL_SUITE(Ops), FlashAttentionSoftcapMatchesTheReferencePath) {
+  KERNEL_DEVICE_OR_SKIP();
+  const auto bf16 = torch::TensorOptions().device(kernel_device()).dtype(torch::kBFloat16);
+  const double cap = 2.0;
+  const std::uint64_t seed = 78;
+  const std::int64_t nb = 1, nh = 4, nt = kLargeCases ? 300 : 70, w = kLargeCases ? 100 : 23;
+  for_each_mask_case(nt, w, {{true, 0, 0, 64, false, 0.25}}, 13, [&](const MaskCase& c) {
+    const std::int64_t nq = c.offset > 0 ? nt / 2 : nt;
+    auto q = torch::randn({nb, nh, nq, c.d}), k = torch::randn({nb, 2, nt, c.d}), v = torch::randn({nb, 2, nt, c.d});
+    auto dout = torch::randn({nb, nh, nq, c.d});
+    auto run = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& cc, const at::Tensor& g,
+                   double softcap, double dropout) {
+      auto qa = a.detach().requires_grad_(), kb = b.detach().requires_grad_(), vc = cc.detach().requires_grad_();
+      auto o = ops::flash_attention(qa, kb, vc, c.causal, 0.0, c.window, {}, c.offset, dropout, seed, softcap);
+      o.backward(g);
+      return output_and_grads(o, qa, kb, vc);
+    };
+    auto naive = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& cc, const at::Tensor& g) {
+      auto qa = a.detach().requires_grad_(), kb = b.detach().requires_grad_(), vc = cc.detach().requires_grad_();
+      auto s = at::matmul(qa, kb.repeat_interleave(nh / 2, 1).transpose(-2, -1)) / std::sqrt(double(c.d));
+      s = (s / cap).tanh() * cap;
+      if (c.causal) {
+        const auto opts = torch::TensorOptions().device(a.device()).dtype(torch::kLong);
+        auto rows = torch::arange(c.offset, c.offset + nq, opts).unsqueeze(1), cols = torch::arange(nt, opts);
+        auto hidden = cols.unsqueeze(0) > rows;
+        if (c.window > 0) hidden = hidden.logical_or(cols.unsqueeze(0) <= rows - c.window);
+        s = s.masked_fill(hidden, -std::numeric_limits<double>::infinity());
+      }
+      auto o = at::matmul(at::softmax(s, -1), vc.repeat_interleave(nh / 2, 1));
+      o.backward(g);
+      return output_and_grads(o, qa, kb, vc);
+    };
+    auto dbl = [](const at::Tensor& t) { return t.to(at::kDouble); };
+    auto dev = [&](const at::Tensor& t) { return t.to(bf16); };
+    const auto want = run(dbl(q), dbl(k), dbl(v), dbl(dout), cap, c.dropout);
+    const auto uncapped = run(dbl(q), dbl(k), dbl(v), dbl(dout), 0.0, c.dropout);
+    const auto plain = run(dbl(q), dbl(k), dbl(v), dbl(dout), cap, 0.0);
+    const auto got = run(dev(q), dev(k), dev(v), dev(dout), cap, c.dropout);
+    const auto base_run = naive(dev(q), dev(k), dev(v), dev(dout));
+    for (int i = 0; i < 4; ++i) {
+      const double e = (got[i] - want[i]).abs().max().item<double>();
+      const double base = (base_run[i] - plain[i]).abs().max().item<double>() / (1 - c.dropout);
+      EXPECT_LE(e, 2 * base + 1e-3) << "output " << i << ": flash " << e << ", bf16 ops " << base;
+      EXPECT_GT((want[i] - uncapped[i]).abs().max().item<double>(), 5 * (2 * base + 1e-3))
+          << "output " << i << ": the cap must change more than the tolerance";
+    }
+  });
 }
 
 // Flash attention's two passes on blocks of keys, as ring attention (context parallelism,

@@ -105,6 +105,16 @@ TEST(FlashAttentionReference, MatchesSdpaForwardAndBackward) {
   EXPECT_LT(max_abs(o, at::scaled_dot_product_attention(q, k, v, {}, 0.0, true)), 1e-5);
 }
 
+// Scores s [.., sq, sk] with the keys a causal query at token offset + i does not see (past
+// it, or a window's reach) at -inf; s itself when not causal.
+at::Tensor hide_unseen(const at::Tensor& s, bool causal, std::int64_t offset, std::int64_t window) {
+  if (!causal) return s;
+  auto rows = torch::arange(offset, offset + s.size(-2)).unsqueeze(1), cols = torch::arange(s.size(-1)).unsqueeze(0);
+  auto hidden = cols > rows;
+  if (window > 0) hidden = hidden.logical_or(cols <= rows - window);
+  return s.masked_fill(hidden, -std::numeric_limits<double>::infinity());
+}
+
 // Attention dropout is a mask on the probabilities that reach v: the op's output and
 // gradients are those of softmax(q k^T scale) Z / (1 - p) v written out with the mask Z
 // the kernels' hash gives (dtrain_attention_dropout_keeps, rebuilt here element by
@@ -147,12 +157,7 @@ TEST(FlashAttentionReference, DropoutIsAMaskOnTheProbabilities) {
     const auto dq = q.grad().clone(), dk = k.grad().clone(), dv = v.grad().clone();
     q.mutable_grad().reset(), k.mutable_grad().reset(), v.mutable_grad().reset();
     auto s = at::matmul(q, k.repeat_interleave(H / Hkv, 1).transpose(-2, -1)) / std::sqrt(static_cast<double>(D));
-    if (c.causal) {
-      auto rows = torch::arange(c.offset, c.offset + c.sq).unsqueeze(1), cols = torch::arange(Sk).unsqueeze(0);
-      auto hidden = cols > rows;
-      if (c.window > 0) hidden = hidden.logical_or(cols <= rows - c.window);
-      s = s.masked_fill(hidden, -std::numeric_limits<double>::infinity());
-    }
+    s = hide_unseen(s, c.causal, c.offset, c.window);
     const auto z = z_of(seed, c.sq, c.offset);
     auto want = at::matmul(at::softmax(s, -1) * z / (1 - p), v.repeat_interleave(H / Hkv, 1));
     want.backward(dout);
@@ -220,14 +225,8 @@ TEST(FlashAttentionReference, SoftcapIsTanhOnTheScores) {
     const auto dq = q.grad().clone(), dk = k.grad().clone(), dv = v.grad().clone();
     q.mutable_grad().reset(), k.mutable_grad().reset(), v.mutable_grad().reset();
     auto s = at::matmul(q, k.repeat_interleave(H / Hkv, 1).transpose(-2, -1)) / std::sqrt(static_cast<double>(D));
-    auto capped = (s / cap).tanh() * cap;
-    if (c.causal) {
-      auto rows = torch::arange(c.offset, c.offset + c.sq).unsqueeze(1), cols = torch::arange(Sk).unsqueeze(0);
-      auto hidden = cols > rows;
-      if (c.window > 0) hidden = hidden.logical_or(cols <= rows - c.window);
-      s = s.masked_fill(hidden, -std::numeric_limits<double>::infinity());
-      capped = capped.masked_fill(hidden, -std::numeric_limits<double>::infinity());
-    }
+    const auto capped = hide_unseen((s / cap).tanh() * cap, c.causal, c.offset, c.window);
+    s = hide_unseen(s, c.causal, c.offset, c.window);
     auto want = at::matmul(at::softmax(capped, -1), v.repeat_interleave(H / Hkv, 1));
     want.backward(dout);
     EXPECT_LT(max_abs(got, want), 1e-10);
