@@ -705,6 +705,23 @@ cudaError_t run_bwd(dtrain_attention_bwd_params& g) {
   return e;
 }
 
+// Either pass's launch (run: run_fwd or run_bwd) refuses params p with dropout outside
+// [0, 1) (NaN too) or a negative or non-finite softcap.
+template <typename Params, typename Run>
+void expect_bad_dropout_and_softcap_refused(const Params& p, const Run& run) {
+  constexpr float kNan = std::numeric_limits<float>::quiet_NaN(), kInf = std::numeric_limits<float>::infinity();
+  for (float bad : {-0.1f, 1.f, kNan}) {
+    auto g = p;
+    g.dropout_p = bad;
+    EXPECT_EQ(run(g), cudaErrorInvalidValue) << "dropout " << bad;
+  }
+  for (float bad : {-1.f, kNan, kInf}) {
+    auto g = p;
+    g.softcap = bad;
+    EXPECT_EQ(run(g), cudaErrorInvalidValue) << "softcap " << bad;
+  }
+}
+
 // Which keys each query sees: [seq_q, seq_k], true where it sees the key (causal: keys j
 // <= o + i, query i being token o + i of the keys' sequence, o the offset; a sliding
 // window of w keys: o + i - w < j <= o + i); with packed documents (doc_ids [batch,
@@ -862,19 +879,8 @@ void expect_attention_case_within_twice_the_naive_error(const AttnCase& c) {
     EXPECT_EQ(run_fwd(g), cudaErrorInvalidValue) << "offset -1";
   }
   EXPECT_EQ(dtrain_attention_fwd(&f, nullptr), cudaErrorInvalidValue) << "no workspace";
-  {  // dropout in [0, 1), NaN refused; softcap 0 or finite > 0 (the ops' tests run both on
-     // each kernel)
-    auto g = f;
-    for (float bad : {-0.1f, 1.f, std::numeric_limits<float>::quiet_NaN()}) {
-      g.dropout_p = bad;
-      EXPECT_EQ(run_fwd(g), cudaErrorInvalidValue) << "dropout " << bad;
-    }
-    g = f;
-    for (float bad : {-1.f, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
-      g.softcap = bad;
-      EXPECT_EQ(run_fwd(g), cudaErrorInvalidValue) << "softcap " << bad;
-    }
-  }
+  // Bad dropout or softcap (the ops' tests run both on each kernel).
+  expect_bad_dropout_and_softcap_refused(f, [](dtrain_attention_fwd_params& g) { return run_fwd(g); });
   if (c.window > 0) {  // a window is causal only, and never negative
     auto g = f;
     g.causal = 0;
@@ -920,19 +926,9 @@ void expect_attention_case_within_twice_the_naive_error(const AttnCase& c) {
   SCOPED_TRACE(kernel == DTRAIN_ATTENTION_KERNEL_MMA ? "mma.sync backward"
                : kernel == DTRAIN_ATTENTION_KERNEL_AUTO ? "auto backward" : "wgmma backward");
   auto g = bwd_params(f, o, dod, dq, dk, dv, kernel);
-  {  // dropout outside [0, 1) and a negative or non-finite softcap refused, nothing written
-    auto w = g;
-    for (float bad : {-0.1f, 1.f, std::numeric_limits<float>::quiet_NaN()}) {
-      w.dropout_p = bad;
-      EXPECT_EQ(run_bwd(w), cudaErrorInvalidValue) << "dropout " << bad;
-    }
-    w = g;
-    for (float bad : {-1.f, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
-      w.softcap = bad;
-      EXPECT_EQ(run_bwd(w), cudaErrorInvalidValue) << "softcap " << bad;
-    }
-    EXPECT_TRUE(dq.isnan().all().item<bool>()) << "a refused backward wrote dq";
-  }
+  // Bad dropout or softcap refused, nothing written.
+  expect_bad_dropout_and_softcap_refused(g, [](dtrain_attention_bwd_params& w) { return run_bwd(w); });
+  EXPECT_TRUE(dq.isnan().all().item<bool>()) << "a refused backward wrote dq";
   ASSERT_EQ(run_bwd(g), cudaSuccess);
   for (const auto& [what, got, ref, nv] : {std::make_tuple("dq", dq, qr.grad(), qn.grad()),
                                           std::make_tuple("dk", dk, kr.grad(), kn.grad()),
