@@ -195,6 +195,17 @@ __device__ __forceinline__ float fast_log2(float x) {
 }
 
 // ---- reductions --------------------------------------------------------------------------
+// at[0] += a, at[1] += b in global memory (at 8-byte aligned): one vector reduction on
+// sm_90 and later (atomicAdd of a float2), two atomics before it and in the emulator.
+__device__ __forceinline__ void atomic_add_pair(float* at, float a, float b) {
+#if !defined(DTRAIN_KERNELS_EMULATE) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(at), make_float2(a, b));
+#else
+  atomicAdd(at, a);
+  atomicAdd(at + 1, b);
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);

@@ -83,7 +83,7 @@ __device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) 
 // descriptor (S = Q K^T).
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], uint64_t a, uint64_t b, int accumulate);
-// The same with B 16 x N MN-major (dQ = dS K in the backward).
+// The same with B 16 x N MN-major (dQ = dS K in the backward; at D 256 dV and dK too).
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_ss_mn(float (&d)[N / 8][4], uint64_t a, uint64_t b, int accumulate);
 // d += A B: A from registers (mma.sync's A fragment of this warp's 16 rows), B 16 x N
@@ -144,11 +144,11 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// The specialisations (N = 64, 128; also 32 for wgmma_ss_mn, 256 for wgmma_rs_mn; bf16,
-// f16), one asm statement each: N / 2 accumulator operands (%0 ..), then A (a descriptor,
-// or 4 registers), B, and the flag that sets scale-d (wgmma_ss's accumulate; 1 for rs).
-// The immediates after it are scale-a, scale-b, then for ss trans-a (0) and trans-b, for
-// rs trans-b (1: B is MN-major).
+// The specialisations (wgmma_ss and wgmma_ss_mn: N = 32, 64, 128; wgmma_rs_mn: 64, 128,
+// 256; bf16, f16), one asm statement each: N / 2 accumulator operands (%0 ..), then A (a
+// descriptor, or 4 registers), B, and the flag that sets scale-d (wgmma_ss's accumulate;
+// 1 for rs). The immediates after it are scale-a, scale-b, then for ss trans-a (0) and
+// trans-b, for rs trans-b (1: B is MN-major).
 #define DTRAIN_ACC4(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
 #define DTRAIN_ACC_32 DTRAIN_ACC4(0), DTRAIN_ACC4(1), DTRAIN_ACC4(2), DTRAIN_ACC4(3)
 #define DTRAIN_ACC_64 DTRAIN_ACC_32, DTRAIN_ACC4(4), DTRAIN_ACC4(5), DTRAIN_ACC4(6), DTRAIN_ACC4(7)
@@ -195,6 +195,8 @@ __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));                              \
   }
 
+DTRAIN_WGMMA_SS(wgmma_ss, __nv_bfloat16, "bf16", 32, 0, 16, 17, 18)
+DTRAIN_WGMMA_SS(wgmma_ss, __half, "f16", 32, 0, 16, 17, 18)
 DTRAIN_WGMMA_SS(wgmma_ss, __nv_bfloat16, "bf16", 64, 0, 32, 33, 34)
 DTRAIN_WGMMA_SS(wgmma_ss, __half, "f16", 64, 0, 32, 33, 34)
 DTRAIN_WGMMA_SS(wgmma_ss, __nv_bfloat16, "bf16", 128, 0, 64, 65, 66)

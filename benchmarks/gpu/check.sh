@@ -112,7 +112,7 @@ fi
 phase kernel_bench 240 "$build/benchmarks/kernel_bench" --json "$out/kernel_bench.jsonl"
 # The other head dims at S = 4096: mma.sync's own kernels for 32 and 96, and 80 zero-padded
 # into its 96 (on Hopper dtrain_* is wgmma, which runs all three padded to 64 or 128); 256
-# (Gemma's; on Hopper wgmma's forward and mma.sync's backward, mma_* mma.sync's both ways).
+# (Gemma's; on Hopper dtrain_* is wgmma both ways, mma_* mma.sync's both ways).
 phase kernel_bench_hdims 150 "$build/benchmarks/kernel_bench" --only attention --seq 4096 --dims 32,80,96,256 \
   --json "$out/kernel_bench_hdims.jsonl"
 # D 256 in the compact mma.sync tiles of GPUs that give a block 99 KB (RTX 30xx/40xx, L40S),

@@ -128,7 +128,7 @@ at::ScalarType measured_dtype(const c10::Device& dev) {
 
 // What dtrain's op runs for a pass at head dim d when DTRAIN_ATTENTION_KERNEL is `kernel`:
 // wgmma, mma (mma.sync) or reference (off CUDA), so that a row says which kernels its
-// figures are of (at D 256 on Hopper, AUTO's forward is wgmma and its backward mma.sync).
+// figures are of (on Hopper, wgmma both ways at every head dim today).
 std::string pass_kernel(const c10::Device& dev, const std::string& kernel, std::int64_t d, bool backward) {
 #ifdef DTRAIN_WITH_CUDA
   if (!cuda(dev)) return "reference";

@@ -12,13 +12,13 @@
 namespace dtrain_kernels {
 
 // The head dims the kernels are instantiated for (D): mma.sync 32, 64, 96, 128, 256; wgmma
-// 64, 128, and 256 for the forward (its tiles are whole 64-column boxes). Any multiple of 8
-// up to 256 runs in the smallest D that holds it: the extra columns load as zeros
-// (cp.async's zero fill, the tensor maps' out-of-bounds fill), which changes no score and
-// no product, and are never stored. The backward above 128 runs on mma.sync alone (AUTO
-// picks it on Hopper too).
+// 64, 128, 256 (its tiles are whole 64-column boxes). Any multiple of 8 up to 256 runs in
+// the smallest D that holds it: the extra columns load as zeros (cp.async's zero fill, the
+// tensor maps' out-of-bounds fill), which changes no score and no product, and are never
+// stored. Each pass's largest wgmma head dim is its own (kMaxWgmma*HeadDim), so that a
+// pass may have fewer: a launch asking for wgmma above it is refused, AUTO runs mma.sync.
 constexpr int64_t kMaxHeadDim = 256;
-constexpr int64_t kMaxWgmmaFwdHeadDim = 256, kMaxWgmmaBwdHeadDim = 128;
+constexpr int64_t kMaxWgmmaFwdHeadDim = 256, kMaxWgmmaBwdHeadDim = 256;
 inline int mma_kernel_dim(int64_t head_dim) {
   return head_dim <= 32 ? 32 : head_dim <= 64 ? 64 : head_dim <= 96 ? 96 : head_dim <= 128 ? 128 : 256;
 }

@@ -133,7 +133,7 @@ int pick_kernel(dtrain_attention_kernel kernel) {
 }
 
 // What a launch of this pass asking for `kernel` at this head dim runs here: 1 wgmma, 0
-// mma.sync, -1 nothing. Head dims wgmma has no kernel for (the backward's above 128) send
+// mma.sync, -1 nothing. Head dims wgmma has no kernel for in this pass (none today) send
 // AUTO to mma.sync and an explicit WGMMA to nothing.
 template <typename Params>
 int pick_kernel(dtrain_attention_kernel kernel, int64_t head_dim) {

@@ -37,7 +37,8 @@ __global__ void flash_bwd_prepare_kernel(dtrain_attention_bwd_params p, float* d
 // Where the float32 dq buffer keeps dq[b, h, i, c] (row = (b heads + h) seq_q + i). Both
 // layouts name, for each run of four floats (a quad), the two pairs of adjacent columns
 // it holds: pair(p, quad, k, &row, &col), row -1 for padding.
-// The mma.sync kernel's, which adds into it by atomics: rows of D floats.
+// The mma.sync kernels' and the Hopper kernel's at D 256 (split columns), which add into it
+// by atomics: rows of D floats.
 template <int D>
 struct DqRows {
   __host__ __device__ static int64_t floats(const dtrain_attention_bwd_params& p) {
@@ -48,13 +49,13 @@ struct DqRows {
     col = static_cast<int>(quad % (D / 4)) * 4 + 2 * k;
   }
 };
-// The Hopper kernel's, which adds whole query tiles by one bulk reduction each: per (b, h),
-// tiles of kDqTileRows x D floats, each in the order its kConsumers warpgroups store their
-// dQ accumulators (kNq = D / kConsumers columns each): quad (f, tid) of a tile, f =
-// consumer cg's chunk cg (kNq / 8) + nt, holds thread tid's d[nt][0..3] (wgmma.cuh's
-// layout: rows 16 (tid / 32) + (tid % 32) / 4 and 8 below it, columns cg kNq + 8 nt +
-// 2 (tid % 4) and the next), so that a warp's stores to the staged tile are 512
-// contiguous bytes.
+// The Hopper kernel's up to D 128, which adds whole query tiles by one bulk reduction
+// each: per (b, h), tiles of kDqTileRows x D floats, each in the order its kConsumers
+// warpgroups store their dQ accumulators (kNq = D / kConsumers columns each): quad (f,
+// tid) of a tile, f = consumer cg's chunk cg (kNq / 8) + nt, holds thread tid's
+// d[nt][0..3] (wgmma.cuh's layout: rows 16 (tid / 32) + (tid % 32) / 4 and 8 below it,
+// columns cg kNq + 8 nt + 2 (tid % 4) and the next), so that a warp's stores to the
+// staged tile are 512 contiguous bytes.
 template <int D, int kConsumers>
 struct DqTiles {
   static constexpr int kNq = D / kConsumers;
@@ -356,17 +357,21 @@ __device__ __forceinline__ void load_query_tile(T* qs, T* dos, int pitch, float*
 }
 
 // scale a into the float32 dq buffer: a is one 8-column chunk (columns c, c + 1 of this
-// thread) of query rows qrow0 and qrow1 = qrow0 + 8; rows past seq_q are skipped.
-template <int D>
+// thread) of query rows qrow0 and qrow1 = qrow0 + 8; rows past seq_q are skipped. kPairs:
+// one 8-byte reduction per row (atomic_add_pair; dq_accum 8-byte aligned), else two.
+template <int D, bool kPairs = false>
 __device__ __forceinline__ void add_dq(float* dq_accum, const dtrain_attention_bwd_params& p, int64_t stat,
                                        int64_t qrow0, int c, const float (&a)[4]) {
-  if (qrow0 < p.seq_q) {
-    atomicAdd(&dq_accum[(stat + qrow0) * D + c], a[0] * p.scale);
-    atomicAdd(&dq_accum[(stat + qrow0) * D + c + 1], a[1] * p.scale);
-  }
-  if (qrow0 + 8 < p.seq_q) {
-    atomicAdd(&dq_accum[(stat + qrow0 + 8) * D + c], a[2] * p.scale);
-    atomicAdd(&dq_accum[(stat + qrow0 + 8) * D + c + 1], a[3] * p.scale);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (qrow0 + 8 * r >= p.seq_q) continue;
+    float* at = &dq_accum[(stat + qrow0 + 8 * r) * D + c];
+    if constexpr (kPairs) {
+      atomic_add_pair(at, a[2 * r] * p.scale, a[2 * r + 1] * p.scale);
+    } else {
+      atomicAdd(at, a[2 * r] * p.scale);
+      atomicAdd(at + 1, a[2 * r + 1] * p.scale);
+    }
   }
 }
 

@@ -308,9 +308,10 @@ void check_kernel_inputs(const at::Tensor& q) {
 }
 
 // The kernel DTRAIN_ATTENTION_KERNEL asks for; one this build and device cannot run, or
-// that has no kernel for this head dim in a pass that will run (wgmma's backward above
-// 128), is an error naming the variable. A forward that will have a backward checks both,
-// so that a training step fails before it runs anything.
+// that has no kernel for this head dim in a pass that will run (none today: every kernel
+// takes every supported head dim in both passes), is an error naming the variable. A
+// forward that will have a backward checks both, so that a training step fails before it
+// runs anything.
 dtrain_attention_kernel chosen_kernel(std::int64_t head_dim, bool forward, bool backward) {
   const std::string name = env::attention_kernel();
   const auto kernel = name == "mma"     ? DTRAIN_ATTENTION_KERNEL_MMA
@@ -324,8 +325,7 @@ dtrain_attention_kernel chosen_kernel(std::int64_t head_dim, bool forward, bool 
                   "; allowed: auto, mma");
   DTRAIN_OP_CHECK(!backward || dtrain_attention_bwd_kernel_takes_head_dim(kernel, head_dim), kOp,
                   env::kAttentionKernel, "=", name, " has no backward kernel for head_dim ", head_dim,
-                  " (wgmma's backward goes up to 128, its forward to 256); allowed: auto, mma (auto's backward runs "
-                  "mma.sync there)");
+                  "; allowed: auto, mma (auto's backward runs mma.sync there)");
   return kernel;
 }
 

@@ -916,8 +916,8 @@ void expect_attention_case_within_twice_the_naive_error(const AttnCase& c) {
   auto dq = poisoned({c.batch, c.heads, c.seq_q, c.dim}, c.type);
   auto dk = poisoned(k.sizes(), c.type), dv = poisoned(v.sizes(), c.type);
   if (!dtrain_attention_bwd_kernel_takes_head_dim(kernel, c.dim)) {
-    // wgmma's backward above 128 (after the mma.sync run): asked for by name, refused, and
-    // nothing written; AUTO, which picks wgmma for the head dims it has, runs mma.sync.
+    // A kernel without this head dim (none today: wgmma's backward goes up to 256, as
+    // mma.sync): asked for by name, refused, and nothing written; AUTO runs mma.sync.
     auto g = bwd_params(f, o, dod, dq, dk, dv, kernel);
     EXPECT_EQ(run_bwd(g), cudaErrorInvalidValue) << "wgmma at head dim " << c.dim;
     EXPECT_TRUE(dq.isnan().all().item<bool>()) << "a refused backward wrote dq";
@@ -989,9 +989,10 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
       {1, 2, 1, 100, 200, 64, true, at::kBFloat16, 0, 0, 300}, {1, 2, 1, 130, 150, 128, true, at::kHalf, 120, 0, 200},
       {1, 4, 2, 60, 120, 64, true, at::kBFloat16, 0, 30, 100},
       // Head dims above 128: D 256 kernels (mma.sync's backward: a block of 8 warps, two
-      // per 16 keys; wgmma's forward: key tiles of 64, so several per block here), and
-      // wgmma's backward leaves them to mma.sync; 136 and 200 zero-padded into them; GQA,
-      // a window, documents, an offset.
+      // per 16 keys; wgmma's forward: key tiles of 64, so several per block here; wgmma's
+      // backward: blocks of 64 keys, its two consumers on half the columns each, query
+      // tiles wrapping round its two stages); 136 and 200 zero-padded into them; GQA, a
+      // window, documents, an offset.
       {1, 2, 1, 100, 100, 256, true, at::kBFloat16},  {1, 2, 2, 70, 130, 256, false, at::kHalf},
       {1, 4, 2, 150, 150, 200, true, at::kHalf, 70},  {1, 2, 1, 90, 90, 136, false, at::kBFloat16},
       {1, 2, 1, 130, 130, 256, true, at::kBFloat16, 0, 40},
@@ -1030,7 +1031,7 @@ TEST(KERNEL_SUITE(FlashAttention), RefusesWhatItDoesNotTake) {
       EXPECT_EQ(dtrain_attention_bwd_kernel_takes_head_dim(kernel, d), 1) << d;
     }
     EXPECT_EQ(dtrain_attention_fwd_kernel_takes_head_dim(DTRAIN_ATTENTION_KERNEL_WGMMA, d), 1) << d;
-    EXPECT_EQ(dtrain_attention_bwd_kernel_takes_head_dim(DTRAIN_ATTENTION_KERNEL_WGMMA, d), d <= 128 ? 1 : 0) << d;
+    EXPECT_EQ(dtrain_attention_bwd_kernel_takes_head_dim(DTRAIN_ATTENTION_KERNEL_WGMMA, d), 1) << d;
   }
   for (std::int64_t d : {0, 4, 12, 100, 260, 264, 512}) {
     EXPECT_EQ(dtrain_attention_supports_head_dim(d), 0) << d;
@@ -1065,10 +1066,13 @@ TEST(KERNEL_SUITE(FlashAttention), SharedMemoryPerBlockFitsTheDevice) {
     EXPECT_LE(std::max(fwd, bwd), std::min(kA100, have)) << d;
     if (have >= kA100) EXPECT_EQ(std::max(fwd, bwd) <= kSm89, d <= 128) << d << ": " << fwd << ", " << bwd;
     if (dtrain_attention_kernel_available(DTRAIN_ATTENTION_KERNEL_WGMMA)) {
-      EXPECT_LE(dtrain_attention_fwd_smem_bytes(DTRAIN_ATTENTION_KERNEL_WGMMA, d), kHopper) << d;
-      EXPECT_EQ(dtrain_attention_bwd_smem_bytes(DTRAIN_ATTENTION_KERNEL_WGMMA, d) > 0, d <= 128) << d;
-      EXPECT_EQ(dtrain_attention_bwd_smem_bytes(DTRAIN_ATTENTION_KERNEL_AUTO, d),
-                d <= 128 ? dtrain_attention_bwd_smem_bytes(DTRAIN_ATTENTION_KERNEL_WGMMA, d) : bwd) << d;
+      // Both wgmma passes take every head dim, and AUTO runs them where they fit.
+      for (auto smem : {dtrain_attention_fwd_smem_bytes, dtrain_attention_bwd_smem_bytes}) {
+        const std::size_t wgmma = smem(DTRAIN_ATTENTION_KERNEL_WGMMA, d);
+        EXPECT_GT(wgmma, 0u) << d;
+        EXPECT_LE(wgmma, kHopper) << d;
+        if (have >= kHopper) EXPECT_EQ(smem(DTRAIN_ATTENTION_KERNEL_AUTO, d), wgmma) << d;
+      }
     }
   }
   EXPECT_EQ(dtrain_attention_fwd_smem_bytes(DTRAIN_ATTENTION_KERNEL_MMA, 136),

@@ -90,9 +90,10 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionAutogradMatchesTheReferencePath) {
     for (std::int64_t d : {64, 128, 32, 80, 256}) {
       auto q = torch::randn({nb, nh, nq, d}), k = torch::randn({nb, 2, nt, d}), v = torch::randn({nb, 2, nt, d});
       if (!dtrain_attention_bwd_kernel_takes_head_dim(kernel, d)) {
-        // wgmma's backward above 128, by name: a forward that will have a backward is an
-        // error naming it, before anything runs; one without (no input requires grad, or
-        // grad mode off) runs wgmma's forward, within twice sdpa's error as the others.
+        // A head dim wgmma's backward does not take (none today: it goes up to 256), by
+        // name: a forward that will have a backward is an error naming it, before anything
+        // runs; one without (no input requires grad, or grad mode off) runs wgmma's
+        // forward, within twice sdpa's error as the others.
         ASSERT_TRUE(dtrain_attention_fwd_kernel_takes_head_dim(kernel, d)) << d;
         auto forward = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, bool sdpa) {
           const auto documents = mask.documents.defined() ? mask.documents.to(a.device()) : at::Tensor();
@@ -155,14 +156,25 @@ struct MaskCase {
   std::int64_t window, offset, d;
   bool compact = false;
   double dropout = 0.0;
+  // wgmma's forward with mma.sync's backward: what AUTO runs where wgmma's backward cannot
+  // (strides its tensor maps cannot describe, a GPU of less shared memory); the backward
+  // must find the forward's dropout mask and log-sum-exp.
+  bool mma_backward = false;
 };
+
+// o.backward(g) on the kernel the case asks for (body's part of mma_backward).
+void case_backward(const MaskCase& c, const at::Tensor& o, const at::Tensor& g) {
+  std::optional<env::ScopedOverride> only;
+  if (c.mma_backward) only.emplace(env::kAttentionKernel, "mma");
+  o.backward(g);
+}
 
 // Runs body(c) on each kernel this device runs for each case: causal, full, and a window of
 // w at query offset nt / 4, at head dims 64, 128 and 256, then D 256 in the compact tiles of
-// GPUs of 99 KB a block (mma.sync's) and `extra`. Each under DTRAIN_ATTENTION_KERNEL for
-// its kernel (wgmma where its backward takes the head dim, else auto: wgmma's forward with
-// mma.sync's backward), the compact ones under the smem cap, with a trace naming the case;
-// each kernel's cases draw from torch_seed afresh.
+// GPUs of 99 KB a block (mma.sync's), wgmma's forward with mma.sync's backward at D 128
+// and 256, and `extra`. Each under DTRAIN_ATTENTION_KERNEL for its kernel, the compact ones
+// under the smem cap, with a trace naming the case; each kernel's cases draw from
+// torch_seed afresh. body runs its backward through case_backward.
 template <typename Body>
 void for_each_mask_case(std::int64_t nt, std::int64_t w, const std::vector<MaskCase>& extra, std::uint64_t torch_seed,
                         const Body& body) {
@@ -175,12 +187,15 @@ void for_each_mask_case(std::int64_t nt, std::int64_t w, const std::vector<MaskC
       cases.push_back({true, w, nt / 4, d});
     }
     if (mma) cases.push_back({true, 0, 0, 256, true});
+    if (!mma) {
+      cases.push_back({true, 0, 0, 128, false, 0.0, true});
+      cases.push_back({true, w, nt / 4, 256, false, 0.0, true});
+    }
     cases.insert(cases.end(), extra.begin(), extra.end());
     torch::manual_seed(torch_seed);
     for (const auto& c : cases) {
-      const bool mixed = !mma && !dtrain_attention_bwd_kernel_takes_head_dim(kernel, c.d);
-      env::ScopedOverride only(env::kAttentionKernel, mma ? "mma" : mixed ? "auto" : "wgmma");
-      SCOPED_TRACE(std::string(mma ? "mma.sync" : mixed ? "auto (wgmma forward)" : "wgmma") + " d " +
+      env::ScopedOverride only(env::kAttentionKernel, mma ? "mma" : "wgmma");
+      SCOPED_TRACE(std::string(mma ? "mma.sync" : c.mma_backward ? "wgmma forward, mma.sync backward" : "wgmma") + " d " +
                    std::to_string(c.d) + (c.causal ? " causal" : "") + " window " + std::to_string(c.window) +
                    " offset " + std::to_string(c.offset) + (c.compact ? " compact" : "") +
                    (c.dropout > 0 ? " dropout" : ""));
@@ -204,8 +219,8 @@ std::vector<at::Tensor> output_and_grads(const at::Tensor& o, const at::Tensor& 
 // attention without dropout, times 1 / (1 - p) (the kept probabilities' scale); a mask the
 // kernel got wrong differs in a quarter of the probabilities. The cases of
 // for_each_mask_case, GQA: mma.sync's one-warp and split backward and its compact tiles;
-// wgmma both ways at 64 and 128, and at 256 its forward with mma.sync's backward, which
-// must find the forward's mask.
+// wgmma both ways at 64, 128 and 256, and its forward with mma.sync's backward, which must
+// find the forward's mask.
 TEST(KERNEL_SUITE(Ops), FlashAttentionDropoutMatchesTheReferencePath) {
   KERNEL_DEVICE_OR_SKIP();
   const auto bf16 = torch::TensorOptions().device(kernel_device()).dtype(torch::kBFloat16);
@@ -221,7 +236,7 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionDropoutMatchesTheReferencePath) {
       auto qa = a.detach().requires_grad_(), kb = b.detach().requires_grad_(), vc = cc.detach().requires_grad_();
       auto o = sdpa ? ops::attention(qa, kb, vc, c.causal, 0.0, ops::AttentionBackend::kSdpa, c.window, {}, c.offset)
                     : ops::flash_attention(qa, kb, vc, c.causal, 0.0, c.window, {}, c.offset, dropout, seed);
-      o.backward(g);
+      case_backward(c, o, g);
       return output_and_grads(o, qa, kb, vc);
     };
     auto dbl = [](const at::Tensor& t) { return t.to(at::kDouble); };
@@ -259,7 +274,7 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionSoftcapMatchesTheReferencePath) {
                    double softcap, double dropout) {
       auto qa = a.detach().requires_grad_(), kb = b.detach().requires_grad_(), vc = cc.detach().requires_grad_();
       auto o = ops::flash_attention(qa, kb, vc, c.causal, 0.0, c.window, {}, c.offset, dropout, seed, softcap);
-      o.backward(g);
+      case_backward(c, o, g);
       return output_and_grads(o, qa, kb, vc);
     };
     auto naive = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& cc, const at::Tensor& g) {

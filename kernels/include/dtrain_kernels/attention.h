@@ -119,9 +119,9 @@ size_t dtrain_attention_fwd_workspace_bytes(const dtrain_attention_fwd_params* p
 size_t dtrain_attention_bwd_workspace_bytes(const dtrain_attention_bwd_params* params);
 /* Whether the kernels take this head dim (multiples of 8 from 8 to 256). */
 int dtrain_attention_supports_head_dim(int64_t head_dim);
-/* Whether a forward / backward launch asking for this kernel takes this head dim: AUTO
- * and MMA as above; WGMMA's forward up to 256, its backward up to 128 (AUTO's backward
- * runs mma.sync above that, on Hopper too). */
+/* Whether a forward / backward launch asking for this kernel takes this head dim: today
+ * every kernel takes every head dim above in both passes (WGMMA's forward and backward up
+ * to 256); a pass whose WGMMA stops short of one refuses it, and AUTO runs MMA there. */
 int dtrain_attention_fwd_kernel_takes_head_dim(dtrain_attention_kernel kernel, int64_t head_dim);
 int dtrain_attention_bwd_kernel_takes_head_dim(dtrain_attention_kernel kernel, int64_t head_dim);
 /* Whether dtrain_attention_fwd / _bwd can run this kernel on the current device (the
