@@ -194,9 +194,9 @@ double clip_grad_norm(const std::vector<GradGroup>& groups, double max_norm, dou
   const double norm = std::sqrt(sq_total) / grad_scale;
   if (!std::isfinite(norm)) return norm;
   const double coef = std::min(1.0, max_norm / (norm + 1e-6)) / grad_scale;
-  if (coef != 1.0) {
+  if (coef != 1.0) {  // one multi-tensor kernel per group, as for the norms
     for (const auto& group : groups) {
-      for (const auto& g : group.grads) g.mul_(coef);
+      if (!group.grads.empty()) at::_foreach_mul_(group.grads, coef);
     }
   }
   return norm;
