@@ -92,9 +92,29 @@ std::vector<Mapping> mappings(const GptConfig& c) {
 
 }  // namespace
 
-void check_hf_names(const GptConfig& config) { mappings(config); }
+std::string hf_class(const GptConfig& c) {
+  mappings(c);  // the names' own refusals first
+  const bool gpt2 = c.family == "gpt2", window = c.attention_window > 0;
+  DTRAIN_CHECK_ARG(c.attention_softcap == 0, "--attention-softcap=", c.attention_softcap,
+                   " cannot be exported under Hugging Face names: no transformers model of GPT-2's or Llama's "
+                   "layout caps attention logits (the weights alone would load into one that computes "
+                   "differently); allowed: --export-hf without --attention-softcap (a dtrain checkpoint, --save-dir, "
+                   "keeps any model)");
+  DTRAIN_CHECK_ARG(!window || !(gpt2 || c.qk_norm || c.moe.enabled()), "--attention-window=", c.attention_window,
+                   " cannot be exported under Hugging Face names with ",
+                   gpt2 ? "--family gpt2" : c.qk_norm ? "--qk-norm" : "--moe-experts",
+                   "; allowed: a sliding window on a dense llama without --qk-norm (Mistral's names), or "
+                   "--export-hf without --attention-window");
+  if (gpt2) return "GPT2LMHeadModel";
+  if (window) return "MistralForCausalLM";
+  if (c.qk_norm) return "Qwen3ForCausalLM";
+  return c.moe.enabled() ? "MixtralForCausalLM" : "LlamaForCausalLM";
+}
+
+void check_hf_names(const GptConfig& config) { hf_class(config); }
 
 std::vector<std::pair<std::string, at::Tensor>> to_hf(const GptConfig& config, const NamedParameters& full) {
+  check_hf_names(config);
   std::map<std::string, at::Tensor> ours(full.begin(), full.end());
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& m : mappings(config)) {

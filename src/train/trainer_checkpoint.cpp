@@ -607,10 +607,16 @@ void Trainer::export_hf(const std::string& path) {
     try {
       const auto slash = path.rfind('/');
       if (slash != std::string::npos && slash > 0) fs::make_directories(path.substr(0, slash));
+      // The metadata names the transformers class and, beside the architecture, the
+      // attention the weights do not carry (its config's sliding_window).
+      json model = architecture(model_config_);
+      model["hf_class"] = models::hf_class(model_config_);
+      model["attention_window"] = model_config_.attention_window;
       checkpoint::write_safetensors(path, models::to_hf(model_config_, full),
-                                    {{"format", "pt"}, {"dtrain_model", architecture(model_config_).dump()}});
-      log_info("export: {} ({} tensors, Hugging Face {} names)", path, full.size(),
-               model_config_.family == "gpt2" ? "GPT-2" : "Llama");
+                                    {{"format", "pt"}, {"dtrain_model", model.dump()}});
+      log_info("export: {} ({} tensors, Hugging Face {} names{})", path, full.size(), model["hf_class"].get<std::string>(),
+               model_config_.attention_window > 0 ? format(", sliding_window {}", model_config_.attention_window)
+                                                  : std::string());
     } catch (const Error& e) {
       error = e.what();
     }

@@ -1,7 +1,8 @@
 # The --export-hf file is what Hugging Face transformers expects: pretrain_gpt trains a tiny
-# GPT-2, a tiny Llama (GQA, untied head) and a tiny Llama with QK-norm (tied head), exports,
-# and transformers' GPT2LMHeadModel / LlamaForCausalLM / Qwen3ForCausalLM, loaded with the
-# file's names, give the same val loss as dtrain's
+# GPT-2, a tiny Llama (GQA, untied head), a tiny Llama with QK-norm (tied head) and one with
+# a sliding window of 8 tokens (of 32), exports, and transformers' GPT2LMHeadModel /
+# LlamaForCausalLM / Qwen3ForCausalLM / MistralForCausalLM (sliding_window from the file's
+# metadata), loaded with the file's names, give the same val loss as dtrain's
 # evaluation (within 5e-5). Skipped when python3 cannot import transformers (scripts/setup.sh
 # installs it).
 #   -DPRETRAIN=<pretrain_gpt> -DPREPARE=<prepare_data> -DPYTHON=<python3> -DSOURCE_DIR=<repo> -DWORK_DIR=<dir>
@@ -16,7 +17,7 @@ endif()
 execute_process(COMMAND "${PREPARE}" --input "${SOURCE_DIR}/LICENSE" --output-dir "${WORK_DIR}/data" --name lic
                 RESULT_VARIABLE rc OUTPUT_QUIET)
 set(failures 0)
-foreach(family gpt2 llama qwen3)
+foreach(family gpt2 llama qwen3 mistral)
   set(extra)
   set(kv 4)
   if(family STREQUAL "llama")
@@ -25,6 +26,9 @@ foreach(family gpt2 llama qwen3)
   elseif(family STREQUAL "qwen3")  # Llama with QK-norm, tied head; a high lr moves the norm
     # weights well away from 1 (with uniform weights, norming after RoPE would agree too)
     set(extra --family llama --n-kv-head 2 --qk-norm --lr 0.02)
+    set(kv 2)
+  elseif(family STREQUAL "mistral")  # Llama with a sliding window
+    set(extra --family llama --n-kv-head 2 --attention-window 8)
     set(kv 2)
   endif()
   execute_process(COMMAND "${PRETRAIN}" --train-data "${WORK_DIR}/data/lic_train_*.bin"

@@ -1,5 +1,7 @@
 """Loads a dtrain --export-hf file into Hugging Face transformers (GPT2LMHeadModel,
-LlamaForCausalLM, or Qwen3ForCausalLM for FAMILY qwen3: Llama with QK-norm) and prints the mean loss over the first BATCHES val batches the way
+LlamaForCausalLM, Qwen3ForCausalLM for FAMILY qwen3: Llama with QK-norm, or
+MistralForCausalLM for FAMILY mistral: Llama with a sliding window, read from the file's
+metadata as the class it names) and prints the mean loss over the first BATCHES val batches the way
 dtrain's evaluation forms them (non-shuffled samples of SEQ+1 tokens, GLOBAL per batch);
 with EXPECT (dtrain's own val loss, printed to 5 decimals), exits 1 unless the two agree
 within 5e-5 (the same float32 means over the same tokens agree within about 5e-6, the
@@ -9,12 +11,14 @@ Exit 77 (skipped) when transformers is not installed.
 
   python3 hf_export_check.py FILE FAMILY VAL_SHARD SEQ GLOBAL BATCHES D_MODEL N_LAYER N_HEAD N_KV CONTEXT [EXPECT]
 """
+import json
 import sys
 
 try:
     import numpy as np
     import torch
     import transformers as tf
+    from safetensors import safe_open
     from safetensors.torch import load_file
 except ImportError as e:  # transformers is not a dependency of the project
     print("skipped:", e)
@@ -24,6 +28,13 @@ path, family, shard = sys.argv[1:4]
 seq, batch, batches, d, layers, heads, kv, context = map(int, sys.argv[4:12])
 tokens = np.fromfile(shard, dtype=np.uint16, offset=256 * 4).astype(np.int64)
 state = load_file(path)
+with safe_open(path, "pt") as f:
+    meta = json.loads(f.metadata()["dtrain_model"])
+want_class = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+              "mistral": "MistralForCausalLM"}[family]
+if meta.get("hf_class") != want_class:
+    print("the file names %s; expected %s" % (meta.get("hf_class"), want_class))
+    sys.exit(1)
 vocab = state["wte.weight" if family == "gpt2" else "model.embed_tokens.weight"].shape[0]
 if family == "gpt2":
     cfg = tf.GPT2Config(vocab_size=vocab, n_positions=context, n_embd=d, n_layer=layers, n_head=heads,
@@ -41,6 +52,17 @@ elif family == "qwen3":
                          tie_word_embeddings="lm_head.weight" not in state, attention_bias=False,
                          use_sliding_window=False, bos_token_id=None, eos_token_id=None)
     model = tf.Qwen3ForCausalLM(cfg)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if cfg.tie_word_embeddings:
+        missing = [k for k in missing if k != "lm_head.weight"]
+        model.tie_weights()
+elif family == "mistral":
+    cfg = tf.MistralConfig(vocab_size=vocab, hidden_size=d, intermediate_size=state["model.layers.0.mlp.up_proj.weight"].shape[0],
+                           num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                           head_dim=d // heads, max_position_embeddings=context, rms_norm_eps=1e-5, rope_theta=10000.0,
+                           sliding_window=meta["attention_window"], tie_word_embeddings="lm_head.weight" not in state,
+                           bos_token_id=None, eos_token_id=None)
+    model = tf.MistralForCausalLM(cfg)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if cfg.tie_word_embeddings:
         missing = [k for k in missing if k != "lm_head.weight"]

@@ -3,7 +3,8 @@
 // GPT2Model ("h.0.attn.c_attn.weight", Conv1D weights stored [in, out]), Llama as
 // LlamaForCausalLM ("model.layers.0.self_attn.q_proj.weight", q/k/v split; MoE blocks as
 // Mixtral's "block_sparse_moe.gate" and "experts.<e>.w1/w2/w3"; QK-norm as Qwen3's
-// "self_attn.q_norm.weight" and "k_norm.weight").
+// "self_attn.q_norm.weight" and "k_norm.weight"; a sliding window as Mistral, whose names
+// are Llama's).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -17,9 +18,13 @@
 
 namespace dtrain::models {
 
-// InvalidArgument when config has no Hugging Face names (GPT-2 with experts or QK-norm,
-// QK-norm with experts):
-// what to_hf would raise, before any training.
+// The transformers class an export of config loads into (GPT2LMHeadModel,
+// LlamaForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, MistralForCausalLM with its
+// sliding_window); InvalidArgument where there is none: no names (GPT-2 with experts or
+// QK-norm, QK-norm with experts), or attention the weights do not carry and no such class
+// computes (logit soft-capping; a sliding window other than on a dense Llama).
+std::string hf_class(const GptConfig& config);
+// What to_hf would raise (hf_class's refusals), before any training.
 void check_hf_names(const GptConfig& config);
 
 // config's single-process parameters (all of parameter_shapes(), by name) as Hugging Face
