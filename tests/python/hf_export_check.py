@@ -44,36 +44,21 @@ if family == "gpt2":
     missing, unexpected = model.transformer.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("attn.bias") and not k.endswith("masked_bias")]
     model.tie_weights()
-elif family == "qwen3":
-    cfg = tf.Qwen3Config(vocab_size=vocab, hidden_size=d, intermediate_size=state["model.layers.0.mlp.up_proj.weight"].shape[0],
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
-                         head_dim=d // heads, max_position_embeddings=context, rms_norm_eps=1e-5,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                         tie_word_embeddings="lm_head.weight" not in state, attention_bias=False,
-                         use_sliding_window=False, bos_token_id=None, eos_token_id=None)
-    model = tf.Qwen3ForCausalLM(cfg)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if cfg.tie_word_embeddings:
-        missing = [k for k in missing if k != "lm_head.weight"]
-        model.tie_weights()
-elif family == "mistral":
-    cfg = tf.MistralConfig(vocab_size=vocab, hidden_size=d, intermediate_size=state["model.layers.0.mlp.up_proj.weight"].shape[0],
-                           num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
-                           head_dim=d // heads, max_position_embeddings=context, rms_norm_eps=1e-5, rope_theta=10000.0,
-                           sliding_window=meta["attention_window"], tie_word_embeddings="lm_head.weight" not in state,
-                           bos_token_id=None, eos_token_id=None)
-    model = tf.MistralForCausalLM(cfg)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if cfg.tie_word_embeddings:
-        missing = [k for k in missing if k != "lm_head.weight"]
-        model.tie_weights()
-else:
-    cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=state["model.layers.0.mlp.up_proj.weight"].shape[0],
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
-                         max_position_embeddings=context, rms_norm_eps=1e-5, rope_theta=10000.0,
-                         tie_word_embeddings="lm_head.weight" not in state, attention_bias=False, mlp_bias=False,
-                         bos_token_id=None, eos_token_id=None)
-    model = tf.LlamaForCausalLM(cfg)
+else:  # the Llama layout: Llama, Qwen3 (QK-norm), Mistral (a sliding window)
+    common = dict(vocab_size=vocab, hidden_size=d, intermediate_size=state["model.layers.0.mlp.up_proj.weight"].shape[0],
+                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                  max_position_embeddings=context, rms_norm_eps=1e-5,
+                  tie_word_embeddings="lm_head.weight" not in state, bos_token_id=None, eos_token_id=None)
+    if family == "qwen3":
+        cfg = tf.Qwen3Config(**common, head_dim=d // heads, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                             attention_bias=False, use_sliding_window=False)
+        model = tf.Qwen3ForCausalLM(cfg)
+    elif family == "mistral":
+        cfg = tf.MistralConfig(**common, head_dim=d // heads, rope_theta=10000.0, sliding_window=meta["attention_window"])
+        model = tf.MistralForCausalLM(cfg)
+    else:
+        cfg = tf.LlamaConfig(**common, rope_theta=10000.0, attention_bias=False, mlp_bias=False)
+        model = tf.LlamaForCausalLM(cfg)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if cfg.tie_word_embeddings:
         missing = [k for k in missing if k != "lm_head.weight"]
