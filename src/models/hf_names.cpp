@@ -100,15 +100,26 @@ std::string hf_class(const GptConfig& c) {
                    "layout caps attention logits (the weights alone would load into one that computes "
                    "differently); allowed: --export-hf without --attention-softcap (a dtrain checkpoint, --save-dir, "
                    "keeps any model)");
-  DTRAIN_CHECK_ARG(!window || !(gpt2 || c.qk_norm || c.moe.enabled()), "--attention-window=", c.attention_window,
-                   " cannot be exported under Hugging Face names with ",
-                   gpt2 ? "--family gpt2" : c.qk_norm ? "--qk-norm" : "--moe-experts",
-                   "; allowed: a sliding window on a dense llama without --qk-norm (Mistral's names), or "
-                   "--export-hf without --attention-window");
+  DTRAIN_CHECK_ARG(!(window && gpt2), "--attention-window=", c.attention_window,
+                   " cannot be exported under Hugging Face names with --family gpt2 (GPT-2 has no sliding "
+                   "window); allowed: a sliding window on --family llama (Mistral's, Qwen3's or Mixtral's "
+                   "names), or --export-hf without --attention-window");
+  if (c.moe.enabled()) {  // Mixtral: every block's experts, softmax scores renormalised over the top k
+    const auto& m = c.moe;
+    DTRAIN_CHECK_ARG(m.every == 1, "--moe-every=", m.every, " cannot be exported as Mixtral, whose every block has "
+                     "experts; allowed: --moe-every 1");
+    DTRAIN_CHECK_ARG(m.score == "softmax", "--moe-score=", m.score, " cannot be exported as Mixtral, whose router "
+                     "takes a softmax; allowed: --moe-score softmax");
+    DTRAIN_CHECK_ARG(m.topk > 1, "--moe-topk=", m.topk, " cannot be exported as Mixtral, which weighs a single "
+                     "chosen expert by 1 where dtrain weighs it by its probability; allowed: --moe-topk 2 or more");
+    DTRAIN_CHECK_ARG(m.bias_update_rate == 0, "--moe-bias-rate=", m.bias_update_rate, " cannot be exported as "
+                     "Mixtral: the selection bias it learns is not a parameter and Mixtral's router has none; "
+                     "allowed: --moe-bias-rate 0");
+  }
   if (gpt2) return "GPT2LMHeadModel";
-  if (window) return "MistralForCausalLM";
   if (c.qk_norm) return "Qwen3ForCausalLM";
-  return c.moe.enabled() ? "MixtralForCausalLM" : "LlamaForCausalLM";
+  if (c.moe.enabled()) return "MixtralForCausalLM";
+  return window ? "MistralForCausalLM" : "LlamaForCausalLM";
 }
 
 void check_hf_names(const GptConfig& config) { hf_class(config); }

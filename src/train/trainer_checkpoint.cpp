@@ -607,11 +607,13 @@ void Trainer::export_hf(const std::string& path) {
     try {
       const auto slash = path.rfind('/');
       if (slash != std::string::npos && slash > 0) fs::make_directories(path.substr(0, slash));
-      // The metadata names the transformers class and, beside the architecture, the
-      // attention the weights do not carry (its config's sliding_window).
+      // The metadata names the transformers class and, beside the architecture, what its
+      // config needs that the weights do not carry: the sliding window and the experts per
+      // token.
       json model = architecture(model_config_);
       model["hf_class"] = models::hf_class(model_config_);
       model["attention_window"] = model_config_.attention_window;
+      model["moe_topk"] = model_config_.moe.enabled() ? model_config_.moe.topk : 0;
       checkpoint::write_safetensors(path, models::to_hf(model_config_, full),
                                     {{"format", "pt"}, {"dtrain_model", model.dump()}});
       log_info("export: {} ({} tensors, Hugging Face {} names{})", path, full.size(), model["hf_class"].get<std::string>(),

@@ -1,9 +1,10 @@
 # The --export-hf file is what Hugging Face transformers expects: pretrain_gpt trains a tiny
-# GPT-2, a tiny Llama (GQA, untied head), a tiny Llama with QK-norm (tied head) and one with
-# a sliding window of 8 tokens (of 32), exports, and transformers' GPT2LMHeadModel /
-# LlamaForCausalLM / Qwen3ForCausalLM / MistralForCausalLM (sliding_window from the file's
-# metadata), loaded with the file's names, give the same val loss as dtrain's
-# evaluation (within 5e-5). Skipped when python3 cannot import transformers (scripts/setup.sh
+# GPT-2, a tiny Llama (GQA, untied head), a tiny Llama with QK-norm (tied head), with QK-norm
+# and a sliding window of 8 tokens (of 32), with the window alone, and with 4 experts (top
+# 2) and the window, exports, and transformers' GPT2LMHeadModel / LlamaForCausalLM /
+# Qwen3ForCausalLM (twice) / MistralForCausalLM / MixtralForCausalLM (window and experts per
+# token from the file's metadata), loaded with the file's names, give the same val loss as
+# dtrain's evaluation (within 5e-5). Skipped when python3 cannot import transformers (scripts/setup.sh
 # installs it).
 #   -DPRETRAIN=<pretrain_gpt> -DPREPARE=<prepare_data> -DPYTHON=<python3> -DSOURCE_DIR=<repo> -DWORK_DIR=<dir>
 file(REMOVE_RECURSE "${WORK_DIR}")
@@ -17,7 +18,8 @@ endif()
 execute_process(COMMAND "${PREPARE}" --input "${SOURCE_DIR}/LICENSE" --output-dir "${WORK_DIR}/data" --name lic
                 RESULT_VARIABLE rc OUTPUT_QUIET)
 set(failures 0)
-foreach(family gpt2 llama qwen3 mistral)
+foreach(case gpt2 llama qwen3 qwen3_window mistral mixtral)
+  string(REGEX REPLACE "_window$" "" family "${case}")
   set(extra)
   set(kv 4)
   if(family STREQUAL "llama")
@@ -30,17 +32,23 @@ foreach(family gpt2 llama qwen3 mistral)
   elseif(family STREQUAL "mistral")  # Llama with a sliding window
     set(extra --family llama --n-kv-head 2 --attention-window 8)
     set(kv 2)
+  elseif(family STREQUAL "mixtral")  # Llama with experts, and a sliding window
+    set(extra --family llama --n-kv-head 2 --tie-embeddings false --moe-experts 4 --moe-topk 2 --attention-window 8)
+    set(kv 2)
+  endif()
+  if(case STREQUAL "qwen3_window")
+    list(APPEND extra --attention-window 8)
   endif()
   execute_process(COMMAND "${PRETRAIN}" --train-data "${WORK_DIR}/data/lic_train_*.bin"
                           --val-data "${WORK_DIR}/data/lic_val_*.bin" --progress off --steps 20 --warmup-steps 2
                           --seq-len 32 --global-batch 8 --eval-batches 2 ${extra}
-                          --export-hf "${WORK_DIR}/${family}.safetensors"
+                          --export-hf "${WORK_DIR}/${case}.safetensors"
                   RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 300)
   string(REGEX MATCH "done: [^\n]*val loss ([0-9.]+)" m "${out}${err}")
   set(dtrain_loss "${CMAKE_MATCH_1}")
   set(ok FALSE)
   if(rc EQUAL 0 AND NOT dtrain_loss STREQUAL "")
-    execute_process(COMMAND "${PYTHON}" "${SOURCE_DIR}/tests/python/hf_export_check.py" "${WORK_DIR}/${family}.safetensors"
+    execute_process(COMMAND "${PYTHON}" "${SOURCE_DIR}/tests/python/hf_export_check.py" "${WORK_DIR}/${case}.safetensors"
                             ${family} "${WORK_DIR}/data/lic_val_000000.bin" 32 8 2 64 2 4 ${kv} 64 ${dtrain_loss}
                     RESULT_VARIABLE prc OUTPUT_VARIABLE pout ERROR_VARIABLE perr TIMEOUT 300)
     string(REGEX MATCH "hf val loss ([0-9.]+)" m "${pout}")
@@ -50,9 +58,9 @@ foreach(family gpt2 llama qwen3 mistral)
     endif()
   endif()
   if(ok)
-    message(STATUS "ok: ${family}: dtrain val loss ${dtrain_loss}, transformers ${hf_loss}")
+    message(STATUS "ok: ${case}: dtrain val loss ${dtrain_loss}, transformers ${hf_loss}")
   else()
-    message(STATUS "FAILED: ${family}: dtrain '${dtrain_loss}' (exit ${rc}), transformers '${hf_loss}' (exit ${prc}):\n${pout}${perr}")
+    message(STATUS "FAILED: ${case}: dtrain '${dtrain_loss}' (exit ${rc}), transformers '${hf_loss}' (exit ${prc}):\n${pout}${perr}")
     math(EXPR failures "${failures} + 1")
   endif()
 endforeach()

@@ -266,13 +266,20 @@ expect(qk-norm 0 "step +2/2" ARGS ${DATA} --global-batch 8 --steps 2 --warmup-st
 expect(qk-norm-export-hf 2 "the Hugging Face export has no names for GPT-2 with --qk-norm; allowed: gpt2 without it, or llama \\(Qwen3 names\\)"
        ARGS ${DATA} --global-batch 8 --steps 2 --warmup-steps 1 --qk-norm --export-hf "${WORK_DIR}/qk.safetensors")
 # Attention the exported weights do not carry and no transformers class of their layout
-# computes: refused before training (a sliding window on a dense Llama exports as Mistral,
-# hf_export).
+# computes: refused before training (a sliding window on a Llama exports as Mistral, Qwen3
+# or Mixtral, hf_export).
 expect(softcap-export-hf 2 "--attention-softcap=30 cannot be exported under Hugging Face names: no transformers model"
        ARGS ${DATA} --global-batch 8 --steps 2 --warmup-steps 1 --family llama --attention flash --attention-softcap 30
             --export-hf "${WORK_DIR}/softcap.safetensors")
-expect(window-gpt2-export-hf 2 "--attention-window=8 cannot be exported under Hugging Face names with --family gpt2; allowed: a sliding window on a dense llama without --qk-norm \\(Mistral's names\\)"
+expect(window-gpt2-export-hf 2 "--attention-window=8 cannot be exported under Hugging Face names with --family gpt2 \\(GPT-2 has no sliding window\\); allowed: a sliding window on --family llama"
        ARGS ${DATA} --global-batch 8 --steps 2 --warmup-steps 1 --attention-window 8 --export-hf "${WORK_DIR}/window.safetensors")
+# Experts Mixtral would route otherwise: refused before training too.
+expect(moe-top1-export-hf 2 "--moe-topk=1 cannot be exported as Mixtral, which weighs a single chosen expert by 1"
+       ARGS ${DATA} --global-batch 8 --steps 2 --warmup-steps 1 --family llama --moe-experts 4 --moe-topk 1
+            --export-hf "${WORK_DIR}/top1.safetensors")
+expect(moe-every-export-hf 2 "--moe-every=2 cannot be exported as Mixtral, whose every block has experts; allowed: --moe-every 1"
+       ARGS ${DATA} --global-batch 8 --steps 2 --warmup-steps 1 --family llama --moe-experts 4 --moe-every 2
+            --export-hf "${WORK_DIR}/every.safetensors")
 expect(lr-decay-unknown 2 "--lr-decay 'wsd' is not known; allowed: cosine, linear, sqrt, constant" ARGS ${DATA} --global-batch 8 --lr-decay wsd)
 # Warmup-stable-decay as a cooldown branched off a stable run: 3 steps at a constant lr,
 # then a resume that decays linearly to 0 over the last 2 of 5 steps (step 4 at the peak,

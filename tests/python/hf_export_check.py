@@ -1,7 +1,9 @@
 """Loads a dtrain --export-hf file into Hugging Face transformers (GPT2LMHeadModel,
-LlamaForCausalLM, Qwen3ForCausalLM for FAMILY qwen3: Llama with QK-norm, or
-MistralForCausalLM for FAMILY mistral: Llama with a sliding window, read from the file's
-metadata as the class it names) and prints the mean loss over the first BATCHES val batches the way
+LlamaForCausalLM, Qwen3ForCausalLM for FAMILY qwen3: Llama with QK-norm,
+MistralForCausalLM for FAMILY mistral: Llama with a sliding window, or MixtralForCausalLM
+for FAMILY mixtral: Llama with experts, by from_pretrained, which converts the released
+checkpoints' per-expert names that the export writes; the class, the window and the
+experts per token come from the file's metadata) and prints the mean loss over the first BATCHES val batches the way
 dtrain's evaluation forms them (non-shuffled samples of SEQ+1 tokens, GLOBAL per batch);
 with EXPECT (dtrain's own val loss, printed to 5 decimals), exits 1 unless the two agree
 within 5e-5 (the same float32 means over the same tokens agree within about 5e-6, the
@@ -12,7 +14,9 @@ Exit 77 (skipped) when transformers is not installed.
   python3 hf_export_check.py FILE FAMILY VAL_SHARD SEQ GLOBAL BATCHES D_MODEL N_LAYER N_HEAD N_KV CONTEXT [EXPECT]
 """
 import json
+import os
 import sys
+import tempfile
 
 try:
     import numpy as np
@@ -31,7 +35,7 @@ state = load_file(path)
 with safe_open(path, "pt") as f:
     meta = json.loads(f.metadata()["dtrain_model"])
 want_class = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-              "mistral": "MistralForCausalLM"}[family]
+              "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM"}[family]
 if meta.get("hf_class") != want_class:
     print("the file names %s; expected %s" % (meta.get("hf_class"), want_class))
     sys.exit(1)
@@ -44,25 +48,41 @@ if family == "gpt2":
     missing, unexpected = model.transformer.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("attn.bias") and not k.endswith("masked_bias")]
     model.tie_weights()
-else:  # the Llama layout: Llama, Qwen3 (QK-norm), Mistral (a sliding window)
-    common = dict(vocab_size=vocab, hidden_size=d, intermediate_size=state["model.layers.0.mlp.up_proj.weight"].shape[0],
+else:  # the Llama layout: Llama, Qwen3 (QK-norm), Mistral (a sliding window), Mixtral (experts)
+    window = meta["attention_window"] or None
+    up = "model.layers.0.mlp.up_proj.weight"
+    inter = (state[up] if up in state else state["model.layers.0.block_sparse_moe.experts.0.w3.weight"]).shape[0]
+    common = dict(vocab_size=vocab, hidden_size=d, intermediate_size=inter,
                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
                   max_position_embeddings=context, rms_norm_eps=1e-5,
                   tie_word_embeddings="lm_head.weight" not in state, bos_token_id=None, eos_token_id=None)
     if family == "qwen3":
         cfg = tf.Qwen3Config(**common, head_dim=d // heads, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                             attention_bias=False, use_sliding_window=False)
+                             attention_bias=False, use_sliding_window=window is not None, sliding_window=window,
+                             max_window_layers=0)
         model = tf.Qwen3ForCausalLM(cfg)
     elif family == "mistral":
-        cfg = tf.MistralConfig(**common, head_dim=d // heads, rope_theta=10000.0, sliding_window=meta["attention_window"])
+        cfg = tf.MistralConfig(**common, head_dim=d // heads, rope_theta=10000.0, sliding_window=window)
         model = tf.MistralForCausalLM(cfg)
+    elif family == "mixtral":
+        cfg = tf.MixtralConfig(**common, head_dim=d // heads, rope_theta=10000.0, sliding_window=window,
+                               num_local_experts=meta["moe_experts"], num_experts_per_tok=meta["moe_topk"],
+                               router_jitter_noise=0.0)
+        model = None
     else:
         cfg = tf.LlamaConfig(**common, rope_theta=10000.0, attention_bias=False, mlp_bias=False)
         model = tf.LlamaForCausalLM(cfg)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if cfg.tie_word_embeddings:
-        missing = [k for k in missing if k != "lm_head.weight"]
-        model.tie_weights()
+    if model is None:  # from_pretrained, with the config beside the file
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg.save_pretrained(tmp)
+            os.symlink(os.path.abspath(path), os.path.join(tmp, "model.safetensors"))
+            model, info = tf.MixtralForCausalLM.from_pretrained(tmp, output_loading_info=True)
+        missing, unexpected = list(info["missing_keys"]) + list(info["mismatched_keys"]), list(info["unexpected_keys"])
+    else:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if cfg.tie_word_embeddings:
+            missing = [k for k in missing if k != "lm_head.weight"]
+            model.tie_weights()
 if missing or unexpected:
     print("names differ: missing", missing, "unexpected", unexpected)
     sys.exit(1)

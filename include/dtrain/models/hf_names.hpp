@@ -2,9 +2,10 @@
 // export and for initialising a run from a released model: GPT-2 as transformers'
 // GPT2Model ("h.0.attn.c_attn.weight", Conv1D weights stored [in, out]), Llama as
 // LlamaForCausalLM ("model.layers.0.self_attn.q_proj.weight", q/k/v split; MoE blocks as
-// Mixtral's "block_sparse_moe.gate" and "experts.<e>.w1/w2/w3"; QK-norm as Qwen3's
-// "self_attn.q_norm.weight" and "k_norm.weight"; a sliding window as Mistral, whose names
-// are Llama's).
+// Mixtral's "block_sparse_moe.gate" and "experts.<e>.w1/w2/w3", the form of its released
+// checkpoints, which transformers' from_pretrained converts; QK-norm as Qwen3's
+// "self_attn.q_norm.weight" and "k_norm.weight"; a dense model's sliding window as
+// Mistral, whose names are Llama's).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -19,10 +20,12 @@
 namespace dtrain::models {
 
 // The transformers class an export of config loads into (GPT2LMHeadModel,
-// LlamaForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, MistralForCausalLM with its
-// sliding_window); InvalidArgument where there is none: no names (GPT-2 with experts or
-// QK-norm, QK-norm with experts), or attention the weights do not carry and no such class
-// computes (logit soft-capping; a sliding window other than on a dense Llama).
+// LlamaForCausalLM, or with a sliding window MistralForCausalLM; Qwen3ForCausalLM with
+// QK-norm, MixtralForCausalLM with experts, either with a window too); InvalidArgument
+// where there is none: no names (GPT-2 with experts or QK-norm, QK-norm with experts), or
+// attention the weights do not carry and no such class computes (logit soft-capping, a
+// window on GPT-2), or experts Mixtral would route otherwise (MoE blocks not every block,
+// sigmoid scores, top-1, the aux-loss-free selection bias).
 std::string hf_class(const GptConfig& config);
 // What to_hf would raise (hf_class's refusals), before any training.
 void check_hf_names(const GptConfig& config);
