@@ -333,7 +333,8 @@ torch::Tensor BlockImpl::attention(const torch::Tensor& in, const torch::Tensor&
   const double p = is_training() ? config_.dropout : 0.0;
   torch::Tensor y;
   if (tp_.cp && tp_.cp->size() > 1) {  // no dropout: the Gpt constructor checks
-    y = cp::attention(q, k, v, tp_.cp, tp_.cp_comm, config_.attention, 0.0, config_.attention_window, documents);
+    y = cp::attention(q, k, v, tp_.cp, tp_.cp_comm, config_.attention, 0.0, config_.attention_window, documents,
+                      config_.attention_softcap);
   } else {
     std::unique_ptr<tp::RngTracker::Fork> fork;  // dropout: heads differ across tp, the split stream
     if (p > 0) fork = tp_.rng->fork(tp::RngTracker::Stream::kSplit);
@@ -513,8 +514,6 @@ GptImpl::GptImpl(ContextPtr ctx, const GptConfig& config, std::uint64_t seed, Gp
     }
     DTRAIN_CHECK_ARG(c.dropout == 0, "--dropout=", c.dropout, " with --cp=", cp,
                      " is not available; allowed: --dropout 0");
-    DTRAIN_CHECK_ARG(c.attention_softcap == 0, "--attention-softcap=", c.attention_softcap, " with --cp=", cp,
-                     " is not available; allowed: --attention-softcap 0");
   }
   // Registration order is parameter_shapes() order (own parameters first).
   if (stage_.head) {

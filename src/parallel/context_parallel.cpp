@@ -106,12 +106,14 @@ std::vector<Block> visible_blocks(int n, int r, int s, std::int64_t L, std::int6
   return blocks;
 }
 
-// What a block's flash attention takes besides q, k, v: the window, and the documents of
-// the tokens from its key chunk's first to its query chunk's last (ops::Documents::slice,
-// made once per range for the forward's layers, again in each layer's backward).
+// What a block's flash attention takes besides q, k, v: the window, the documents of the
+// tokens from its key chunk's first to its query chunk's last (ops::Documents::slice, made
+// once per range for the forward's layers, again in each layer's backward), and the logit
+// soft-cap (elementwise on the scores: blocks capped alike merge as the whole would).
 struct RingMask {
   std::int64_t window;
   ops::Documents documents;  // the whole sequence's; undefined: none
+  double softcap = 0.0;
   ops::Documents of(const Block& b, std::int64_t L) const {
     return documents.defined() ? documents.slice(b.first, b.offset + L) : ops::Documents();
   }
@@ -149,7 +151,7 @@ struct RingAttention : public torch::autograd::Function<RingAttention> {
         const auto keys = kv.narrow(2, b.col, L);
         const auto [ob, lb] =
             ops::flash_attention_forward(q.narrow(2, b.row, L), keys.narrow(1, 0, hkv), keys.narrow(1, hkv, hkv),
-                                         /*causal=*/true, 0.0, mask.window, mask.of(b, L), b.offset);
+                                         /*causal=*/true, 0.0, mask.window, mask.of(b, L), b.offset, mask.softcap);
         // A row that sees no key of this block (a window, a document) has log-sum-exp +inf
         // and output 0: it adds nothing (-inf); a row that has seen no key yet keeps
         // weights 0 rather than exp(-inf + inf).
@@ -168,11 +170,13 @@ struct RingAttention : public torch::autograd::Function<RingAttention> {
     ctx->saved_data["comm"] = comm;
     ctx->saved_data["window"] = mask.window;
     ctx->saved_data["documents"] = mask.documents.ids();
+    ctx->saved_data["softcap"] = mask.softcap;
     return out;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto& c = *reinterpret_cast<Communicator*>(ctx->saved_data["comm"].toInt());
-    const RingMask mask{ctx->saved_data["window"].toInt(), ops::Documents(ctx->saved_data["documents"].toTensor())};
+    const RingMask mask{ctx->saved_data["window"].toInt(), ops::Documents(ctx->saved_data["documents"].toTensor()),
+                        ctx->saved_data["softcap"].toDouble()};
     const auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &o = saved[3], &lse = saved[4];
     const auto dout = grads[0].contiguous();
@@ -193,7 +197,7 @@ struct RingAttention : public torch::autograd::Function<RingAttention> {
         const auto g = ops::flash_attention_backward(
             q.narrow(2, b.row, L), keys.narrow(1, 0, hkv), keys.narrow(1, hkv, hkv), o.narrow(2, b.row, L),
             lse.narrow(2, b.row, L), dout.narrow(2, b.row, L), /*causal=*/true, 0.0, mask.window, mask.of(b, L),
-            b.offset);
+            b.offset, mask.softcap);
         dq.narrow(2, b.row, L).add_(g[0].to(acc));
         dkv.narrow(2, b.col, L).narrow(1, 0, hkv).add_(g[1].to(acc));
         dkv.narrow(2, b.col, L).narrow(1, hkv, hkv).add_(g[2].to(acc));
@@ -215,17 +219,17 @@ struct RingAttention : public torch::autograd::Function<RingAttention> {
 
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const CommPtr& cp,
                           ops::AttentionBackend backend, double dropout_p, std::int64_t window,
-                          const ops::Documents& documents) {
+                          const ops::Documents& documents, double softcap) {
   DTRAIN_CHECK_ARG(backend == ops::AttentionBackend::kFlash && dropout_p == 0,
                    "context parallel attention: --cp-comm p2p runs flash attention's passes on blocks of keys, "
                    "without dropout; got --attention ", ops::to_string(backend), ", dropout ", dropout_p,
                    "; allowed: --attention flash without dropout, or --cp-comm all_gather or a2a");
-  return RingAttention::apply(q, k, v, reinterpret_cast<std::int64_t>(cp.get()), RingMask{window, documents});
+  return RingAttention::apply(q, k, v, reinterpret_cast<std::int64_t>(cp.get()), RingMask{window, documents, softcap});
 }
 
 at::Tensor all_gather_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const CommPtr& cp,
                                 ops::AttentionBackend backend, double dropout_p, std::int64_t window,
-                                const ops::Documents& documents) {
+                                const ops::Documents& documents, double softcap) {
   const int n = cp->size();
   const auto hkv = k.size(1), L = q.size(2) / 2;
   // One all-gather for keys and values together.
@@ -236,14 +240,14 @@ at::Tensor all_gather_attention(const at::Tensor& q, const at::Tensor& k, const 
     const auto g = chunk_of(n, cp->rank(), s);
     const auto seen = (g + 1) * L;  // the keys up to the chunk's end
     out.push_back(ops::attention(q.narrow(2, s * L, L), keys.narrow(2, 0, seen), values.narrow(2, 0, seen),
-                                 /*causal=*/true, dropout_p, backend, window, documents, g * L));
+                                 /*causal=*/true, dropout_p, backend, window, documents, g * L, softcap));
   }
   return at::cat(out, 2);
 }
 
 at::Tensor all_to_all_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const CommPtr& cp,
                                 ops::AttentionBackend backend, double dropout_p, std::int64_t window,
-                                const ops::Documents& documents) {
+                                const ops::Documents& documents, double softcap) {
   const std::int64_t n = cp->size(), B = q.size(0), H = q.size(1), Tl = q.size(2), D = q.size(3);
   DTRAIN_CHECK_ARG(H % n == 0, "context parallel attention: --cp-comm a2a splits the ", H,
                    " query heads (of this tensor-parallel rank) across --cp=", n,
@@ -258,7 +262,7 @@ at::Tensor all_to_all_attention(const at::Tensor& q, const at::Tensor& k, const 
   const auto whole =
       reorder(exchange(at::cat({per_rank(q), per_rank(keys), per_rank(values)}, 2), cp, true), 2, n, true);
   const auto y = ops::attention(whole.narrow(1, 0, h), whole.narrow(1, h, hkv), whole.narrow(1, h + hkv, hkv),
-                                /*causal=*/true, dropout_p, backend, window, documents);
+                                /*causal=*/true, dropout_p, backend, window, documents, 0, softcap);
   return exchange(reorder(y, 2, n, false), cp, false).reshape({B, H, Tl, D});
 }
 }  // namespace
@@ -297,20 +301,22 @@ at::Tensor gather_sequence(const at::Tensor& x, std::int64_t dim, const CommPtr&
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const CommPtr& cp,
                      CpComm method, ops::AttentionBackend backend, double dropout_p, std::int64_t window,
-                     const ops::Documents& documents) {
+                     const ops::Documents& documents, double softcap) {
   DTRAIN_CHECK_ARG(cp != nullptr, "context parallel: no cp communicator");
-  if (cp->size() == 1) return ops::attention(q, k, v, /*causal=*/true, dropout_p, backend, window, documents);
+  if (cp->size() == 1) {
+    return ops::attention(q, k, v, /*causal=*/true, dropout_p, backend, window, documents, 0, softcap);
+  }
   DTRAIN_CHECK_ARG(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes() &&
                        q.size(2) == k.size(2) && q.size(2) % 2 == 0 && q.size(1) % k.size(1) == 0,
                    "context parallel attention: q, k, v must be [batch, heads, 2 chunks of time, head_dim] with k "
                    "and v alike and a multiple of their heads in q; got ", q.sizes(), ", ", k.sizes(), ", ",
                    v.sizes());
   switch (method) {
-    case CpComm::kAllToAll: return all_to_all_attention(q, k, v, cp, backend, dropout_p, window, documents);
-    case CpComm::kRing: return ring_attention(q, k, v, cp, backend, dropout_p, window, documents);
+    case CpComm::kAllToAll: return all_to_all_attention(q, k, v, cp, backend, dropout_p, window, documents, softcap);
+    case CpComm::kRing: return ring_attention(q, k, v, cp, backend, dropout_p, window, documents, softcap);
     case CpComm::kAllGather: break;
   }
-  return all_gather_attention(q, k, v, cp, backend, dropout_p, window, documents);
+  return all_gather_attention(q, k, v, cp, backend, dropout_p, window, documents, softcap);
 }
 
 }  // namespace dtrain::cp

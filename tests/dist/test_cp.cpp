@@ -1,11 +1,12 @@
 // Context parallelism against the whole sequence in one process, in its three forms (keys
 // and values all-gathered; heads exchanged for positions by all-to-all; keys and values
 // passed round a ring, flash attention on blocks merged by log-sum-exp): the attention of each
-// rank's chunks (outputs and gradients, with grouped-query heads, a sliding window and
-// packed documents) at cp = world size (1-4), and training: 10 steps of the train harness
-// at cp = world size, and composed with data parallelism, FSDP, tensor and sequence
-// parallelism and pipelines, each against the single-process run with the harness's
-// tolerances (losses rtol 1e-5, gradient norms 1e-4, parameters rtol 1e-5 / atol 5e-5).
+// rank's chunks (outputs and gradients, with grouped-query heads, a sliding window, packed
+// documents and logit soft-capping) at cp = world size (1-4), and training: 10 steps of
+// the train harness at cp = world size, and composed with data parallelism, FSDP, tensor
+// and sequence parallelism and pipelines, each against the single-process run with the
+// harness's tolerances (losses rtol 1e-5, gradient norms 1e-4, parameters rtol 1e-5 /
+// atol 5e-5).
 // Also the errors for what cannot be split.
 #include <torch/torch.h>
 
@@ -89,6 +90,7 @@ TEST_F(CpTest, AttentionMatchesTheWholeSequence) {
     std::int64_t kv_heads, window;
     bool documents;
     ops::AttentionBackend backend = ops::AttentionBackend::kSdpa;
+    double softcap = 0.0;  // logit soft-capping (flash only)
   };
   const auto a2a = CpComm::kAllToAll, gather = CpComm::kAllGather, ring = CpComm::kRing;
   const auto flash = ops::AttentionBackend::kFlash;  // its reference path on the CPU
@@ -98,9 +100,11 @@ TEST_F(CpTest, AttentionMatchesTheWholeSequence) {
                         Case{gather, 4, 0, false, flash}, Case{gather, 2, 5, true, flash},
                         Case{ring, 12, 0, false, flash}, Case{ring, 2, 0, false, flash},
                         Case{ring, 4, 7, false, flash}, Case{ring, 2, 5, true, flash}, Case{ring, 12, 0, true, flash},
-                        Case{ring, 12, 2, true, flash}}) {
-    SCOPED_TRACE(format("{}, kv heads {}, window {}, documents {}, {}", to_string(c.comm), c.kv_heads, c.window,
-                        c.documents, ops::to_string(c.backend)));
+                        Case{ring, 12, 2, true, flash}, Case{gather, 2, 5, true, flash, 1.5},
+                        Case{a2a, 4, 0, false, flash, 1.5}, Case{ring, 12, 0, false, flash, 1.5},
+                        Case{ring, 2, 5, true, flash, 1.5}}) {
+    SCOPED_TRACE(format("{}, kv heads {}, window {}, documents {}, {}, softcap {}", to_string(c.comm), c.kv_heads,
+                        c.window, c.documents, ops::to_string(c.backend), c.softcap));
     auto q = torch::randn({B, H, T, D}, f64), k = torch::randn({B, c.kv_heads, T, D}, f64);
     auto v = torch::randn({B, c.kv_heads, T, D}, f64), dy = torch::randn({B, H, T, D}, f64);
     // Documents of 1 to 9 tokens, numbered by their first token.
@@ -109,12 +113,13 @@ TEST_F(CpTest, AttentionMatchesTheWholeSequence) {
     const ops::Documents documents = c.documents ? ops::Documents(ids) : ops::Documents();
 
     auto qw = q.clone().requires_grad_(), kw = k.clone().requires_grad_(), vw = v.clone().requires_grad_();
-    const auto want = ops::attention(qw, kw, vw, true, 0.0, c.backend, c.window, documents);
+    const auto want = ops::attention(qw, kw, vw, true, 0.0, c.backend, c.window, documents, 0, c.softcap);
     (want * dy).sum().backward();
 
     auto local = [&](const torch::Tensor& t) { return cp::take_local(t.detach(), 2, n, r).clone(); };
     auto ql = local(q).requires_grad_(), kl = local(k).requires_grad_(), vl = local(v).requires_grad_();
-    const auto got = cp::attention(ql, kl, vl, ctx->cp_comm(), c.comm, c.backend, 0.0, c.window, documents);
+    const auto got =
+        cp::attention(ql, kl, vl, ctx->cp_comm(), c.comm, c.backend, 0.0, c.window, documents, c.softcap);
     (got * local(dy)).sum().backward();
     EXPECT_TRUE(torch::allclose(got, local(want), 1e-10, 1e-12)) << (got - local(want)).abs().max().item<double>();
     EXPECT_TRUE(torch::allclose(ql.grad(), local(qw.grad()), 1e-10, 1e-12));
@@ -125,9 +130,9 @@ TEST_F(CpTest, AttentionMatchesTheWholeSequence) {
 }
 
 // cp = world size: Llama with packed documents and a window in all_gather and a2a on sdpa,
-// and in all three forms on flash (its reference path, the kernel's function: query
-// offsets for all_gather and the ring's blocks), GPT-2 with learned positions and tied
-// embeddings.
+// in all three forms on flash, and with soft-capping on the ring (flash's reference path,
+// the kernel's function: query offsets for all_gather and the ring's blocks), GPT-2 with
+// learned positions and tied embeddings.
 TEST_F(CpTest, TrainingMatchesSingleProcess) {
   const int n = nranks();
   TestCorpus corpus("cp" + std::to_string(rank()));
@@ -138,6 +143,12 @@ TEST_F(CpTest, TrainingMatchesSingleProcess) {
   for (const auto comm : {CpComm::kAllGather, CpComm::kAllToAll, CpComm::kRing}) {
     SCOPED_TRACE(format("llama, documents, window, {}, flash attention", to_string(comm)));
     expect_matches(context(n, comm), flash_llama(), cp_options(corpus, true));
+  }
+  {  // logit soft-capping on the ring's blocks (elementwise on the scores, merged as usual)
+    SCOPED_TRACE("llama, documents, window, soft-capping, p2p, flash attention");
+    auto cfg = flash_llama();
+    cfg.attention_softcap = 2.0;
+    expect_matches(context(n, CpComm::kRing), cfg, cp_options(corpus, true));
   }
   {
     SCOPED_TRACE("gpt2");
