@@ -351,7 +351,13 @@ int main(int argc, char** argv) {
     }
     const auto model = model_config(o);
     DTRAIN_CHECK_ARG(o.bucket_mb > 0, "--bucket-mb=", o.bucket_mb, " must be positive");
-    if (!o.export_hf.empty()) dtrain::models::check_hf_names(model);  // refused before training, not after
+    if (!o.export_hf.empty()) {  // refused (no names) or warned about (no class computes it) before training
+      std::string why;
+      if (dtrain::models::hf_class(model, &why).empty()) {
+        dtrain::log_warn("--export-hf: no transformers class computes this model from its weights ({}); the file "
+                         "will serve --init-from", why);
+      }
+    }
     DTRAIN_CHECK_ARG(!o.eval_only || !o.train.val_data.empty(), "--eval-only evaluates on the validation data; "
                      "it needs --val-data");
     o.train.ddp.bucket_bytes = static_cast<std::int64_t>(o.bucket_mb * (1 << 20));

@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <map>
+#include <sstream>
 
 #include "dtrain/core/error.hpp"
 
@@ -92,40 +93,34 @@ std::vector<Mapping> mappings(const GptConfig& c) {
 
 }  // namespace
 
-std::string hf_class(const GptConfig& c) {
+std::string hf_class(const GptConfig& c, std::string* why) {
   mappings(c);  // the names' own refusals first
   const bool gpt2 = c.family == "gpt2", window = c.attention_window > 0;
-  DTRAIN_CHECK_ARG(c.attention_softcap == 0, "--attention-softcap=", c.attention_softcap,
-                   " cannot be exported under Hugging Face names: no transformers model of GPT-2's or Llama's "
-                   "layout caps attention logits (the weights alone would load into one that computes "
-                   "differently); allowed: --export-hf without --attention-softcap (a dtrain checkpoint, --save-dir, "
-                   "keeps any model)");
-  DTRAIN_CHECK_ARG(!(window && gpt2), "--attention-window=", c.attention_window,
-                   " cannot be exported under Hugging Face names with --family gpt2 (GPT-2 has no sliding "
-                   "window); allowed: a sliding window on --family llama (Mistral's, Qwen3's or Mixtral's "
-                   "names), or --export-hf without --attention-window");
-  if (c.moe.enabled()) {  // Mixtral: every block's experts, softmax scores renormalised over the top k
-    const auto& m = c.moe;
-    DTRAIN_CHECK_ARG(m.every == 1, "--moe-every=", m.every, " cannot be exported as Mixtral, whose every block has "
-                     "experts; allowed: --moe-every 1");
-    DTRAIN_CHECK_ARG(m.score == "softmax", "--moe-score=", m.score, " cannot be exported as Mixtral, whose router "
-                     "takes a softmax; allowed: --moe-score softmax");
-    DTRAIN_CHECK_ARG(m.topk > 1, "--moe-topk=", m.topk, " cannot be exported as Mixtral, which weighs a single "
-                     "chosen expert by 1 where dtrain weighs it by its probability; allowed: --moe-topk 2 or more");
-    DTRAIN_CHECK_ARG(m.bias_update_rate == 0, "--moe-bias-rate=", m.bias_update_rate, " cannot be exported as "
-                     "Mixtral: the selection bias it learns is not a parameter and Mixtral's router has none; "
-                     "allowed: --moe-bias-rate 0");
+  std::ostringstream none;  // why no class computes the model, if none does
+  if (c.attention_softcap != 0) {
+    none << "--attention-softcap=" << c.attention_softcap << ": no transformers model of GPT-2's or Llama's layout "
+         << "caps attention logits";
+  } else if (window && gpt2) {
+    none << "--attention-window=" << c.attention_window << " with --family gpt2: GPT-2 has no sliding window";
+  } else if (c.moe.enabled() && c.moe.every != 1) {  // Mixtral: every block's experts, softmax over the top k
+    none << "--moe-every=" << c.moe.every << ": Mixtral's every block has experts";
+  } else if (c.moe.enabled() && c.moe.score != "softmax") {
+    none << "--moe-score=" << c.moe.score << ": Mixtral's router takes a softmax";
+  } else if (c.moe.enabled() && c.moe.topk == 1) {
+    none << "--moe-topk=1: Mixtral weighs a single chosen expert by 1, dtrain by its probability";
+  } else if (c.moe.enabled() && c.moe.bias_update_rate != 0) {
+    none << "--moe-bias-rate=" << c.moe.bias_update_rate << ": the selection bias dtrain learns is not a "
+         << "parameter, and Mixtral's router has none";
   }
+  if (why != nullptr) *why = none.str();
+  if (!none.str().empty()) return "";
   if (gpt2) return "GPT2LMHeadModel";
   if (c.qk_norm) return "Qwen3ForCausalLM";
   if (c.moe.enabled()) return "MixtralForCausalLM";
   return window ? "MistralForCausalLM" : "LlamaForCausalLM";
 }
 
-void check_hf_names(const GptConfig& config) { hf_class(config); }
-
 std::vector<std::pair<std::string, at::Tensor>> to_hf(const GptConfig& config, const NamedParameters& full) {
-  check_hf_names(config);
   std::map<std::string, at::Tensor> ours(full.begin(), full.end());
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& m : mappings(config)) {

@@ -607,18 +607,22 @@ void Trainer::export_hf(const std::string& path) {
     try {
       const auto slash = path.rfind('/');
       if (slash != std::string::npos && slash > 0) fs::make_directories(path.substr(0, slash));
-      // The metadata names the transformers class and, beside the architecture, what its
-      // config needs that the weights do not carry: the sliding window and the experts per
-      // token.
+      // The metadata names the transformers class (none where no class computes the
+      // model: the file then serves --init-from) and, beside the architecture, what its
+      // config needs that the weights do not carry: the sliding window, the experts per token.
+      std::string why;
+      const auto cls = models::hf_class(model_config_, &why);
       json model = architecture(model_config_);
-      model["hf_class"] = models::hf_class(model_config_);
+      if (!cls.empty()) model["hf_class"] = cls;
       model["attention_window"] = model_config_.attention_window;
       model["moe_topk"] = model_config_.moe.enabled() ? model_config_.moe.topk : 0;
       checkpoint::write_safetensors(path, models::to_hf(model_config_, full),
                                     {{"format", "pt"}, {"dtrain_model", model.dump()}});
-      log_info("export: {} ({} tensors, Hugging Face {} names{})", path, full.size(), model["hf_class"].get<std::string>(),
+      log_info("export: {} ({} tensors, Hugging Face {} names{})", path, full.size(),
+               cls.empty() ? (model_config_.family == "gpt2" ? "GPT-2" : "Llama") : cls,
                model_config_.attention_window > 0 ? format(", sliding_window {}", model_config_.attention_window)
                                                   : std::string());
+      if (cls.empty()) log_warn("export: no transformers class computes this model from its weights ({})", why);
     } catch (const Error& e) {
       error = e.what();
     }

@@ -19,16 +19,16 @@
 
 namespace dtrain::models {
 
-// The transformers class an export of config loads into (GPT2LMHeadModel,
-// LlamaForCausalLM, or with a sliding window MistralForCausalLM; Qwen3ForCausalLM with
-// QK-norm, MixtralForCausalLM with experts, either with a window too); InvalidArgument
-// where there is none: no names (GPT-2 with experts or QK-norm, QK-norm with experts), or
-// attention the weights do not carry and no such class computes (logit soft-capping, a
-// window on GPT-2), or experts Mixtral would route otherwise (MoE blocks not every block,
-// sigmoid scores, top-1, the aux-loss-free selection bias).
-std::string hf_class(const GptConfig& config);
-// What to_hf would raise (hf_class's refusals), before any training.
-void check_hf_names(const GptConfig& config);
+// The transformers class that computes config's model from its exported weights
+// (GPT2LMHeadModel; LlamaForCausalLM, or with a sliding window MistralForCausalLM;
+// Qwen3ForCausalLM with QK-norm, MixtralForCausalLM with experts, either with a window
+// too). Empty where none does, with the option that stops it in *why: logit soft-capping,
+// a window on GPT-2, or experts Mixtral would route otherwise (MoE blocks not every
+// block, sigmoid scores, top-1, the aux-loss-free selection bias); such an export still
+// serves --init-from. InvalidArgument when config has no Hugging Face names at all (GPT-2
+// with experts or QK-norm, QK-norm with experts): what to_hf would raise, before any
+// training.
+std::string hf_class(const GptConfig& config, std::string* why = nullptr);
 
 // config's single-process parameters (all of parameter_shapes(), by name) as Hugging Face
 // tensors in their layout; InvalidArgument for a configuration without such names (GPT-2
