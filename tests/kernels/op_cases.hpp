@@ -162,19 +162,12 @@ struct MaskCase {
   bool mma_backward = false;
 };
 
-// o.backward(g) on the kernel the case asks for (body's part of mma_backward).
-void case_backward(const MaskCase& c, const at::Tensor& o, const at::Tensor& g) {
-  std::optional<env::ScopedOverride> only;
-  if (c.mma_backward) only.emplace(env::kAttentionKernel, "mma");
-  o.backward(g);
-}
-
 // Runs body(c) on each kernel this device runs for each case: causal, full, and a window of
 // w at query offset nt / 4, at head dims 64, 128 and 256, then D 256 in the compact tiles of
 // GPUs of 99 KB a block (mma.sync's), wgmma's forward with mma.sync's backward at D 128
 // and 256, and `extra`. Each under DTRAIN_ATTENTION_KERNEL for its kernel, the compact ones
 // under the smem cap, with a trace naming the case; each kernel's cases draw from
-// torch_seed afresh. body runs its backward through case_backward.
+// torch_seed afresh. body runs the op through case_run.
 template <typename Body>
 void for_each_mask_case(std::int64_t nt, std::int64_t w, const std::vector<MaskCase>& extra, std::uint64_t torch_seed,
                         const Body& body) {
@@ -213,6 +206,22 @@ std::vector<at::Tensor> output_and_grads(const at::Tensor& o, const at::Tensor& 
           v.grad().cpu().to(at::kDouble)};
 }
 
+// forward(q, k, v) on fresh leaves, its backward for the upstream gradient g on the kernel
+// the case asks for (mma_backward: DTRAIN_ATTENTION_KERNEL=mma for it), and
+// output_and_grads.
+template <typename Forward>
+std::vector<at::Tensor> case_run(const MaskCase& c, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& g, const Forward& forward) {
+  auto qa = q.detach().requires_grad_(), kb = k.detach().requires_grad_(), vc = v.detach().requires_grad_();
+  const at::Tensor o = forward(qa, kb, vc);
+  {
+    std::optional<env::ScopedOverride> only;
+    if (c.mma_backward) only.emplace(env::kAttentionKernel, "mma");
+    o.backward(g);
+  }
+  return output_and_grads(o, qa, kb, vc);
+}
+
 // Attention dropout on the kernels: for the same seed the op's output and gradients are
 // the float64 reference path's (whose mask dtrain_attention_dropout_keeps gives; the unit
 // tests check that against a mask written out), within twice the error of LibTorch's bf16
@@ -233,11 +242,10 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionDropoutMatchesTheReferencePath) {
     auto dout = torch::randn({nb, nh, nq, c.d});
     auto run = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& cc, const at::Tensor& g,
                    double dropout, bool sdpa) {
-      auto qa = a.detach().requires_grad_(), kb = b.detach().requires_grad_(), vc = cc.detach().requires_grad_();
-      auto o = sdpa ? ops::attention(qa, kb, vc, c.causal, 0.0, ops::AttentionBackend::kSdpa, c.window, {}, c.offset)
+      return case_run(c, a, b, cc, g, [&](const at::Tensor& qa, const at::Tensor& kb, const at::Tensor& vc) {
+        return sdpa ? ops::attention(qa, kb, vc, c.causal, 0.0, ops::AttentionBackend::kSdpa, c.window, {}, c.offset)
                     : ops::flash_attention(qa, kb, vc, c.causal, 0.0, c.window, {}, c.offset, dropout, seed);
-      case_backward(c, o, g);
-      return output_and_grads(o, qa, kb, vc);
+      });
     };
     auto dbl = [](const at::Tensor& t) { return t.to(at::kDouble); };
     auto dev = [&](const at::Tensor& t) { return t.to(bf16); };
@@ -272,25 +280,23 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionSoftcapMatchesTheReferencePath) {
     auto dout = torch::randn({nb, nh, nq, c.d});
     auto run = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& cc, const at::Tensor& g,
                    double softcap, double dropout) {
-      auto qa = a.detach().requires_grad_(), kb = b.detach().requires_grad_(), vc = cc.detach().requires_grad_();
-      auto o = ops::flash_attention(qa, kb, vc, c.causal, 0.0, c.window, {}, c.offset, dropout, seed, softcap);
-      case_backward(c, o, g);
-      return output_and_grads(o, qa, kb, vc);
+      return case_run(c, a, b, cc, g, [&](const at::Tensor& qa, const at::Tensor& kb, const at::Tensor& vc) {
+        return ops::flash_attention(qa, kb, vc, c.causal, 0.0, c.window, {}, c.offset, dropout, seed, softcap);
+      });
     };
     auto naive = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& cc, const at::Tensor& g) {
-      auto qa = a.detach().requires_grad_(), kb = b.detach().requires_grad_(), vc = cc.detach().requires_grad_();
-      auto s = at::matmul(qa, kb.repeat_interleave(nh / 2, 1).transpose(-2, -1)) / std::sqrt(double(c.d));
-      s = (s / cap).tanh() * cap;
-      if (c.causal) {
-        const auto opts = torch::TensorOptions().device(a.device()).dtype(torch::kLong);
-        auto rows = torch::arange(c.offset, c.offset + nq, opts).unsqueeze(1), cols = torch::arange(nt, opts);
-        auto hidden = cols.unsqueeze(0) > rows;
-        if (c.window > 0) hidden = hidden.logical_or(cols.unsqueeze(0) <= rows - c.window);
-        s = s.masked_fill(hidden, -std::numeric_limits<double>::infinity());
-      }
-      auto o = at::matmul(at::softmax(s, -1), vc.repeat_interleave(nh / 2, 1));
-      o.backward(g);
-      return output_and_grads(o, qa, kb, vc);
+      return case_run(c, a, b, cc, g, [&](const at::Tensor& qa, const at::Tensor& kb, const at::Tensor& vc) {
+        auto s = at::matmul(qa, kb.repeat_interleave(nh / 2, 1).transpose(-2, -1)) / std::sqrt(double(c.d));
+        s = (s / cap).tanh() * cap;
+        if (c.causal) {
+          const auto opts = torch::TensorOptions().device(a.device()).dtype(torch::kLong);
+          auto rows = torch::arange(c.offset, c.offset + nq, opts).unsqueeze(1), cols = torch::arange(nt, opts);
+          auto hidden = cols.unsqueeze(0) > rows;
+          if (c.window > 0) hidden = hidden.logical_or(cols.unsqueeze(0) <= rows - c.window);
+          s = s.masked_fill(hidden, -std::numeric_limits<double>::infinity());
+        }
+        return at::matmul(at::softmax(s, -1), vc.repeat_interleave(nh / 2, 1));
+      });
     };
     auto dbl = [](const at::Tensor& t) { return t.to(at::kDouble); };
     auto dev = [&](const at::Tensor& t) { return t.to(bf16); };
