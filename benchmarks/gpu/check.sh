@@ -128,6 +128,10 @@ phase kernel_bench_dropout 60 "$build/benchmarks/kernel_bench" --only attention 
 # against kernel_bench's rows without it, what the cap costs).
 phase kernel_bench_softcap 60 "$build/benchmarks/kernel_bench" --only attention --seq 4096 --dims 128 --softcap 50 \
   --json "$out/kernel_bench_softcap.jsonl"
+# The deterministic backward (LibTorch's deterministic algorithms on every side) at S 4096,
+# D 128: against kernel_bench's rows without it, what bitwise reproducibility costs.
+phase kernel_bench_deterministic 60 "$build/benchmarks/kernel_bench" --only attention --seq 4096 --dims 128 \
+  --deterministic --json "$out/kernel_bench_deterministic.jsonl"
 # Sliding windows (causal, 1024 keys) at 4k and 16k, D 128, against LibTorch's
 # FlashAttention-2 with the same window and sdpa with a mask.
 phase kernel_bench_window 120 "$build/benchmarks/kernel_bench" --only attention --seq 4096,16384 --dims 128 \
@@ -249,6 +253,7 @@ done
 [ -f "$out/kernel_bench_compact.log" ] && { echo "-- kernel_bench, D 256 in 99 KB tiles (mma.sync)"; grep -vE '^\{|^#' "$out/kernel_bench_compact.log"; }
 [ -f "$out/kernel_bench_dropout.log" ] && { echo "-- kernel_bench, dropout 0.1 (dtrain: wgmma on Hopper, mma_*: mma.sync)"; grep -vE '^\{' "$out/kernel_bench_dropout.log"; }
 [ -f "$out/kernel_bench_softcap.log" ] && { echo "-- kernel_bench, softcap 50 (dtrain only)"; grep -vE '^\{' "$out/kernel_bench_softcap.log"; }
+[ -f "$out/kernel_bench_deterministic.log" ] && { echo "-- kernel_bench, deterministic"; grep -vE '^\{' "$out/kernel_bench_deterministic.log"; }
 [ -f "$out/kernel_bench_window.log" ] && { echo "-- kernel_bench, window 1024"; grep -vE '^\{' "$out/kernel_bench_window.log"; }
 [ -f "$out/kernel_bench_documents.log" ] && { echo "-- kernel_bench, documents of 2048"; grep -vE '^\{' "$out/kernel_bench_documents.log"; }
 for f in "$out"/kernel_bench_gqa*.log "$out"/kernel_bench_ce_split.log "$out"/kernel_bench_cp_chunks.log; do

@@ -18,6 +18,9 @@
 // side, so that its [B S, H, D] is a view) and sdpa with a boolean mask; FLOPs as above.
 // --softcap C: logit soft-capping on dtrain's side only (LibTorch's backends have none), so
 // the ratios against the table without it say what it costs.
+// --deterministic: every side under LibTorch's deterministic algorithms (dtrain's
+// deterministic backward; LibTorch's flash backend its own; cuDNN refuses and shows "-"), so
+// the ratios against the table without it say what bitwise reproducibility costs.
 // --dropout P: attention dropout on every side (LibTorch's flash and cuDNN backends and
 // FlashAttention-2 take it; dtrain's on its kernel, and on Hopper mma.sync's beside it).
 // --only gqa: grouped-query attention on the sdpa backend (sdpa's own GQA) against sdpa over
@@ -49,6 +52,7 @@
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -77,6 +81,7 @@ struct Options {
   std::size_t smem_cap = 0;       // attention: dtrain_attention_set_smem_cap (0: none)
   double dropout = 0;             // attention: dropout probability on every side
   double softcap = 0;             // attention: dtrain's logit soft-capping (LibTorch has none)
+  bool deterministic = false;     // attention: LibTorch's deterministic algorithms on every side
 };
 
 bool cuda(const c10::Device& d) { return d.is_cuda(); }
@@ -164,6 +169,9 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
   const std::int64_t w = o.window, L = o.documents;
   const double dp = o.dropout;
   if (dp > 0) std::printf("# dropout %g on every side\n", dp);
+  if (o.deterministic) {
+    std::printf("# LibTorch's deterministic algorithms on every side (dtrain: its deterministic backward)\n");
+  }
   if (o.softcap > 0) {
     std::printf("# logit soft-capping %g on dtrain's side only (LibTorch's backends have none): the ratios say what "
                 "it costs\n",
@@ -313,6 +321,7 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
         out.line({{"bench", "kernel"}, {"op", "attention"}, {"device", cuda(dev) ? "cuda" : "cpu"},
                   {"dtype", c10::toString(dtype)}, {"seq", s}, {"head_dim", d}, {"causal", causal}, {"window", w},
                   {"documents", L}, {"smem_cap", o.smem_cap}, {"dropout", dp}, {"softcap", o.softcap},
+                  {"deterministic", o.deterministic},
                   {"batch", b}, {"heads", h}, {"kernel", kernel},
                   {"fwd_kernel", pass_kernel(dev, kernel, d, false)},
                   {"bwd_kernel", pass_kernel(dev, kernel, d, true)},
@@ -810,6 +819,8 @@ int main(int argc, char** argv) {
                  "a smaller GPU (101376: the 99 KB of compute capability 8.6 and 8.9; 0: the device's)");
   app.add_option("--softcap", o.softcap, "attention: dtrain's logit soft-capping (Gemma 2: 50; LibTorch has none)")
       ->check(CLI::NonNegativeNumber);
+  app.add_flag("--deterministic", o.deterministic,
+               "attention: LibTorch's deterministic algorithms on every side (dtrain's deterministic backward)");
   app.add_option("--dropout", o.dropout, "attention: dropout probability on every side (0: none)")
       ->check(CLI::Range(0.0, 0.99));
   app.add_option("--iters", o.iters, "calls per timing (0: 20 on CUDA, 3 on CPU)");
@@ -824,6 +835,10 @@ int main(int argc, char** argv) {
     const c10::Device dev = (o.device == "cuda" || (o.device == "auto" && has_cuda)) ? c10::Device(c10::kCUDA, 0)
                                                                                        : c10::Device(c10::kCPU);
     const int iters = o.iters > 0 ? o.iters : (cuda(dev) ? 20 : 3);
+    if (o.deterministic) {  // as TrainOptions::deterministic
+      setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
+      at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
+    }
 #ifdef DTRAIN_WITH_CUDA
     dtrain_attention_set_smem_cap(o.smem_cap);
 #else

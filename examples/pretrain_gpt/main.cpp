@@ -88,6 +88,7 @@ void define(CLI::App& app, Options& o) {
   app.add_option("--steps", t.steps, "optimizer steps")->group(run);
   app.add_option("--seed", t.seed, "seed of the initialisation and of the data order")->group(run);
   app.add_option("--precision", t.precision, "fp32, bf16 or fp16: autocast matmuls to that dtype (fp16 with dynamic loss scaling)")->group(run);
+  app.add_flag("--deterministic", t.deterministic, "bitwise-reproducible runs: LibTorch's deterministic algorithms, cuBLAS's deterministic workspace and flash attention's deterministic backward (slower on GPUs; Megatron's --deterministic-mode)")->group(run);
   app.add_option("--loss-scale-init", t.loss_scale_init, "float16: initial dynamic loss scale")->group(run);
   app.add_option("--loss-scale-window", t.loss_scale_window, "float16: overflow-free steps before the loss scale doubles")->group(run);
 

@@ -170,18 +170,34 @@ struct BwdQueryTiles {
   }
 };
 
+// One launch of a backward kernel: the block of rank r (of gridDim.x key blocks) takes key
+// block first_tile + r. In the deterministic backward (run_bwd_passes), which launches the
+// key blocks `slices` at a time, it adds its dQ into a float32 buffer of its own, r
+// dq_slice floats on (dq_of; the kernels' kSliced instances): each element of a slice then
+// gets at most one addition per launch, and launches follow each other on the stream.
+// Otherwise every block adds into the same one, in whatever order they finish.
+struct BwdLaunch {
+  int64_t first_tile, dq_slice;
+  // The dq buffer of the block of keys n0.. (an instance of its own: the register-bound
+  // kernels spilled with it computed in their loops, even where dq_slice is 0).
+  template <int kBlockN, bool kSliced>
+  __device__ __forceinline__ float* dq_of(float* dq_accum, int64_t n0) const {
+    return kSliced ? dq_accum + (n0 / kBlockN - first_tile) * dq_slice : dq_accum;
+  }
+};
+
 // The keys a backward block owns, as (b, hk, n0): a causal key block sees fewer query
-// tiles the later it starts, so rank r is key block r; a section's pairs share their
-// heads' Q, dO and float32 dQ in L2.
+// tiles the later it starts, so rank r is key block first_tile + r; a section's pairs
+// share their heads' Q, dO and float32 dQ in L2.
 struct BwdBlock {
   int64_t b, hk, n0;
 };
-template <typename T, int kBlockN, bool kSectioned>
-__device__ __forceinline__ BwdBlock bwd_block(const dtrain_attention_bwd_params& p) {
+template <typename T, int kBlockN, bool kSectioned, bool kSliced>
+__device__ __forceinline__ BwdBlock bwd_block(const dtrain_attention_bwd_params& p, const BwdLaunch& l) {
   const int64_t group = p.heads / p.kv_heads;
   const BlockCoords c =
       block_coords<kSectioned>(section_pairs(p.causal, group * p.seq_q * p.head_dim * (2 * int64_t{sizeof(T)} + 4)));
-  return {c.b, c.head, c.rank * kBlockN};
+  return {c.b, c.head, ((kSliced ? l.first_tile : 0) + c.rank) * kBlockN};  // one launch unless sliced
 }
 
 // The backward's workspace: float32 dq, then delta = rowsum(dout * o) [batch, heads,
@@ -194,9 +210,25 @@ inline size_t flash_bwd_dq_floats(const dtrain_attention_bwd_params& p) {
   return static_cast<size_t>(p.batch) * static_cast<size_t>(p.heads) * rows *
          static_cast<size_t>(imax(wgmma_kernel_dim(p.head_dim), mma_kernel_dim(p.head_dim)));
 }
+// The deterministic backward keeps one dq buffer per key block of a launch (BwdLaunch):
+// slices of flash_bwd_dq_slice_floats (a multiple of every kernel head dim and of 4), as
+// many as make a launch's grid cover the device's SMs once (device_sms), at most one per
+// key tile of 32 keys (the smallest any backward kernel takes), and no more than
+// kDqSlicesBytes together unless one alone is more; 1 otherwise.
+int device_sms();
+constexpr size_t kDqSlicesBytes = size_t{2} << 30;
+inline size_t flash_bwd_dq_slice_floats(const dtrain_attention_bwd_params& p) {
+  return (flash_bwd_dq_floats(p) + 767) / 768 * 768;
+}
+inline int64_t flash_bwd_dq_slices(const dtrain_attention_bwd_params& p) {
+  if (!p.deterministic) return 1;
+  const int64_t pairs = p.batch * p.kv_heads;
+  const int64_t fit = static_cast<int64_t>(kDqSlicesBytes / (sizeof(float) * flash_bwd_dq_slice_floats(p)));
+  return imax(1, imin(imin((p.seq_k + 31) / 32, (device_sms() + pairs - 1) / pairs), fit));
+}
 inline size_t flash_bwd_workspace_floats(const dtrain_attention_bwd_params& p) {
-  return flash_bwd_dq_floats(p) + static_cast<size_t>(p.batch) * static_cast<size_t>(p.heads) *
-                                      static_cast<size_t>(p.seq_q);
+  return static_cast<size_t>(flash_bwd_dq_slices(p)) * flash_bwd_dq_slice_floats(p) +
+         static_cast<size_t>(p.batch) * static_cast<size_t>(p.heads) * static_cast<size_t>(p.seq_q);
 }
 
 // Logit soft-capping on score tiles (either pass's layout): s, before the softmax scale,

@@ -216,6 +216,16 @@ size_t device_block_smem() {
   return cap > 0 ? std::min(cap, static_cast<size_t>(bytes)) : static_cast<size_t>(bytes);
 }
 
+int device_sms() {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    cudaGetLastError();  // no device: leave no sticky error behind
+    return 1;
+  }
+  return sms > 0 ? sms : 1;
+}
+
 }  // namespace dtrain_kernels
 
 extern "C" int dtrain_attention_supports_head_dim(int64_t head_dim) {

@@ -10,6 +10,9 @@
 // of the keys are masked. delta = rowsum(dO * O) comes from a small kernel first; a last
 // one converts dQ. Head dims above 128 take flash_bwd_split_kernel (two warps per 16 keys).
 // With attention dropout both recompute the forward's keep mask per tile (DropoutT).
+// Deterministic (params.deterministic; either kernel, by run_bwd_passes): the key blocks
+// run a few per (batch, kv head) per launch, each adding dQ into a float32 buffer of its
+// own (BwdLaunch), and the convert pass sums the buffers in order.
 #pragma once
 
 #include "attention/flash.cuh"
@@ -74,9 +77,10 @@ struct DqTiles {
 };
 
 // dq from the float32 buffer in layout L (rows past seq_q and columns past the head dim
-// are left).
+// are left): the sum of its `slices` slices (slice floats apart), in their order.
 template <typename T, typename L>
-__global__ void flash_bwd_convert_dq_kernel(dtrain_attention_bwd_params p, const float* dq_accum) {
+__global__ void flash_bwd_convert_dq_kernel(dtrain_attention_bwd_params p, const float* dq_accum, int slices,
+                                            int64_t slice) {
   const int64_t quads = L::floats(p) / 4;
   for (int64_t q = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; q < quads; q += int64_t{gridDim.x} * blockDim.x) {
 #pragma unroll
@@ -87,8 +91,13 @@ __global__ void flash_bwd_convert_dq_kernel(dtrain_attention_bwd_params p, const
       if (row < 0 || c >= p.head_dim) continue;
       const int64_t i = row % p.seq_q, h = (row / p.seq_q) % p.heads, b = row / (p.seq_q * p.heads);
       T* dq = static_cast<T*>(p.dq) + b * p.dq_stride.batch + h * p.dq_stride.head + i * p.dq_stride.seq + c;
-      dq[0] = from_float<T>(dq_accum[4 * q + 2 * k]);
-      dq[1] = from_float<T>(dq_accum[4 * q + 2 * k + 1]);
+      float x = dq_accum[4 * q + 2 * k], y = dq_accum[4 * q + 2 * k + 1];
+      for (int s = 1; s < slices; ++s) {
+        x += dq_accum[s * slice + 4 * q + 2 * k];
+        y += dq_accum[s * slice + 4 * q + 2 * k + 1];
+      }
+      dq[0] = from_float<T>(x);
+      dq[1] = from_float<T>(y);
     }
   }
 }
@@ -399,33 +408,46 @@ __device__ __forceinline__ void store_dk_dv(const dtrain_attention_bwd_params& p
   }
 }
 
-// The backward's passes: delta and a zeroed dq buffer in layout L, the main kernel
-// (launch_main(dq_accum, delta) launches it), dq converted.
-template <typename T, typename L, typename Launch>
+// The backward's passes: delta and a zeroed dq buffer in layout L, the main kernel over
+// key blocks of kBlockN (launch_main(dq_accum, delta, launch, blocks) launches `blocks` of
+// them from launch.first_tile per (batch, kv head)), dq converted. All key blocks in one
+// launch, or, deterministic, `slices` at a time into as many dq slices (BwdLaunch).
+template <typename T, typename L, int kBlockN, typename Launch>
 cudaError_t run_bwd_passes(const dtrain_attention_bwd_params& p, cudaStream_t stream, Launch launch_main) {
+  const int64_t tiles = (p.seq_k + kBlockN - 1) / kBlockN;
+  const int64_t per_launch = p.deterministic ? imin(flash_bwd_dq_slices(p), tiles) : tiles;
+  const int64_t slice = static_cast<int64_t>(flash_bwd_dq_slice_floats(p));
   float* dq_accum = static_cast<float*>(p.workspace);
-  float* delta = dq_accum + flash_bwd_dq_floats(p);
+  float* delta = dq_accum + flash_bwd_dq_slices(p) * slice;
   const int64_t rows = p.batch * p.heads * p.seq_q, dq_floats = L::floats(p);
-  cudaError_t e = cudaMemsetAsync(dq_accum, 0, sizeof(float) * static_cast<size_t>(dq_floats), stream);
+  const int64_t zeroed = p.deterministic ? per_launch * slice : dq_floats;
+  cudaError_t e = cudaMemsetAsync(dq_accum, 0, sizeof(float) * static_cast<size_t>(zeroed), stream);
   if (e != cudaSuccess) return e;
   auto* prepare = flash_bwd_prepare_kernel<T>;
   DTRAIN_LAUNCH(prepare, static_cast<unsigned>((rows + 7) / 8), 256, 0, stream, p, delta);
   if ((e = launched()) != cudaSuccess) return e;
-  if ((e = launch_main(dq_accum, delta)) != cudaSuccess) return e;
+  for (int64_t first = 0; first < tiles; first += per_launch) {
+    const BwdLaunch launch{first, p.deterministic ? slice : 0};
+    if ((e = launch_main(dq_accum, delta, launch, static_cast<unsigned>(imin(per_launch, tiles - first)))) !=
+        cudaSuccess) {
+      return e;
+    }
+  }
   const unsigned blocks = static_cast<unsigned>(imin((dq_floats / 4 + 255) / 256, 65535));
   auto* convert = flash_bwd_convert_dq_kernel<T, L>;
-  DTRAIN_LAUNCH(convert, blocks, 256, 0, stream, p, dq_accum);
+  DTRAIN_LAUNCH(convert, blocks, 256, 0, stream, p, dq_accum, static_cast<int>(p.deterministic ? per_launch : 1),
+                slice);
   return launched();
 }
 
 // kSoftcap: logit soft-capping, an instance of its own (branched at run time, its
 // constants held across the loop made D 64 spill 20 bytes at the 168-register cap).
-template <typename T, int D, bool kSoftcap>
+template <typename T, int D, bool kSoftcap, bool kSliced>
 // At D <= 64, three blocks an SM: ptxas took 168 registers for D 64 on its own until the
 // documents' load (2026-12-05), then 208 (two blocks); held to 170, it spills 8 bytes (two
 // stores and two loads a query tile). Untimed, like the documents.
 __global__ void __launch_bounds__(FlashConfig<D>::kThreads, D <= 64 ? 3 : 1)
-    flash_bwd_kernel(dtrain_attention_bwd_params p, float* dq_accum, const float* delta) {
+    flash_bwd_kernel(dtrain_attention_bwd_params p, float* dq_accum, const float* delta, BwdLaunch launch) {
   using C = FlashConfig<D>;
   constexpr int BM = C::kBwdBlockM, BN = C::kBwdBlockN, P = C::kPitch, PS = C::kPitchS, kThreads = C::kThreads;
   DTRAIN_DYNAMIC_SMEM(T, smem);
@@ -435,7 +457,7 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads, D <= 64 ? 3 : 1)
   float *lse_s = sm.lse, *delta_s = sm.delta;
   int* ends_s = sm.ends;
 
-  const BwdBlock blk = bwd_block<T, BN, false>(p);
+  const BwdBlock blk = bwd_block<T, BN, false, kSliced>(p, launch);
   const int64_t b = blk.b, hk = blk.hk, n0 = blk.n0;
   const int group = static_cast<int>(p.heads / p.kv_heads);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -524,7 +546,9 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads, D <= 64 ? 3 : 1)
           mma16816<T>(acc[1], dsf[kk], bf + 2);
         }
 #pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) add_dq<D>(dq_accum, p, stat, qrow0, (i + h2) * 8 + 2 * t, acc[h2]);
+        for (int h2 = 0; h2 < 2; ++h2) {
+          add_dq<D>(launch.dq_of<BN, kSliced>(dq_accum, n0), p, stat, qrow0, (i + h2) * 8 + 2 * t, acc[h2]);
+        }
       }
     }
   }
@@ -541,9 +565,9 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads, D <= 64 ? 3 : 1)
 // queries for S^T and dP^T (8 G each, the key group's 16 keys over the whole head dim) and
 // exchange P^T and dS^T through shared memory ([key][query]), from which both read them
 // as A fragments for dV += P^T dO and dK += dS^T Q, and (transposed) dS for dQ = dS K.
-template <typename T, int D, bool kCompact>
+template <typename T, int D, bool kCompact, bool kSliced>
 __global__ void __launch_bounds__(FlashConfig<D, kCompact>::kBwdThreads, 1)
-    flash_bwd_split_kernel(dtrain_attention_bwd_params p, float* dq_accum, const float* delta) {
+    flash_bwd_split_kernel(dtrain_attention_bwd_params p, float* dq_accum, const float* delta, BwdLaunch launch) {
   using C = FlashConfig<D, kCompact>;
   constexpr int BM = C::kBwdBlockM, BN = C::kBwdBlockN, P = C::kPitch, PS = C::kPitchS, kThreads = C::kBwdThreads;
   constexpr int kGroups = C::kBwdGroups;
@@ -557,7 +581,7 @@ __global__ void __launch_bounds__(FlashConfig<D, kCompact>::kBwdThreads, 1)
   float *lse_s = sm.lse, *delta_s = sm.delta;
   int* ends_s = sm.ends;
 
-  const BwdBlock blk = bwd_block<T, BN, false>(p);
+  const BwdBlock blk = bwd_block<T, BN, false, kSliced>(p, launch);
   const int64_t b = blk.b, hk = blk.hk, n0 = blk.n0;
   const int group = static_cast<int>(p.heads / p.kv_heads);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -640,7 +664,9 @@ __global__ void __launch_bounds__(FlashConfig<D, kCompact>::kBwdThreads, 1)
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) mma_frag_cols<T, 1, 2>(acc, dsf[kk], ks + kk * 16 * P + c0 + i * 8, P);
 #pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) add_dq<D>(dq_accum, p, stat, qrow0, c0 + (i + h2) * 8 + 2 * t, acc[0][h2]);
+        for (int h2 = 0; h2 < 2; ++h2) {
+          add_dq<D>(launch.dq_of<BN, kSliced>(dq_accum, n0), p, stat, qrow0, c0 + (i + h2) * 8 + 2 * t, acc[0][h2]);
+        }
       }
     }
   }
@@ -662,31 +688,37 @@ size_t flash_bwd_smem_bytes() {
 
 template <typename T, int D>
 cudaError_t run_flash_bwd(const dtrain_attention_bwd_params& p, cudaStream_t stream) {
-  auto launch = [&](auto compact, float* dq_accum, const float* delta) {
+  auto launch = [&](auto compact, float* dq_accum, const float* delta, const BwdLaunch& l, unsigned blocks) {
     constexpr bool kCompact = decltype(compact)::value;
     using C = FlashConfig<D, kCompact>;
     const size_t smem = BwdSmem<T, D, kCompact>::kBytes;
     auto* kernel = [&] {
       if constexpr (C::kBwdSplit == 1) {
-        return p.softcap > 0.f ? flash_bwd_kernel<T, D, true> : flash_bwd_kernel<T, D, false>;
+        if (p.softcap > 0.f) {
+          return l.dq_slice ? flash_bwd_kernel<T, D, true, true> : flash_bwd_kernel<T, D, true, false>;
+        }
+        return l.dq_slice ? flash_bwd_kernel<T, D, false, true> : flash_bwd_kernel<T, D, false, false>;
       } else {
-        return flash_bwd_split_kernel<T, D, kCompact>;
+        return l.dq_slice ? flash_bwd_split_kernel<T, D, kCompact, true>
+                          : flash_bwd_split_kernel<T, D, kCompact, false>;
       }
     }();
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (e != cudaSuccess) return e;
-    const dim3 grid(static_cast<unsigned>((p.seq_k + C::kBwdBlockN - 1) / C::kBwdBlockN),
-                    static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch));
-    DTRAIN_LAUNCH(kernel, grid, C::kBwdThreads, smem, stream, p, dq_accum, delta);
+    const dim3 grid(blocks, static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch));
+    DTRAIN_LAUNCH(kernel, grid, C::kBwdThreads, smem, stream, p, dq_accum, delta, l);
     return launched();
   };
-  const bool compact = bwd_compact<T, D>();
-  return run_bwd_passes<T, DqRows<D>>(p, stream, [&](float* dq_accum, const float* delta) {
-    if constexpr (D > 128) {
-      if (compact) return launch(std::true_type{}, dq_accum, delta);
-    }
-    return launch(std::false_type{}, dq_accum, delta);
-  });
+  auto passes = [&](auto compact) {
+    return run_bwd_passes<T, DqRows<D>, FlashConfig<D, decltype(compact)::value>::kBwdBlockN>(
+        p, stream, [&](float* dq_accum, const float* delta, const BwdLaunch& l, unsigned blocks) {
+          return launch(compact, dq_accum, delta, l, blocks);
+        });
+  };
+  if constexpr (D > 128) {
+    if (bwd_compact<T, D>()) return passes(std::true_type{});
+  }
+  return passes(std::false_type{});
 }
 
 }  // namespace dtrain_kernels

@@ -60,9 +60,9 @@ struct FlashBwdSm90Config {
   static_assert(kSmemBytes <= 232448, "a block's shared memory on Hopper (227 KB)");
 };
 
-template <typename T, int D>
+template <typename T, int D, bool kSliced>
 __global__ void __launch_bounds__(FlashBwdSm90Config<D>::kThreads, 1)
-    flash_bwd_sm90_kernel(dtrain_attention_bwd_params p, float* dq_accum, const float* delta,
+    flash_bwd_sm90_kernel(dtrain_attention_bwd_params p, float* dq_accum, const float* delta, BwdLaunch launch,
                           const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                           const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do) {
 #if DTRAIN_HAVE_WGMMA
@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(FlashBwdSm90Config<D>::kThreads, 1)
   uint64_t* bars = reinterpret_cast<uint64_t*>(ends_s + 64 * C::kConsumers);
   uint64_t *kv_full = bars, *full = bars + 1, *empty = bars + 1 + S;
 
-  const BwdBlock blk = bwd_block<T, BN, true>(p);
+  const BwdBlock blk = bwd_block<T, BN, true, kSliced>(p, launch);
   const int64_t b = blk.b, hk = blk.hk, n0 = blk.n0;
   const int group = static_cast<int>(p.heads / p.kv_heads);
   const BwdQueryTiles<BM, BN> qtiles(p, b, n0);
@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(FlashBwdSm90Config<D>::kThreads, 1)
         named_barrier_sync(C::kDqFullBar, C::kDqBarThreads);
         if (lane == 0) {
           const int64_t tile = (b * p.heads + head_of(i)) * tiles + m0_of(i) / BM;
-          bulk_reduce_add_f32(dq_accum + tile * BM * D, dq_stage, BM * D * 4);
+          bulk_reduce_add_f32(launch.dq_of<BN, kSliced>(dq_accum, n0) + tile * BM * D, dq_stage, BM * D * 4);
           bulk_commit();
           bulk_wait_read<0>();  // the staged tile is read: the consumers may write the next
         }
@@ -310,7 +310,8 @@ __global__ void __launch_bounds__(FlashBwdSm90Config<D>::kThreads, 1)
       const int64_t stat = (b * p.heads + head_of(i)) * p.seq_q;
 #pragma unroll
       for (int nt = 0; nt < NQ / 8; ++nt) {
-        add_dq<D, true>(dq_accum, p, stat, m0 + warp * 16 + g, kv_col0 + nt * 8 + 2 * (lane % 4), dq[nt]);
+        add_dq<D, true>(launch.dq_of<BN, kSliced>(dq_accum, n0), p, stat, m0 + warp * 16 + g,
+                        kv_col0 + nt * 8 + 2 * (lane % 4), dq[nt]);
       }
     } else {
       // dQ[:, NQ cg ..] = dS K over all BN keys (keys 64 c .. from consumer c's buffer);
@@ -376,14 +377,14 @@ cudaError_t run_flash_bwd_sm90(const dtrain_attention_bwd_params& p, cudaStream_
   if (e == cudaSuccess) e = attention_operand_map(&tm_do, p.dout, bf16, p.batch, p.heads, p.seq_q,
                                                   p.head_dim, p.dout_stride, C::kBlockM);
   if (e != cudaSuccess) return e;
-  return run_bwd_passes<T, typename C::DqLayout>(p, stream, [&](float* dq_accum, const float* delta) {
-    auto* kernel = flash_bwd_sm90_kernel<T, D>;
+  return run_bwd_passes<T, typename C::DqLayout, C::kBlockN>(
+      p, stream, [&](float* dq_accum, const float* delta, const BwdLaunch& l, unsigned blocks) {
+    auto* kernel = l.dq_slice ? flash_bwd_sm90_kernel<T, D, true> : flash_bwd_sm90_kernel<T, D, false>;
     cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(C::kSmemBytes));
     if (err != cudaSuccess) return err;
-    const dim3 grid(static_cast<unsigned>((p.seq_k + C::kBlockN - 1) / C::kBlockN), static_cast<unsigned>(p.kv_heads),
-                    static_cast<unsigned>(p.batch));
-    DTRAIN_LAUNCH(kernel, grid, C::kThreads, C::kSmemBytes, stream, p, dq_accum, delta, tm_q, tm_k, tm_v, tm_do);
+    const dim3 grid(blocks, static_cast<unsigned>(p.kv_heads), static_cast<unsigned>(p.batch));
+    DTRAIN_LAUNCH(kernel, grid, C::kThreads, C::kSmemBytes, stream, p, dq_accum, delta, l, tm_q, tm_k, tm_v, tm_do);
     return launched();
   });
 }

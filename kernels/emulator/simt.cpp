@@ -24,6 +24,8 @@
 #include <cstdlib>
 #include <map>
 #include <memory>
+#include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -87,6 +89,8 @@ namespace {
 // What the emulated device gives a block of shared memory: Hopper's 227 KB unless a test
 // sets another (dtrain_emu_set_block_smem_limit).
 std::size_t block_smem_limit = 227 * 1024;
+// dtrain_emu_set_block_order's seed (0: launch order), and the launches run under it.
+std::uint64_t block_order_seed = 0, block_order_launches = 0;
 struct Context {
   void* sp = nullptr;
   const void* bottom = nullptr;  // the stack, for AddressSanitizer
@@ -486,18 +490,21 @@ void launch(dim3 grid, dim3 block, std::size_t smem, const std::function<void()>
     s.fibers.back().stack.reset(new char[kStack]);
   }
   s.slots.assign(static_cast<std::size_t>(threads) * kSlot, 0);
-  for (unsigned z = 0; z < grid.z; ++z) {
-    for (unsigned y = 0; y < grid.y; ++y) {
-      for (unsigned x = 0; x < grid.x; ++x) {
-        block_idx = {x, y, z};
-        // A fresh buffer of exactly the launch's size, so that under AddressSanitizer an
-        // access past its end is reported (a reused one's spare capacity would hide it).
-        s.smem = std::vector<unsigned char>(smem, 0xff);
-        s.async_smem = s.smem;
-        s.async_fenced = false;
-        run_block(threads);
-      }
-    }
+  std::vector<std::uint64_t> order(std::size_t{grid.x} * grid.y * grid.z);
+  std::iota(order.begin(), order.end(), std::uint64_t{0});
+  if (block_order_seed != 0) {
+    std::mt19937_64 rng(block_order_seed * 0x9e3779b97f4a7c15ULL + block_order_launches++);
+    std::shuffle(order.begin(), order.end(), rng);
+  }
+  for (const std::uint64_t block : order) {
+    block_idx = {static_cast<unsigned>(block % grid.x), static_cast<unsigned>(block / grid.x % grid.y),
+                 static_cast<unsigned>(block / grid.x / grid.y)};
+    // A fresh buffer of exactly the launch's size, so that under AddressSanitizer an
+    // access past its end is reported (a reused one's spare capacity would hide it).
+    s.smem = std::vector<unsigned char>(smem, 0xff);
+    s.async_smem = s.smem;
+    s.async_fenced = false;
+    run_block(threads);
   }
 }
 
@@ -1045,3 +1052,7 @@ void named_barrier_arrive(int id, int threads) { named_arrive(id, threads, false
 }  // namespace dtrain_emu
 
 extern "C" void dtrain_emu_set_block_smem_limit(size_t bytes) { dtrain_emu::block_smem_limit = bytes; }
+extern "C" void dtrain_emu_set_block_order(uint64_t seed) {
+  dtrain_emu::block_order_seed = seed;
+  dtrain_emu::block_order_launches = 0;
+}

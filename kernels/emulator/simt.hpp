@@ -27,7 +27,8 @@ namespace dtrain_emu {
 extern uint3 thread_idx, block_idx;
 extern dim3 block_dim, grid_dim;
 
-// Runs body once per thread of every block (blocks in order, x fastest). Dynamic shared
+// Runs body once per thread of every block (blocks in order, x fastest, or in a
+// permutation: dtrain_emu_set_block_order). Dynamic shared
 // memory of smem bytes is filled with 0xff (NaN for floats) before each block, so a read
 // of a slot nobody wrote shows. std::runtime_error on a barrier some threads never reach.
 void launch(dim3 grid, dim3 block, std::size_t smem, const std::function<void()>& body);

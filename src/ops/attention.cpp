@@ -431,6 +431,7 @@ std::vector<at::Tensor> kernel_backward(at::Tensor q, at::Tensor k, at::Tensor v
   p.dk_stride = strides_of(dk);
   p.dv_stride = strides_of(dv);
   fill_shape(p, q, k, mask, scale, /*with_backward=*/true);
+  p.deterministic = at::globalContext().deterministicAlgorithms() ? 1 : 0;
   auto workspace = at::empty({static_cast<std::int64_t>(dtrain_attention_bwd_workspace_bytes(&p) / sizeof(float))},
                              q.options().dtype(at::kFloat));
   p.workspace = workspace.data_ptr();

@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -239,6 +240,12 @@ Trainer::Trainer(ContextPtr ctx, models::GptConfig model, TrainOptions options)
     : ctx_(std::move(ctx)), model_config_(std::move(model)), options_(std::move(options)) {
   DTRAIN_CHECK_ARG(ctx_ != nullptr, "Trainer needs a ParallelContext");
   validate_and_agree();
+  if (options_.deterministic) {
+    // Before the first matmul makes cuBLAS's handle, which reads the setting (an existing
+    // value is the user's).
+    setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
+    at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
+  }
   // LibTorch seeds its default generators from the OS; seeding them from the run's seed
   // makes every process (and so every checkpoint file) reproducible. The model draws its
   // initialisation and dropout masks from generators of its own.
@@ -797,8 +804,9 @@ void Trainer::log_summary() const {
              moe.aux_loss_coeff, moe.z_loss_coeff, moe.bias_update_rate, ctx_->ep_size(),
              moe.experts / ctx_->ep_size(), ctx_->dp_size() / ctx_->ep_size() * ctx_->cp_size());
   }
-  log_info("device: {}; peak {} TFLOP/s per device{}", device_name_, peak_tflops_,
-           peak_tflops_ > 0 ? "" : " (unknown: MFU not reported; --peak-tflops)");
+  log_info("device: {}; peak {} TFLOP/s per device{}{}", device_name_, peak_tflops_,
+           peak_tflops_ > 0 ? "" : " (unknown: MFU not reported; --peak-tflops)",
+           o.deterministic ? "; deterministic algorithms (bitwise-reproducible)" : "");
   if (pipeline_) {
     std::string blocks;
     for (int b : pipeline_->blocks) blocks += (blocks.empty() ? "" : ",") + std::to_string(b);

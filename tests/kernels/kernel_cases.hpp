@@ -1162,6 +1162,99 @@ TEST(KERNEL_SUITE(FlashAttention), HeadDim256RunsInCompactTilesWhereABlockGets99
   EXPECT_TRUE(o.isnan().all().item<bool>()) << "a refused forward wrote its output";
 }
 
+// The deterministic backward (params.deterministic), on every kernel: dq, dk, dv and the
+// float32 dq buffers in its workspace bitwise the same on every run, whatever order the
+// blocks run in (the emulator draws a new one for each launch of each run; a GPU's
+// scheduler varies it by itself), and within twice the naive error, as the default
+// backward. The workspaces compare as bits (poisoned NaN where nothing is written); on the
+// emulator, the default backward's do change with the order, so the comparison sees an
+// order-dependent sum.
+TEST(KERNEL_SUITE(FlashAttention), DeterministicBackwardRepeatsBitForBit) {
+  KERNEL_DEVICE_OR_SKIP();
+  torch::manual_seed(13);
+  std::vector<AttnCase> cases = {
+      // One (batch, kv head) pair: on the emulator's 4 SMs 4 slices, launches of 4 key
+      // blocks and a last of fewer; not causal, so that every key block adds to every row.
+      {1, 2, 1, 100, 450, 64, false, at::kBFloat16},
+      // Pairs enough for one slice: a launch per key block.
+      {2, 4, 2, 150, 300, 128, true, at::kHalf},
+      // D 256 (mma.sync's split kernel, wgmma's split columns) with a window and documents,
+      // and head dim 96 with documents and an offset.
+      {1, 2, 1, 130, 260, 256, true, at::kBFloat16, 70, 40},
+      {1, 4, 2, 120, 200, 96, true, at::kHalf, 0, 30, 80},
+  };
+  if (kLargeCases) {
+    cases.insert(cases.end(), {{1, 4, 1, 4096, 4096, 128, true, at::kBFloat16},
+                               {2, 16, 4, 2048, 2048, 128, true, at::kBFloat16},
+                               {1, 8, 8, 1000, 1000, 64, false, at::kHalf},
+                               {1, 4, 2, 1030, 1030, 256, true, at::kBFloat16, 300, 200}});
+  }
+  bool default_varies = false;
+  for (const auto& c : cases) {
+    SCOPED_TRACE(name(c));
+    const double scale = 1.0 / std::sqrt(static_cast<double>(c.dim));
+    auto q = torch::randn({c.batch, c.heads, c.seq_q, c.dim}).to(c.type);
+    auto k = torch::randn({c.batch, c.kv_heads, c.seq_k, c.dim}).to(c.type);
+    auto v = torch::randn({c.batch, c.kv_heads, c.seq_k, c.dim}).to(c.type);
+    auto dout = torch::randn({c.batch, c.heads, c.seq_q, c.dim}).to(c.type);
+    at::Tensor doc_ids, doc_start, doc_end;
+    if (c.docs > 0) {
+      doc_ids = random_documents(c.batch, std::max(c.seq_k, c.offset + c.seq_q), c.docs);
+      std::tie(doc_start, doc_end) = document_bounds(doc_ids);
+      doc_start = dev(doc_start), doc_end = dev(doc_end);
+    }
+    auto qr = q.to(at::kDouble).requires_grad_(), kr = k.to(at::kDouble).requires_grad_(),
+         vr = v.to(at::kDouble).requires_grad_();
+    attention_math(qr, kr, vr, c.causal, scale, c.window, doc_ids, c.offset).backward(dout.to(at::kDouble));
+    auto qn = dev(q).requires_grad_(), kn = dev(k).requires_grad_(), vn = dev(v).requires_grad_();
+    attention_math(qn, kn, vn, c.causal, scale, c.window, doc_ids, c.offset).backward(dev(dout));
+
+    auto qd = dev(q), kd = dev(k), vd = dev(v), dod = dev(dout);
+    auto o = poisoned({c.batch, c.heads, c.seq_q, c.dim}, c.type);
+    auto lse = poisoned({c.batch, c.heads, c.seq_q}, at::kFloat);
+    auto f = fwd_params(qd, kd, vd, o, lse, c.causal, scale, DTRAIN_ATTENTION_KERNEL_AUTO, c.window, c.offset);
+    if (c.docs > 0) f.documents = {doc_start.data_ptr<std::int32_t>(), doc_end.data_ptr<std::int32_t>(), 0};
+    ASSERT_EQ(run_fwd(f), cudaSuccess);
+    for (auto kernel : attention_kernels()) {
+      SCOPED_TRACE(kernel == DTRAIN_ATTENTION_KERNEL_MMA ? "mma.sync" : "wgmma");
+      struct Run {
+        at::Tensor dq, dk, dv, ws;
+      };
+      auto run = [&](bool deterministic, std::uint64_t order) {
+        Run r{poisoned(q.sizes(), c.type), poisoned(k.sizes(), c.type), poisoned(v.sizes(), c.type), {}};
+        auto g = bwd_params(f, o, dod, r.dq, r.dk, r.dv, kernel);
+        g.deterministic = deterministic ? 1 : 0;
+        r.ws = poisoned({static_cast<std::int64_t>(dtrain_attention_bwd_workspace_bytes(&g) / sizeof(float))},
+                        at::kFloat);
+        g.workspace = r.ws.data_ptr();
+        const ScopedBlockOrder scoped(order);
+        EXPECT_EQ(dtrain_attention_bwd(&g, nullptr), cudaSuccess);
+        kernel_sync();
+        return r;
+      };
+      auto same_bits = [](const at::Tensor& a, const at::Tensor& b) {
+        return a.sizes() == b.sizes() && at::equal(a.cpu().view(at::kInt), b.cpu().view(at::kInt));
+      };
+      const Run first = run(true, 1);
+      for (const auto& [what, got, ref, nv] : {std::make_tuple("dq", first.dq, qr.grad(), qn.grad()),
+                                              std::make_tuple("dk", first.dk, kr.grad(), kn.grad()),
+                                              std::make_tuple("dv", first.dv, vr.grad(), vn.grad())}) {
+        EXPECT_FALSE(got.isnan().any().item<bool>()) << what;
+        const double e = max_abs(got, ref), ne = max_abs(nv, ref);
+        EXPECT_LE(e, 2 * ne + 1e-3) << what << ": kernel " << e << ", naive " << ne;
+      }
+      for (std::uint64_t order : {2, 3}) {
+        const Run again = run(true, order);
+        EXPECT_TRUE(at::equal(again.dq, first.dq) && at::equal(again.dk, first.dk) && at::equal(again.dv, first.dv))
+            << "block order " << order;
+        EXPECT_TRUE(same_bits(again.ws, first.ws)) << "the float32 dq buffers, block order " << order;
+      }
+      if (kBlockOrderVaries && !default_varies) default_varies = !same_bits(run(false, 1).ws, run(false, 2).ws);
+    }
+  }
+  if (kBlockOrderVaries) EXPECT_TRUE(default_varies) << "no case's default backward depends on the block order";
+}
+
 // The wgmma kernels load through tensor maps, which cannot step a kv head of stride 0 (a
 // broadcast view): AUTO then runs mma.sync, forward and backward, and an explicit WGMMA
 // refuses.

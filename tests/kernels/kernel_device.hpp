@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -28,8 +29,22 @@ struct ScopedBlockSmemLimit {
   ScopedBlockSmemLimit(const ScopedBlockSmemLimit&) = delete;
   ScopedBlockSmemLimit& operator=(const ScopedBlockSmemLimit&) = delete;
 };
+// Each launch runs its blocks in a permutation drawn from `seed` while this lives (then
+// in launch order), as a GPU's scheduler runs them in an order of its own.
+struct ScopedBlockOrder {
+  explicit ScopedBlockOrder(std::uint64_t seed) { dtrain_emu_set_block_order(seed); }
+  ~ScopedBlockOrder() { dtrain_emu_set_block_order(0); }
+  ScopedBlockOrder(const ScopedBlockOrder&) = delete;
+  ScopedBlockOrder& operator=(const ScopedBlockOrder&) = delete;
+};
+constexpr bool kBlockOrderVaries = true;
 #else
 #define KERNEL_SUITE(name) Gpu##name
+// A GPU's scheduler orders the blocks by itself.
+struct ScopedBlockOrder {
+  explicit ScopedBlockOrder(std::uint64_t) {}
+};
+constexpr bool kBlockOrderVaries = false;
 inline at::Device kernel_device() { return at::kCUDA; }
 inline void kernel_sync() { ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess); }
 #define KERNEL_DEVICE_OR_SKIP()                                                   \

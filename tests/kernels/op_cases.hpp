@@ -1070,5 +1070,81 @@ TEST(KERNEL_SUITE(Ops), TrainerWithFusedOpsTracksTheUnfusedRun) {
   }
 }
 
+// The op under LibTorch's deterministic algorithms (what TrainOptions::deterministic
+// sets; torch's use_deterministic_algorithms) takes the kernels' deterministic backward:
+// its gradients are bitwise the same whatever order the blocks run in. On the emulator the
+// default backward's dq changes with the order here (16 key blocks a row, float16): the
+// comparison can see it. The setting is put back.
+TEST(KERNEL_SUITE(Ops), FlashAttentionBackwardIsDeterministicUnderLibTorchsSetting) {
+  KERNEL_DEVICE_OR_SKIP();
+  auto& context = at::globalContext();
+  const bool was = context.deterministicAlgorithms(), was_warn = context.deterministicAlgorithmsWarnOnly();
+  const auto f16 = torch::TensorOptions().device(kernel_device()).dtype(torch::kHalf);
+  torch::manual_seed(21);
+  const std::int64_t nq = kLargeCases ? 512 : 64, nk = kLargeCases ? 4096 : 1000;
+  const auto q0 = torch::randn({1, 4, nq, 64}).to(f16), k0 = torch::randn({1, 2, nk, 64}).to(f16),
+             v0 = torch::randn({1, 2, nk, 64}).to(f16), dout = torch::randn({1, 4, nq, 64}).to(f16);
+  auto grads = [&](bool deterministic, std::uint64_t order) {
+    context.setDeterministicAlgorithms(deterministic, false);
+    const ScopedBlockOrder scoped(order);
+    auto q = q0.clone().requires_grad_(), k = k0.clone().requires_grad_(), v = v0.clone().requires_grad_();
+    ops::flash_attention(q, k, v, /*causal=*/false).backward(dout);
+    return std::vector<at::Tensor>{q.grad(), k.grad(), v.grad()};
+  };
+  const auto a = grads(true, 1), b = grads(true, 2);
+  const auto c = grads(false, 1), d = grads(false, 2);
+  context.setDeterministicAlgorithms(was, was_warn);
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(at::equal(a[i], b[i])) << "gradient " << i;
+  if (kBlockOrderVaries) EXPECT_FALSE(at::equal(c[0], d[0])) << "the default dq must depend on the block order here";
+}
+
+// TrainOptions::deterministic: two runs of the fused tiny Llama on the kernels, flash
+// attention among them, give the same losses and weights bit for bit (the emulator runs
+// the second one's blocks in other orders). The setting is process-wide (LibTorch's
+// deterministic algorithms): the test puts back what it found.
+TEST(KERNEL_SUITE(Ops), DeterministicTrainerRepeatsBitForBit) {
+  KERNEL_DEVICE_OR_SKIP();
+  auto& context = at::globalContext();
+  const bool was = context.deterministicAlgorithms(), was_warn = context.deterministicAlgorithmsWarnOnly();
+  testing::TestCorpus corpus("gpudeterministic");
+  auto cfg = models::GptConfig::preset("tiny");
+  cfg.family = "llama";
+  cfg.d_model = 128;  // head dim 64
+  cfg.n_head = 2;
+  cfg.n_kv_head = 1;
+  cfg.n_layer = 1;
+  cfg.context = 256;
+  cfg.attention = ops::AttentionBackend::kFlash;
+  cfg.fused_norm = cfg.fused_ce = cfg.fused_swiglu = cfg.fused_rope = true;
+  train::TrainOptions o;
+  o.train_data = corpus.train();
+  o.steps = kLargeCases ? 10 : 2;
+  o.warmup_steps = 1;
+  o.seq_len = kLargeCases ? 256 : 200;  // key blocks enough for the order of dq's sum to show
+  o.global_batch = 1;
+  o.precision = "bf16";
+  o.progress = "off";
+  o.adamw.fused = true;
+  o.deterministic = true;
+  auto ctx = ParallelContext::single_process(kernel_device().is_cuda() ? c10::Device(c10::kCUDA, 0) : kernel_device());
+  auto run = [&](std::uint64_t order) {
+    const ScopedBlockOrder scoped(order);
+    train::Trainer t(ctx, cfg, o);
+    EXPECT_TRUE(context.deterministicAlgorithms());
+    auto metrics = t.run();
+    return std::make_pair(metrics, t.full_parameters());
+  };
+  const auto [a, pa] = run(1);
+  const auto [b, pb] = run(2);
+  context.setDeterministicAlgorithms(was, was_warn);
+
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].loss, b[i].loss) << "step " << i + 1;
+  ASSERT_EQ(pa.size(), pb.size());
+  for (std::size_t i = 0; i < pa.size(); ++i) {
+    EXPECT_TRUE(at::equal(pa[i].second, pb[i].second)) << pa[i].first;
+  }
+}
+
 }  // namespace
 }  // namespace dtrain

@@ -90,7 +90,11 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 // a draw, for reproducing a mask). On CUDA either kernel takes it (the mask depends on
 // the coordinates alone, so a forward and backward on different kernels agree).
 // softcap > 0: logit soft-capping (Gemma 2; FlashAttention's softcap): the softmax takes
-// softcap tanh(s scale / softcap) of each score s, before the mask; 0: none.
+// softcap tanh(s scale / softcap) of each score s, before the mask; 0: none. Under
+// LibTorch's deterministic algorithms (at::globalContext().deterministicAlgorithms(),
+// torch's use_deterministic_algorithms; TrainOptions::deterministic sets them) the kernel's
+// backward is its deterministic one: gradients bitwise the same on every run (slower, and
+// a float32 workspace of up to SMs / (B Hkv) times dq's); the reference path always is.
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                            double scale = 0.0, std::int64_t window = 0, const Documents& documents = {},
                            std::int64_t query_offset = 0, double dropout_p = 0.0,

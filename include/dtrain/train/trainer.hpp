@@ -96,6 +96,14 @@ struct TrainOptions {
   // A Hugging Face safetensors file (export_hf's format) the parameters start from
   // (fine-tuning); a checkpoint found by `resume` takes precedence.
   std::string init_from;
+  // Bitwise-reproducible runs (Megatron's --deterministic-mode): the same inputs, layout
+  // and GPU model give the same losses and weights on every run. Process-wide, from the
+  // trainer's construction: LibTorch's deterministic algorithms (torch's
+  // use_deterministic_algorithms; an op that has none fails with LibTorch's error),
+  // CUBLAS_WORKSPACE_CONFIG=:4096:8 where the environment sets none, and flash attention's
+  // deterministic backward (docs/kernels.md). Slower on GPUs; CPU runs are reproducible
+  // without it.
+  bool deterministic = false;
   // Steps whose gradients are not finite (NaN/Inf loss or gradients; float16 overflows)
   // apply no update and are counted; this many in a row end the run with an error.
   std::int64_t max_skipped_steps = 20;

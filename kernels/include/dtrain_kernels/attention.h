@@ -27,7 +27,8 @@
  * contiguous; +inf for a row that sees no key), by mma.sync or, on Hopper, by wgmma
  * (dtrain_attention_kernel). The backward recomputes the attention
  * tile by tile from q, k, v and the log-sum-exp (never an seq_q x seq_k matrix), with
- * a float32 workspace (dtrain_attention_bwd_workspace_bytes) for dq and row statistics. */
+ * a float32 workspace (dtrain_attention_bwd_workspace_bytes) for dq and row statistics;
+ * deterministic (its params) makes its results reproducible bit for bit. */
 #pragma once
 
 #include "dtrain_kernels/attention_dropout.h"
@@ -110,6 +111,14 @@ typedef struct {
   float dropout_p;                      /* as the forward's: the same p and seed give the same mask */
   uint64_t dropout_seed;
   float softcap; /* as the forward's */
+  int deterministic; /* 0: dq summed over key blocks by atomics or bulk reductions, in whatever
+                        order the blocks finish; nonzero: dq, dk and dv bitwise the same on
+                        every run of the same inputs on the same GPU model (either kernel). The
+                        key blocks then add dq into private float32 slices summed in a fixed
+                        order (FlashAttention-2's deterministic backward): a workspace of up to
+                        ceil(SMs / (batch kv_heads)) times dq's float32 size (at most 2 GiB of
+                        them unless one is more), and the grid in launches of that many key
+                        blocks per (batch, kv head) */
 } dtrain_attention_bwd_params;
 
 

@@ -35,10 +35,15 @@
 #define dtrain_attention_set_smem_cap dtrain_emu_attention_set_smem_cap
 /* For tests: the shared memory the emulated device gives a block (227 KB, Hopper's,
  * unless set), which launches and dtrain_attention_device_smem_bytes see. */
+/* For tests: the order in which each launch runs its blocks: seed 0 (the default) launch
+ * order (x fastest), else a permutation drawn from the seed and the launch's number, as a
+ * GPU's scheduler may run them in any order. */
 #ifdef __cplusplus
 extern "C" void dtrain_emu_set_block_smem_limit(size_t bytes);
+extern "C" void dtrain_emu_set_block_order(uint64_t seed);
 #else
 void dtrain_emu_set_block_smem_limit(size_t bytes);
+void dtrain_emu_set_block_order(uint64_t seed);
 #endif
 #endif
 
