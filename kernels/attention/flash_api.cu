@@ -205,26 +205,25 @@ cudaError_t run_picked(const Params& p, cudaStream_t stream) {
 
 }  // namespace
 
-size_t device_block_smem() {
-  int device = 0, bytes = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
-    cudaGetLastError();  // no device: leave no sticky error behind
+namespace {
+// An attribute of the current device; 0 without one (and no sticky error left behind).
+int current_device_attribute(cudaDeviceAttr attr) {
+  int device = 0, value = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetAttribute(&value, attr, device) != cudaSuccess) {
+    cudaGetLastError();
     return 0;
   }
+  return value;
+}
+}  // namespace
+
+size_t device_block_smem() {
+  const auto bytes = static_cast<size_t>(current_device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin));
   const size_t cap = smem_cap.load(std::memory_order_relaxed);
-  return cap > 0 ? std::min(cap, static_cast<size_t>(bytes)) : static_cast<size_t>(bytes);
+  return cap > 0 ? std::min(cap, bytes) : bytes;
 }
 
-int device_sms() {
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    cudaGetLastError();  // no device: leave no sticky error behind
-    return 1;
-  }
-  return sms > 0 ? sms : 1;
-}
+int device_sms() { return std::max(1, current_device_attribute(cudaDevAttrMultiProcessorCount)); }
 
 }  // namespace dtrain_kernels
 

@@ -1033,17 +1033,23 @@ TEST(KERNEL_SUITE(Ops), FusedAdamWMatchesLibTorchAdamW) {
   }
 }
 
+// The tiny Llama the trainer tests run on the kernels: head dim 64, GQA 2/1.
+models::GptConfig tiny_gqa_llama() {
+  auto cfg = models::GptConfig::preset("tiny");
+  cfg.family = "llama";
+  cfg.d_model = 128;
+  cfg.n_head = 2;
+  cfg.n_kv_head = 1;
+  return cfg;
+}
+
 // The tiny model in bf16 (a sliding window over part of its sequence) with every fused
 // option against the unfused run: the model and trainer's use of the ops (the loss's
 // upstream gradient announced, its gradient in place).
 TEST(KERNEL_SUITE(Ops), TrainerWithFusedOpsTracksTheUnfusedRun) {
   KERNEL_DEVICE_OR_SKIP();
   testing::TestCorpus corpus("gpufused");
-  auto cfg = models::GptConfig::preset("tiny");
-  cfg.family = "llama";
-  cfg.d_model = 128;  // head dim 64
-  cfg.n_head = 2;
-  cfg.n_kv_head = 1;
+  auto cfg = tiny_gqa_llama();
   cfg.attention_window = kLargeCases ? 24 : 6;  // sdpa's mask against the kernels' window
   train::TrainOptions o;
   o.train_data = corpus.train();
@@ -1107,11 +1113,7 @@ TEST(KERNEL_SUITE(Ops), DeterministicTrainerRepeatsBitForBit) {
   auto& context = at::globalContext();
   const bool was = context.deterministicAlgorithms(), was_warn = context.deterministicAlgorithmsWarnOnly();
   testing::TestCorpus corpus("gpudeterministic");
-  auto cfg = models::GptConfig::preset("tiny");
-  cfg.family = "llama";
-  cfg.d_model = 128;  // head dim 64
-  cfg.n_head = 2;
-  cfg.n_kv_head = 1;
+  auto cfg = tiny_gqa_llama();
   cfg.n_layer = 1;
   cfg.context = 256;
   cfg.attention = ops::AttentionBackend::kFlash;
