@@ -610,6 +610,29 @@ at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   return FlashAttentionFn::apply(q, k, v, mask, scale_or_default(scale, q), with_backward);
 }
 
+at::Tensor flash_attention_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& cu_seqlens, bool causal, double scale, std::int64_t window,
+                                  double dropout_p, double softcap) {
+  DTRAIN_OP_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, kOp, "varlen: q, k and v must be [total, heads, "
+                  "head_dim]; got q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
+  DTRAIN_OP_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0), kOp, "varlen: k (", k.size(0), " tokens) and v (",
+                  v.size(0), ") must hold q's ", q.size(0), " tokens (packed self-attention: one cu_seqlens for both)");
+  DTRAIN_OP_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 2 &&
+                      (cu_seqlens.scalar_type() == at::kInt || cu_seqlens.scalar_type() == at::kLong) &&
+                      cu_seqlens.device() == q.device(),
+                  kOp, "varlen: cu_seqlens must be int32 or int64 [sequences + 1] on q's device ", q.device(), "; got ",
+                  cu_seqlens.scalar_type(), " ", cu_seqlens.sizes(), " on ", cu_seqlens.device());
+  DTRAIN_OP_CHECK(causal, kOp, "varlen: causal=false is not taken (packed sequences are causal only here); "
+                  "allowed: causal=true");
+  // Token t's sequence: the number of boundaries c_1.. at or before it (a document number).
+  const auto tokens = at::arange(q.size(0), cu_seqlens.options());
+  const auto ids = at::searchsorted(cu_seqlens, tokens, /*out_int32=*/false, /*right=*/true).unsqueeze(0);
+  auto bhsd = [](const at::Tensor& t) { return t.unsqueeze(0).transpose(1, 2); };  // [1, heads, total, D]
+  const auto o = flash_attention(bhsd(q), bhsd(k), bhsd(v), /*causal=*/true, scale, window, Documents(ids), 0,
+                                 dropout_p, std::nullopt, softcap);
+  return o.transpose(1, 2).squeeze(0);
+}
+
 std::pair<at::Tensor, at::Tensor> flash_attention_forward(const at::Tensor& q, const at::Tensor& k,
                                                           const at::Tensor& v, bool causal, double scale,
                                                           std::int64_t window, const Documents& documents,

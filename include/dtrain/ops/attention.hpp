@@ -118,6 +118,20 @@ std::vector<at::Tensor> flash_attention_backward(const at::Tensor& q, const at::
                                                  const Documents& documents = {}, std::int64_t query_offset = 0,
                                                  double softcap = 0.0);
 
+// FlashAttention's varlen interface for packed self-attention (flash_attn_varlen_func with
+// cu_seqlens_q == cu_seqlens_k, as training on packed sequences calls it): q [total, H, D],
+// k and v [total, Hkv, D], the sequences back to back; cu_seqlens (int32 or int64, 1-D, on
+// q's device) their boundaries 0 = c_0 <= c_1 <= ... <= c_n = total; each token attends
+// causally within its own sequence (tokens outside [c_0, c_n) form sequences of their own).
+// Returns [total, H, D]; autograd as flash_attention's, which computes it over one batch row
+// of packed documents (the kernel's varlen form: no unpacking, no padding), so window,
+// dropout_p and softcap are as there. InvalidArgument naming the input for other shapes or
+// totals, cu_seqlens of another dtype, rank or device, and causal = false (packed documents
+// are causal only: non-causal varlen is not taken).
+at::Tensor flash_attention_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& cu_seqlens, bool causal = true, double scale = 0.0,
+                                  std::int64_t window = 0, double dropout_p = 0.0, double softcap = 0.0);
+
 // Whether the CUDA kernel takes this head dim (multiples of 8 from 8 to 256); false in a
 // build without CUDA. The reference path takes any.
 bool flash_kernel_supports_head_dim(std::int64_t head_dim);
