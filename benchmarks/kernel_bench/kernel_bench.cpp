@@ -52,7 +52,6 @@
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -835,10 +834,7 @@ int main(int argc, char** argv) {
     const c10::Device dev = (o.device == "cuda" || (o.device == "auto" && has_cuda)) ? c10::Device(c10::kCUDA, 0)
                                                                                        : c10::Device(c10::kCPU);
     const int iters = o.iters > 0 ? o.iters : (cuda(dev) ? 20 : 3);
-    if (o.deterministic) {  // as TrainOptions::deterministic
-      setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
-      at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
-    }
+    if (o.deterministic) dtrain::train::use_deterministic_algorithms();
 #ifdef DTRAIN_WITH_CUDA
     dtrain_attention_set_smem_cap(o.smem_cap);
 #else

@@ -414,11 +414,11 @@ __device__ __forceinline__ void store_dk_dv(const dtrain_attention_bwd_params& p
 // launch, or, deterministic, `slices` at a time into as many dq slices (BwdLaunch).
 template <typename T, typename L, int kBlockN, typename Launch>
 cudaError_t run_bwd_passes(const dtrain_attention_bwd_params& p, cudaStream_t stream, Launch launch_main) {
-  const int64_t tiles = (p.seq_k + kBlockN - 1) / kBlockN;
-  const int64_t per_launch = p.deterministic ? imin(flash_bwd_dq_slices(p), tiles) : tiles;
+  const int64_t tiles = (p.seq_k + kBlockN - 1) / kBlockN, slices = flash_bwd_dq_slices(p);
+  const int64_t per_launch = p.deterministic ? imin(slices, tiles) : tiles;
   const int64_t slice = static_cast<int64_t>(flash_bwd_dq_slice_floats(p));
   float* dq_accum = static_cast<float*>(p.workspace);
-  float* delta = dq_accum + flash_bwd_dq_slices(p) * slice;
+  float* delta = dq_accum + slices * slice;
   const int64_t rows = p.batch * p.heads * p.seq_q, dq_floats = L::floats(p);
   const int64_t zeroed = p.deterministic ? per_launch * slice : dq_floats;
   cudaError_t e = cudaMemsetAsync(dq_accum, 0, sizeof(float) * static_cast<size_t>(zeroed), stream);

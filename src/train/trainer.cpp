@@ -236,16 +236,16 @@ struct Trainer::Pipeline {
   double dp_bytes = 0;  // last step: bytes of the data-parallel gradient average
 };
 
+void use_deterministic_algorithms() {
+  setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);  // an existing value is the user's
+  at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
+}
+
 Trainer::Trainer(ContextPtr ctx, models::GptConfig model, TrainOptions options)
     : ctx_(std::move(ctx)), model_config_(std::move(model)), options_(std::move(options)) {
   DTRAIN_CHECK_ARG(ctx_ != nullptr, "Trainer needs a ParallelContext");
   validate_and_agree();
-  if (options_.deterministic) {
-    // Before the first matmul makes cuBLAS's handle, which reads the setting (an existing
-    // value is the user's).
-    setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
-    at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
-  }
+  if (options_.deterministic) use_deterministic_algorithms();
   // LibTorch seeds its default generators from the OS; seeding them from the run's seed
   // makes every process (and so every checkpoint file) reproducible. The model draws its
   // initialisation and dropout masks from generators of its own.

@@ -109,6 +109,12 @@ struct TrainOptions {
   std::int64_t max_skipped_steps = 20;
 };
 
+// What TrainOptions::deterministic does at the trainer's construction, for programs that
+// run the ops without a trainer: LibTorch's deterministic algorithms, process-wide, and
+// CUBLAS_WORKSPACE_CONFIG=:4096:8 where the environment sets none (before the first
+// matmul makes cuBLAS's handle, which reads it).
+void use_deterministic_algorithms();
+
 // Mixture-of-experts telemetry of one step (every MoE layer of the model, all ranks).
 struct MoeMetrics {
   std::vector<std::int64_t> layers;                    // block index of each MoE layer
