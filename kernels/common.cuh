@@ -94,6 +94,18 @@ __device__ __forceinline__ void store_vec_streaming(T* p, const Vec<T, N>& v) {
     store_vec<N>(p, v);
   }
 }
+// x by a move the compiler may neither hoist nor merge (asm volatile), so that what is
+// computed from it is computed again at each use, never held in registers across a loop
+// (the attention forward's document rows' addresses).
+__device__ __forceinline__ int64_t opaque(int64_t x) {
+#ifdef DTRAIN_KERNELS_EMULATE
+  return x;
+#else
+  int64_t y;
+  asm volatile("mov.b64 %0, %1;" : "=l"(y) : "l"(x));
+  return y;
+#endif
+}
 // An fp16 value as float32 by a conversion the compiler may neither hoist nor merge (asm
 // volatile): converted again at each use, never held as a float32 copy.
 __device__ __forceinline__ float to_float_each_use(__half x) {

@@ -12,7 +12,7 @@
 // --window W: causal sliding-window attention only, against LibTorch's FlashAttention-2
 // with window_size (W - 1, 0) (at::_flash_attention_forward) and sdpa with a boolean mask,
 // FLOPs counting the visible (query, key) pairs.
-// --documents L: causal attention over packed documents of L tokens (the last one of a
+// --documents L: attention over packed documents of L tokens, causal and not (the last one of a
 // sequence shorter), against LibTorch's FlashAttention-2 varlen (at::_flash_attention_forward
 // with cu_seqlens over the rows laid end to end; q, k, v are stored [B, S, H, D] for every
 // side, so that its [B S, H, D] is a view) and sdpa with a boolean mask; FLOPs as above.
@@ -177,8 +177,8 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
                 o.softcap);
   }
   if (L > 0) {
-    std::printf("# documents of %lld tokens (causal only): flash_* = LibTorch's FlashAttention-2 varlen, cudnn_* = "
-                "sdpa with a boolean mask (flash_*: CUDA only)\n",
+    std::printf("# documents of %lld tokens (causal and not: bidirectional within a document): flash_* = LibTorch's "
+                "FlashAttention-2 varlen, cudnn_* = sdpa with a boolean mask (flash_*: CUDA only)\n",
                 static_cast<long long>(L));
   }
   if (w > 0) {
@@ -198,7 +198,7 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
   for (auto s : seqs) {
     for (auto d : o.dims) {
       for (bool causal : {true, false}) {
-        if ((w > 0 || L > 0) && !causal) continue;
+        if (w > 0 && !causal) continue;
         const auto b = std::max<std::int64_t>(1, tokens / s), h = std::max<std::int64_t>(1, o.hidden / d);
         auto opts = torch::TensorOptions().device(dev).dtype(dtype);
         // The leaves, [B, H, S, D] (with documents stored [B, S, H, D]), and q, k, v as
@@ -214,7 +214,8 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
         // (query, key) pairs: S^2, halved when causal (as FlashAttention counts), or with a
         // window or documents those they let through.
         auto causal_pairs = [](std::int64_t n) { return n * (n + 1) / 2.0; };
-        const double pairs = L > 0   ? double(s / L) * causal_pairs(L) + causal_pairs(s % L)
+        auto doc_pairs = [&](std::int64_t n) { return causal ? causal_pairs(n) : double(n) * n; };
+        const double pairs = L > 0   ? double(s / L) * doc_pairs(L) + doc_pairs(s % L)
                              : w > 0 ? (w >= s ? causal_pairs(s) : causal_pairs(w) + double(s - w) * w)
                                      : double(s) * s / (causal ? 2 : 1);
         const double fwd_flops = 4.0 * b * h * d * pairs;
@@ -250,14 +251,15 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
         at::Tensor seen;  // with a window or documents: the keys each query sees, [s, s]
         if (L > 0) {
           auto i = torch::arange(s, torch::TensorOptions().device(dev).dtype(torch::kLong));
-          seen = (i.unsqueeze(0) <= i.unsqueeze(1)).logical_and(i.div(L, "floor").unsqueeze(0) == i.div(L, "floor").unsqueeze(1));
+          seen = i.div(L, "floor").unsqueeze(0) == i.div(L, "floor").unsqueeze(1);
+          if (causal) seen = seen.logical_and(i.unsqueeze(0) <= i.unsqueeze(1));
           cudnn = [&] { return at::scaled_dot_product_attention(q, k, v, seen, dp, false); };
           if (cuda(dev)) {
             flash = [&] {
               auto packed = [&](const at::Tensor& x) { return x.view({b * s, h, d}); };
               const std::int64_t longest = std::min(L, s);
               return std::get<0>(at::_flash_attention_forward(packed(leaves[0]), packed(leaves[1]), packed(leaves[2]),
-                                                              cu_seqlens, cu_seqlens, longest, longest, dp, true,
+                                                              cu_seqlens, cu_seqlens, longest, longest, dp, causal,
                                                               false))
                   .view({b, s, h, d})
                   .transpose(1, 2);
@@ -805,7 +807,7 @@ int main(int argc, char** argv) {
   app.add_option("--window", o.window, "attention: causal sliding windows of this many keys only (0: none)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--documents", o.documents,
-                 "attention: causal attention over packed documents of this many tokens only (0: none)")
+                 "attention: attention over packed documents of this many tokens only, causal and not (0: none)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--kv-heads", o.kv_heads, "gqa: key/value heads (0: a quarter of the heads)")
       ->check(CLI::NonNegativeNumber);

@@ -116,12 +116,16 @@ __host__ __device__ __forceinline__ int64_t window_query_end(const Params& p, in
   return p.window > 0 ? imax(0, imin(p.seq_q, key + p.window - p.query_offset)) : p.seq_q;
 }
 
-// Packed documents (p.documents, causal): token t of batch b's row (the keys are tokens
-// [0, seq_k), the queries [query_offset, query_offset + seq_q)) belongs to [start, end).
+// Packed documents (p.documents): token t of batch b's row (the keys are tokens [0,
+// seq_k), the queries [query_offset, query_offset + seq_q)) belongs to [start, end).
 // document_start: the first key of query row i's document; document_end: one past the last
-// query row that key j's document holds. Positions past the row read its last token's (a
-// padding row or key, masked anyway); values are clamped into the sequence, so that wrong
-// ones give a wrong mask but never a read out of bounds.
+// query row that key j's document holds. Without causal (and so without a query offset,
+// a token being query and key alike) a query sees its whole document, the later keys too:
+// document_key_end, one past the last key query row i's document holds, and
+// document_first_query, the first query row of key j's document, bound the other sides.
+// Positions past the row read its last token's (a padding row or key, masked anyway);
+// values are clamped into the sequence, so that wrong ones give a wrong mask but never a
+// read out of bounds.
 template <typename Params>
 __host__ __device__ __forceinline__ int64_t document_row_tokens(const Params& p) {
   return p.documents.stride > 0 ? p.documents.stride : p.seq_k;
@@ -139,6 +143,20 @@ template <typename Params>
 __device__ __forceinline__ int64_t document_end(const Params& p, int64_t b, int64_t j) {
   return imax(0, imin(p.seq_q, *document_row(p.documents.end, p, b, j) - p.query_offset));
 }
+template <typename Params>
+__device__ __forceinline__ int64_t document_key_end(const Params& p, int64_t b, int64_t i) {
+  return imax(0, imin(p.seq_k, *document_row(p.documents.end, p, b, i + p.query_offset)));
+}
+template <typename Params>
+__device__ __forceinline__ int64_t document_first_query(const Params& p, int64_t b, int64_t j) {
+  return imax(0, imin(p.seq_q, *document_row(p.documents.start, p, b, j) - p.query_offset));
+}
+// Whether the documents bound a query's keys from the right and a key's queries from the
+// left (non-causal documents), where causal attention has its diagonal.
+template <typename Params>
+__host__ __device__ __forceinline__ bool bidirectional_documents(const Params& p) {
+  return !p.causal && p.documents.start != nullptr;
+}
 
 // What a query row sees of the keys from the left, and a key of the queries to the right,
 // under the window and the documents together: the first key `row` sees, and one past the
@@ -154,17 +172,33 @@ __device__ __forceinline__ int64_t query_end(const Params& p, int64_t b, int64_t
   const int64_t w = window_query_end(p, key);
   return p.documents.end != nullptr ? imin(w, document_end(p, b, key)) : w;
 }
+// The other sides: one past the last key `row` sees (causal: its diagonal; bidirectional
+// documents: its document's end; else every key), and the first query that sees `key`
+// (causal: the diagonal's; bidirectional documents: its document's start; else 0). Both
+// are non-decreasing too, so a block's last row and first key bound its walk. (A padding
+// row past seq_q reads a later token's end: a longer walk for the last block, masked; its
+// clamp cost the Hopper forward's producer 8 bytes more of spill.)
+template <typename Params>
+__device__ __forceinline__ int64_t key_end(const Params& p, int64_t b, int64_t row) {
+  if (p.causal) return imin(p.seq_k, row + p.query_offset + 1);
+  return bidirectional_documents(p) ? document_key_end(p, b, row) : p.seq_k;
+}
+template <typename Params>
+__device__ __forceinline__ int64_t first_query(const Params& p, int64_t b, int64_t key) {
+  if (p.causal) return imax(0, key - p.query_offset);
+  return bidirectional_documents(p) ? document_first_query(p, b, key) : 0;
+}
 
 // The query tiles of kBlockM a backward block of keys [n0, n0 + kBlockN) of batch b walks,
-// per query head: from m_begin (causal: the tile holding the query at its first key, since
-// the queries before it see none of its keys), n_tiles of them, up to the last query that
-// sees its last key.
+// per query head: from m_begin (the tile holding the first query that sees its first key,
+// since the queries before it see none of its keys), n_tiles of them, up to the last query
+// that sees its last key.
 template <int kBlockM, int kBlockN>
 struct BwdQueryTiles {
   int64_t m_begin;
   int n_tiles;
   __device__ __forceinline__ BwdQueryTiles(const dtrain_attention_bwd_params& p, int64_t b, int64_t n0)
-      : m_begin(p.causal ? imax(0, n0 - p.query_offset) / kBlockM * kBlockM : 0) {
+      : m_begin(first_query(p, b, n0) / kBlockM * kBlockM) {
     const int64_t m_end = query_end(p, b, n0 + kBlockN - 1);
     n_tiles = m_begin < m_end ? static_cast<int>((m_end - m_begin + kBlockM - 1) / kBlockM) : 0;
   }

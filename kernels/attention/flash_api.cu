@@ -24,7 +24,7 @@ bool shape_ok(const Params& p) {
          p.softcap >= 0.f && p.softcap <= 3.4e38f &&   // NaN and inf fail
          (p.documents.start == nullptr) == (p.documents.end == nullptr) &&
          (p.documents.start == nullptr ||
-          (p.causal && p.documents.stride >= 0 && document_row_tokens(p) >= imax(p.seq_k, p.query_offset + p.seq_q)));
+          (p.documents.stride >= 0 && document_row_tokens(p) >= imax(p.seq_k, p.query_offset + p.seq_q)));
 }
 
 // What one (pass, kernel) is, per dtype T and kernel head dim D: run (its launcher) and

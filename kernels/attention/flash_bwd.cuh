@@ -129,34 +129,46 @@ __device__ __forceinline__ void mask_scores_t(float (&st)[kN][4], int64_t key0, 
   }
 }
 
-// The window's and the documents' side of the mask works from each key's query_end (one
-// past the last query that sees it), which a warp stages for its 16 keys in shared memory
-// before its first tile: ends_s[key - n0] = query_end - n0 (n0 the block's first key;
-// 32-bit, clamped: a sequence of 2^31 tokens does not fit in memory anyway). Held in
-// registers, or loaded per tile, it cost the mma.sync D 128 backward 4 bytes of spill.
-__device__ __forceinline__ void stage_query_ends(int* ends_s, const dtrain_attention_bwd_params& p, int64_t b,
-                                                 int64_t n0, int64_t warp_key0) {
+// The window's and the documents' sides of the mask work from each key's queries [first,
+// end): end its query_end, first (bidirectional documents) its document's first query or
+// else 0 (the causal diagonal is mask_scores_t's). A warp stages them for its 16 keys in
+// shared memory before its first tile, relative to the block's first key n0:
+// bounds_s[key - n0] = {first - n0, end - n0} (32-bit, clamped: a sequence of 2^31 tokens
+// does not fit in memory anyway). Held in registers, or loaded per tile, the end cost the
+// mma.sync D 128 backward 4 bytes of spill.
+struct KeyQueries {
+  int first, end;
+};
+__device__ __forceinline__ void stage_query_bounds(KeyQueries* bounds_s, const dtrain_attention_bwd_params& p,
+                                                   int64_t b, int64_t n0, int64_t warp_key0) {
   const int lane = threadIdx.x % 32;
   if (lane < 16) {
-    ends_s[warp_key0 - n0 + lane] = static_cast<int>(imin(query_end(p, b, warp_key0 + lane) - n0, INT32_MAX));
+    const int64_t key = warp_key0 + lane;
+    const int64_t first = bidirectional_documents(p) ? document_first_query(p, b, key) : 0;
+    bounds_s[warp_key0 - n0 + lane] = {static_cast<int>(imax(first - n0, INT32_MIN)),
+                                       static_cast<int>(imin(query_end(p, b, key) - n0, INT32_MAX))};
   }
   __syncwarp();
 }
 
-// Queries at and after a key's query_end are masked (per key, a 32-bit bound relative to
-// m0 + 2 t, as above; ends_w: this warp's 16 staged ends, key0's at g).
+// Queries before a key's staged first or at and after its end are masked (per key, two
+// 32-bit bounds relative to m0 + 2 t, as above; bounds_w: this warp's 16 staged bounds,
+// key0's at g).
 template <int kN>
-__device__ __forceinline__ void mask_query_end_t(float (&st)[kN][4], const int* ends_w, int64_t n0, int64_t m0) {
+__device__ __forceinline__ void mask_query_bounds_t(float (&st)[kN][4], const KeyQueries* bounds_w, int64_t n0,
+                                                    int64_t m0) {
   const int t2 = 2 * (threadIdx.x % 4), g = threadIdx.x % 32 / 4;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int64_t end = n0 + ends_w[g + 8 * r];
-    const int bound = static_cast<int>(imax(0, imin(end - m0, kN * 8))) - t2;
+    const KeyQueries& q = bounds_w[g + 8 * r];
+    const int first = static_cast<int>(imax(0, imin(n0 + q.first - m0, kN * 8))) - t2;
+    const int end = static_cast<int>(imax(0, imin(n0 + q.end - m0, kN * 8))) - t2;
 #pragma unroll
     for (int nt = 0; nt < kN; ++nt) {
 #pragma unroll
       for (int e = 2 * r; e < 2 * r + 2; ++e) {
-        if (nt * 8 + (e & 1) >= bound) st[nt][e] = -INFINITY;
+        const int c = nt * 8 + (e & 1);
+        if (c < first || c >= end) st[nt][e] = -INFINITY;
       }
     }
   }
@@ -165,16 +177,19 @@ __device__ __forceinline__ void mask_query_end_t(float (&st)[kN][4], const int* 
 // The mask of a warp's transposed score tile for keys [k0, k0 + kKeys) (its own, key0 and
 // key1, among them) against the queries [m0, m0 + kBlockM): only a tile past the end of
 // the keys, across the causal diagonal or, with a sliding window or packed documents,
-// reaching past its warp's first key's query_end (non-decreasing) has masked entries.
-// ends_w, n0: as for mask_query_end_t.
+// reaching past its warp's first key's query_end or (bidirectional documents) starting
+// before its warp's last key's first query (both non-decreasing) has masked entries.
+// bounds_w, n0: as for mask_query_bounds_t.
 template <int kKeys, int kBlockM, int kN>
 __device__ __forceinline__ void mask_tile_t(float (&st)[kN][4], const dtrain_attention_bwd_params& p, int64_t k0,
-                                            int64_t m0, int64_t key0, int64_t key1, const int* ends_w, int64_t n0) {
+                                            int64_t m0, int64_t key0, int64_t key1, const KeyQueries* bounds_w,
+                                            int64_t n0) {
   if (k0 + kKeys > p.seq_k || (p.causal && (k0 + kKeys - 1 - m0) > p.query_offset)) {
     mask_scores_t(st, key0, key1, m0, p);
   }
-  if ((p.window > 0 || p.documents.end != nullptr) && m0 + kBlockM > n0 + ends_w[0]) {
-    mask_query_end_t(st, ends_w, n0, m0);
+  if ((p.window > 0 || p.documents.end != nullptr) &&
+      (m0 + kBlockM > n0 + bounds_w[0].end || m0 < n0 + bounds_w[15].first)) {
+    mask_query_bounds_t(st, bounds_w, n0, m0);
   }
 }
 
@@ -311,18 +326,18 @@ __device__ __forceinline__ void stage_row_stats(float* lse_s, float* delta_s, co
 
 // The mma.sync backward's shared memory, in order: K and V [kBwdBlockN][kPitch], Q and dO
 // [kBwdBlockM][kPitch], kBwdSplit score tiles [kBwdBlockM][kPitchS] (dS; split: P^T, then dS^T),
-// the query tile's log-sum-exp and delta [kBwdBlockM] floats, and the keys' query ends
-// [kBwdBlockN] ints (stage_query_ends). kBytes is what the launch asks for.
+// the query tile's log-sum-exp and delta [kBwdBlockM] floats, and the keys' query bounds
+// [kBwdBlockN] (stage_query_bounds). kBytes is what the launch asks for.
 template <typename T, int D, bool kCompact = false>
 struct BwdSmem {
   using C = FlashConfig<D, kCompact>;
   static constexpr int kTileElems = (2 * C::kBwdBlockN + 2 * C::kBwdBlockM) * C::kPitch;
   static constexpr int kScoreElems = C::kBwdSplit * C::kBwdBlockM * C::kPitchS;
   static constexpr size_t kBytes = sizeof(T) * static_cast<size_t>(kTileElems + kScoreElems) +
-                                   sizeof(float) * 2 * C::kBwdBlockM + sizeof(int) * C::kBwdBlockN;
+                                   sizeof(float) * 2 * C::kBwdBlockM + sizeof(KeyQueries) * C::kBwdBlockN;
   T *ks, *vs, *qs, *dos, *s_tiles;
   float *lse, *delta;
-  int* ends;
+  KeyQueries* bounds;
   __device__ __forceinline__ explicit BwdSmem(T* smem)
       : ks(smem),
         vs(ks + C::kBwdBlockN * C::kPitch),
@@ -331,7 +346,7 @@ struct BwdSmem {
         s_tiles(dos + C::kBwdBlockM * C::kPitch),
         lse(reinterpret_cast<float*>(s_tiles + kScoreElems)),
         delta(lse + C::kBwdBlockM),
-        ends(reinterpret_cast<int*>(delta + C::kBwdBlockM)) {}
+        bounds(reinterpret_cast<KeyQueries*>(delta + C::kBwdBlockM)) {}
 };
 
 // The block's keys [n0, n0 + kBlockN) of kv head hk: K and V into shared memory (row
@@ -455,14 +470,14 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads, D <= 64 ? 3 : 1)
   T *ks = sm.ks, *vs = sm.vs, *qs = sm.qs, *dos = sm.dos;
   T* dss = sm.s_tiles;  // [BM][PS]: dS as [query][key]
   float *lse_s = sm.lse, *delta_s = sm.delta;
-  int* ends_s = sm.ends;
+  KeyQueries* bounds_s = sm.bounds;
 
   const BwdBlock blk = bwd_block<T, BN, false, kSliced>(p, launch);
   const int64_t b = blk.b, hk = blk.hk, n0 = blk.n0;
   const int group = static_cast<int>(p.heads / p.kv_heads);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t key0 = n0 + warp * 16 + g, key1 = key0 + 8;  // keys of c0,c1 and of c2,c3
-  stage_query_ends(ends_s, p, b, n0, n0 + warp * 16);
+  stage_query_bounds(bounds_s, p, b, n0, n0 + warp * 16);
   const float scale_log2 = p.scale * kLog2e;
 
   load_kv_async<BN, D, kThreads>(ks, vs, P, p, b, hk, n0);
@@ -494,7 +509,7 @@ __global__ void __launch_bounds__(FlashConfig<D>::kThreads, D <= 64 ? 3 : 1)
       // Mask only the tiles that need one (mask_tile_t); padding query rows have lse = inf,
       // so their p is 0 without one.
       if constexpr (kSoftcap) softcap_scores(st, p.scale, p.softcap);
-      mask_tile_t<BN, BM>(st, p, n0, m0, key0, key1, ends_s + warp * 16, n0);
+      mask_tile_t<BN, BM>(st, p, n0, m0, key0, key1, bounds_s + warp * 16, n0);
       probabilities_t(st, lse_s, scale_log2);
       const bool dropout = p.dropout_p > 0.f;
       DropoutT z{};
@@ -579,7 +594,7 @@ __global__ void __launch_bounds__(FlashConfig<D, kCompact>::kBwdThreads, 1)
   T* pts = sm.s_tiles;      // [BN][PS]: P^T as [key][query]
   T* dsts = pts + BN * PS;  // [BN][PS]: dS^T as [key][query]
   float *lse_s = sm.lse, *delta_s = sm.delta;
-  int* ends_s = sm.ends;
+  KeyQueries* bounds_s = sm.bounds;
 
   const BwdBlock blk = bwd_block<T, BN, false, kSliced>(p, launch);
   const int64_t b = blk.b, hk = blk.hk, n0 = blk.n0;
@@ -589,7 +604,7 @@ __global__ void __launch_bounds__(FlashConfig<D, kCompact>::kBwdThreads, 1)
                                                         // (dK, dV, dQ)
   const int mq = part * kQueries, c0 = part * (D / 2);
   const int64_t key0 = n0 + kw * 16 + g, key1 = key0 + 8;
-  if (part == 0) stage_query_ends(ends_s, p, b, n0, n0 + kw * 16);  // read after the first tile's barrier
+  if (part == 0) stage_query_bounds(bounds_s, p, b, n0, n0 + kw * 16);  // read after the first tile's barrier
   const float scale_log2 = p.scale * kLog2e;
 
   load_kv_async<BN, D, kThreads>(ks, vs, P, p, b, hk, n0);
@@ -615,7 +630,7 @@ __global__ void __launch_bounds__(FlashConfig<D, kCompact>::kBwdThreads, 1)
         zero_tiles(st_tiles);
         mma_rows_rows<T, 1, D, kQueries / 8>(st_tiles, ks + kw * 16 * P, P, qs + mq * P, P);
         if (p.softcap > 0.f) softcap_scores(st, p.scale, p.softcap);
-        mask_tile_t<BN, kQueries>(st, p, n0, m0 + mq, key0, key1, ends_s + kw * 16, n0);
+        mask_tile_t<BN, kQueries>(st, p, n0, m0 + mq, key0, key1, bounds_s + kw * 16, n0);
         probabilities_t(st, lse_s + mq, scale_log2);
         zero_tiles(dpt_tiles);
         mma_rows_rows<T, 1, D, kQueries / 8>(dpt_tiles, vs + kw * 16 * P, P, dos + mq * P, P);

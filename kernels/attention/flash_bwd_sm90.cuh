@@ -46,8 +46,8 @@ struct FlashBwdSm90Config {
   // (kBlockM rows), then the score buffers [kBlockM][64] in the blocked layout: tiled, two
   // of dS per consumer (by tile parity); split, one each of P^T, dS^T and dS. Then float32:
   // tiled, the staged dQ tile (kBlockM x D in DqLayout's order); per stage the log-sum-exp
-  // and delta [2][kBlockM]; int32: each consumer's keys' staged query ends [64]
-  // (stage_query_ends); then the mbarriers (K/V full; per stage full, empty); 1024 bytes of
+  // and delta [2][kBlockM]; int32 pairs: each consumer's keys' staged query bounds [64]
+  // (stage_query_bounds); then the mbarriers (K/V full; per stage full, empty); 1024 bytes of
   // slack to align the tiles to the swizzle's 1024-byte atoms.
   static constexpr size_t kKvElements = static_cast<size_t>(kBlockN) * D;
   static constexpr size_t kTileElements = static_cast<size_t>(kBlockM) * D;
@@ -55,7 +55,7 @@ struct FlashBwdSm90Config {
   static constexpr int kScoreBuffers = kSplitD ? 3 : 2 * kConsumers;
   static constexpr size_t kHalfElements = 2 * kKvElements + 2 * kStages * kTileElements + kScoreBuffers * kDsElements;
   static constexpr size_t kDqStageFloats = kSplitD ? 0 : kTileElements;
-  static constexpr size_t kFloats = kDqStageFloats + 2 * kStages * kBlockM + 64 * kConsumers;  // and the ints
+  static constexpr size_t kFloats = kDqStageFloats + 2 * kStages * kBlockM + 2 * 64 * kConsumers;  // and the ints
   static constexpr size_t kSmemBytes = 1024 + 2 * kHalfElements + 4 * kFloats + 8 * (1 + 2 * kStages);
   static_assert(kSmemBytes <= 232448, "a block's shared memory on Hopper (227 KB)");
 };
@@ -82,8 +82,8 @@ __global__ void __launch_bounds__(FlashBwdSm90Config<D>::kThreads, 1)
   T *pt_s = ds_all, *dst_s = ds_all + C::kDsElements, *ds_s = ds_all + 2 * C::kDsElements;
   float* dq_stage = reinterpret_cast<float*>(ds_all + C::kScoreBuffers * C::kDsElements);  // tiled
   float* stats = dq_stage + C::kDqStageFloats;  // stage st: log-sum-exp at st 2 BM, delta after
-  int* ends_s = reinterpret_cast<int*>(stats + 2 * S * BM);  // [kConsumers][64]: stage_query_ends
-  uint64_t* bars = reinterpret_cast<uint64_t*>(ends_s + 64 * C::kConsumers);
+  KeyQueries* bounds_s = reinterpret_cast<KeyQueries*>(stats + 2 * S * BM);  // [kConsumers][64]: stage_query_bounds
+  uint64_t* bars = reinterpret_cast<uint64_t*>(bounds_s + 64 * C::kConsumers);
   uint64_t *kv_full = bars, *full = bars + 1, *empty = bars + 1 + S;
 
   const BwdBlock blk = bwd_block<T, BN, true, kSliced>(p, launch);
@@ -173,8 +173,8 @@ __global__ void __launch_bounds__(FlashBwdSm90Config<D>::kThreads, 1)
   // The queries of a tile its S^T and dP^T cover, kQ from row q_row0 (split: its half).
   constexpr int kQ = C::kSplitD ? BM / C::kConsumers : BM;
   const int q_row0 = C::kSplitD ? kQ * cg : 0;
-  const int* ends_w = ends_s + 64 * cg + warp * 16;  // this warp's keys' query ends, relative to kc0
-  stage_query_ends(ends_s + 64 * cg, p, b, kc0, kc0 + warp * 16);
+  const KeyQueries* bounds_w = bounds_s + 64 * cg + warp * 16;  // this warp's keys' query bounds, relative to kc0
+  stage_query_bounds(bounds_s + 64 * cg, p, b, kc0, kc0 + warp * 16);
   const float scale_log2 = p.scale * kLog2e;
   // Columns 16 kk .. 16 kk + 15 of a K-major swizzled tile of `rows` rows: box kk / 4, 32
   // bytes per 16 columns inside its rows. This warpgroup's K and V are rows key_row0 .. of
@@ -224,7 +224,7 @@ __global__ void __launch_bounds__(FlashBwdSm90Config<D>::kThreads, 1)
     wgmma_wait<1>();  // S^T
     wgmma_fence_regs(s_t);
     if (p.softcap > 0.f) softcap_scores(s_t, p.scale, p.softcap);
-    mask_tile_t<64, kQ>(s_t, p, kc0, mq, key0, key1, ends_w, kc0);
+    mask_tile_t<64, kQ>(s_t, p, kc0, mq, key0, key1, bounds_w, kc0);
     probabilities_t(s_t, lse_c, scale_log2);
     // P^T as dV's product takes it: under dropout, dropped (flash_bwd.cuh: DropoutT; its
     // hashes run while dP^T is on the tensor cores).

@@ -14,7 +14,8 @@ namespace dtrain_kernels {
 // query blocks, which have the most key tiles, so that the short ones fill the tail; with
 // kSectioned, in tile_order's sections of heads whose K and V fit in L2. q is its first
 // row; k and v are its kv head's (GQA); n_tiles counts the key tiles of kBlockN it visits
-// (causal: none past its last row, all masked there). The one-argument form is this
+// (causal: none past its last row, all masked there; bidirectional documents: none past
+// its last row's document). The one-argument form is this
 // block's of a grid launched as (query blocks, heads, batch); the other is query block
 // number `block` in that order, for a persistent grid's loop. With a sliding window the
 // walk starts at n_begin, the tile of the first row's first key (at most the last tile, so
@@ -47,8 +48,7 @@ struct FwdBlock {
     q = static_cast<const T*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head + m0 * p.q_stride.seq;
     k = static_cast<const T*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;
     v = static_cast<const T*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head;
-    const int64_t n_end = p.causal ? imin(p.seq_k, m0 + p.query_offset + kBlockM) : p.seq_k;
-    const int64_t end_tiles = (n_end + kBlockN - 1) / kBlockN;
+    const int64_t end_tiles = imax(1, (key_end(p, b, m0 + kBlockM - 1) + kBlockN - 1) / kBlockN);
     n_begin = static_cast<int>(imin(first_key(p, b, m0) / kBlockN, end_tiles - 1));
     n_tiles = static_cast<int>(end_tiles - n_begin);
   }
@@ -88,24 +88,29 @@ __device__ __forceinline__ void mask_scores(float (&s)[kM][kN][4], int64_t row0,
   }
 }
 
-// The sliding window's and the packed documents' side of the mask: keys before a row's
-// first_key are masked; per row (this thread's 2 kM) one 32-bit bound relative to col0 +
-// 2 t, as above (with documents, one load of the row's start each).
+// The per-row sides of the mask: keys before a row's first_key (the sliding window's and
+// the packed documents' side) and, with bidirectional documents, at and after its
+// document_key_end are masked; per row (this thread's 2 kM) 32-bit bounds relative to
+// col0 + 2 t, as above (with documents, one load of each of the row's bounds).
 template <int kM, int kN>
-__device__ __forceinline__ void mask_first_key(float (&s)[kM][kN][4], const dtrain_attention_fwd_params& p,
-                                               int64_t b, int64_t row0, int64_t col0) {
+__device__ __forceinline__ void mask_row_bounds(float (&s)[kM][kN][4], const dtrain_attention_fwd_params& p,
+                                                int64_t b, int64_t row0, int64_t col0) {
   const int t2 = 2 * (threadIdx.x % 4);
+  const bool bidirectional = bidirectional_documents(p);
 #pragma unroll
   for (int m = 0; m < kM; ++m) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int64_t first = first_key(p, b, row0 + m * 16 + r * 8);
-      const int bound = static_cast<int>(imax(0, imin(first - col0, kN * 8))) - t2;
+      const int64_t row = row0 + m * 16 + r * 8;
+      const int first = static_cast<int>(imax(0, imin(first_key(p, b, row) - col0, kN * 8))) - t2;
+      const int end =
+          bidirectional ? static_cast<int>(imax(0, imin(document_key_end(p, b, row) - col0, kN * 8))) - t2 : kN * 8;
 #pragma unroll
       for (int nt = 0; nt < kN; ++nt) {
 #pragma unroll
         for (int e = 2 * r; e < 2 * r + 2; ++e) {
-          if (nt * 8 + (e & 1) < bound) s[m][nt][e] = -INFINITY;
+          const int c = nt * 8 + (e & 1);
+          if (c < first || c >= end) s[m][nt][e] = -INFINITY;
         }
       }
     }
@@ -115,17 +120,21 @@ __device__ __forceinline__ void mask_first_key(float (&s)[kM][kN][4], const dtra
 // The mask of a warp's score tiles (query rows from row0, as above, before the query
 // offset) for key tile [n0, n0 + kBlockN) of the query block [m0, m0 + kBlockM) of batch
 // b: only a tile past the end of the keys, across the causal diagonal (shifted by the
-// query offset) or, with a sliding window or packed documents,
-// before the block's last row's first key (first_key is non-decreasing) has masked
-// entries, so that interior tiles carry no per-element compare.
+// query offset) or, with a sliding window or packed documents, before the block's last
+// row's first key or (bidirectional documents) past its first row's document's end (both
+// non-decreasing) has masked entries, so that interior tiles carry no per-element compare.
 template <int kBlockM, int kBlockN, int kM, int kN>
 __device__ __forceinline__ void mask_tile(float (&s)[kM][kN][4], const dtrain_attention_fwd_params& p, int64_t b,
                                           int64_t m0, int64_t row0, int64_t n0) {
   if (n0 + kBlockN > p.seq_k || (p.causal && n0 + kBlockN - 1 > m0 + p.query_offset)) {
     mask_scores(s, row0 + p.query_offset, n0, p.seq_k, p.causal);
   }
-  if ((p.window > 0 || p.documents.start != nullptr) && n0 < first_key(p, b, m0 + kBlockM - 1)) {
-    mask_first_key(s, p, b, row0, n0);
+  if (p.window > 0 || p.documents.start != nullptr) {
+    const int64_t bb = opaque(b);  // so that the document rows' addresses are not held across the loop
+    if (n0 < first_key(p, bb, m0 + kBlockM - 1) ||
+        (bidirectional_documents(p) && n0 + kBlockN > document_key_end(p, bb, m0))) {
+      mask_row_bounds(s, p, bb, row0, n0);
+    }
   }
 }
 

@@ -83,14 +83,14 @@ void check_query_offset(const char* op, bool causal, std::int64_t query_offset) 
                   causal ? "" : " without causal", " is not allowed; allowed: 0, or with causal an offset >= 0");
 }
 
-// Both backends' rule for packed documents: integer [batch, time] on q's device, causal
-// only, numbering the tokens of a sequence whose first tokens are the keys and whose tokens
-// [query_offset, query_offset + queries) are the queries (it may go on past both).
-void check_documents(const char* op, const at::Tensor& q, const at::Tensor& k, bool causal,
-                     const Documents& docs, std::int64_t query_offset) {
+// Both backends' rule for packed documents: integer [batch, time] on q's device, numbering
+// the tokens of a sequence whose first tokens are the keys and whose tokens [query_offset,
+// query_offset + queries) are the queries (it may go on past both; without causal the
+// offset is 0, a token being query and key alike).
+void check_documents(const char* op, const at::Tensor& q, const at::Tensor& k, const Documents& docs,
+                     std::int64_t query_offset) {
   if (!docs.defined()) return;
   const auto& documents = docs.ids();
-  DTRAIN_OP_CHECK(causal, op, "documents without causal are not allowed; allowed: causal attention");
   const auto need = std::max(k.size(2), query_offset + q.size(2));
   DTRAIN_OP_CHECK(documents.dim() == 2 && documents.size(0) == q.size(0) && documents.size(1) >= need, op,
                   "documents must be [batch, time] = [", q.size(0), ", >= ", need, "]; got ", documents.sizes());
@@ -138,14 +138,20 @@ std::pair<at::Tensor, at::Tensor> document_bounds(const at::Tensor& documents) {
 // ---- reference path --------------------------------------------------------------------
 
 // Whether query i may not see key j, for the queries at tokens [r0, r0 + n) of the keys'
-// sequence and its first sk tokens as keys: [n, sk], or with documents (doc_start: each
-// token's document start, [B, >= max(r0 + n, sk)]) [B, 1, n, sk] (undefined without a
-// mask).
+// sequence and its first sk tokens as keys: [n, sk], or with documents (doc_start,
+// doc_end: each token's document bounds, [B, >= max(r0 + n, sk)]) [B, 1, n, sk]
+// (undefined without a mask). Without causal only documents hide keys: those outside the
+// query's document, later ones too.
 at::Tensor hidden_keys(std::int64_t r0, std::int64_t n, std::int64_t sk, bool causal, std::int64_t window,
-                       const at::Tensor& doc_start, const at::TensorOptions& options) {
-  if (!causal) return {};
+                       const at::Tensor& doc_start, const at::Tensor& doc_end, const at::TensorOptions& options) {
+  if (!causal && !doc_start.defined()) return {};
   auto rows = at::arange(r0, r0 + n, options.dtype(at::kLong)).unsqueeze(1);
   auto cols = at::arange(sk, options.dtype(at::kLong)).unsqueeze(0);
+  if (!causal) {
+    return cols.lt(doc_start.narrow(1, r0, n).unsqueeze(-1))
+        .logical_or(cols.ge(doc_end.narrow(1, r0, n).unsqueeze(-1)))
+        .unsqueeze(1);
+  }
   auto hidden = cols > rows;
   if (window > 0) hidden.logical_or_(cols <= rows - window);
   if (!doc_start.defined()) return hidden;
@@ -222,7 +228,8 @@ at::Tensor scores(const at::Tensor& qf, const at::Tensor& kf, std::int64_t r0, s
     s = t * m.softcap;
     if (capped != nullptr) *capped = t;
   }
-  const auto hidden = hidden_keys(m.query_offset + r0, n, kf.size(2), m.causal, m.window, m.doc_start, s.options());
+  const auto hidden =
+      hidden_keys(m.query_offset + r0, n, kf.size(2), m.causal, m.window, m.doc_start, m.doc_end, s.options());
   return hidden.defined() ? s.masked_fill(hidden, -std::numeric_limits<double>::infinity()) : s;
 }
 
@@ -507,6 +514,7 @@ struct Documents::Derived {
     std::int64_t window, first_query, seq_q, seq_k;
     at::ScalarType dtype;
     c10::Device device;
+    bool causal;
   };
   // A context-parallel rank's layers ask for two masks in turn (one per chunk of queries),
   // so a few are kept; a list, so that a kept mask stays where it is.
@@ -533,16 +541,19 @@ const std::pair<at::Tensor, at::Tensor>& Documents::bounds() const {
 }
 
 const at::Tensor& Documents::sdpa_mask(std::int64_t window, at::ScalarType dtype, std::int64_t seq_q,
-                                       std::int64_t seq_k, c10::Device device, std::int64_t first_query) const {
+                                       std::int64_t seq_k, c10::Device device, std::int64_t first_query,
+                                       bool causal) const {
   DTRAIN_CHECK(defined() || window > 0 || first_query > 0,
                "internal: an sdpa mask without documents, a window or a query offset");
+  DTRAIN_CHECK(causal || (defined() && window == 0 && first_query == 0),
+               "internal: an sdpa mask without causal takes documents alone");
   DTRAIN_CHECK(first_query >= 0 && (!defined() || (first_query + seq_q <= ids_.size(1) &&
                                                     seq_k <= ids_.size(1) && device == ids_.device())),
                "internal: a document mask for other sequences than the documents'");
   auto& d = *derived_;
   for (const auto& m : d.masks) {
     if (m.window == window && m.dtype == dtype && m.first_query == first_query && m.seq_q == seq_q &&
-        m.seq_k == seq_k && m.device == device) {
+        m.seq_k == seq_k && m.device == device && m.causal == causal) {
       return m.mask;
     }
   }
@@ -556,11 +567,11 @@ const at::Tensor& Documents::sdpa_mask(std::int64_t window, at::ScalarType dtype
   } else {
     mask = at::zeros({seq_q, padded}, options.dtype(dtype)).narrow(1, 0, seq_k);
   }
-  mask.masked_fill_(hidden_keys(first_query, seq_q, seq_k, /*causal=*/true, window,
-                                defined() ? bounds().first : at::Tensor(), options),
+  mask.masked_fill_(hidden_keys(first_query, seq_q, seq_k, causal, window, defined() ? bounds().first : at::Tensor(),
+                                defined() ? bounds().second : at::Tensor(), options),
                     -std::numeric_limits<double>::infinity());
   if (d.masks.size() == Derived::kMasks) d.masks.pop_front();
-  d.masks.push_back({std::move(mask), window, first_query, seq_q, seq_k, dtype, device});
+  d.masks.push_back({std::move(mask), window, first_query, seq_q, seq_k, dtype, device, causal});
   return d.masks.back().mask;
 }
 
@@ -580,7 +591,7 @@ namespace {
 Mask checked_mask(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, std::int64_t window,
                   const Documents& documents, std::int64_t query_offset, double softcap) {
   check_inputs(q, k, v, causal, window, query_offset);
-  check_documents(kOp, q, k, causal, documents, query_offset);
+  check_documents(kOp, q, k, documents, query_offset);
   DTRAIN_OP_CHECK(softcap >= 0 && softcap <= std::numeric_limits<float>::max(), kOp, "softcap=", softcap,
                   " is out of range; allowed: 0 (none) or a finite cap > 0 (Gemma 2: 50)");
   Mask mask{causal, window, query_offset, {}, {}};
@@ -622,13 +633,11 @@ at::Tensor flash_attention_varlen(const at::Tensor& q, const at::Tensor& k, cons
                       cu_seqlens.device() == q.device(),
                   kOp, "varlen: cu_seqlens must be int32 or int64 [sequences + 1] on q's device ", q.device(), "; got ",
                   cu_seqlens.scalar_type(), " ", cu_seqlens.sizes(), " on ", cu_seqlens.device());
-  DTRAIN_OP_CHECK(causal, kOp, "varlen: causal=false is not taken (packed sequences are causal only here); "
-                  "allowed: causal=true");
   // Token t's sequence: the number of boundaries c_1.. at or before it (a document number).
   const auto tokens = at::arange(q.size(0), cu_seqlens.options());
   const auto ids = at::searchsorted(cu_seqlens, tokens, /*out_int32=*/false, /*right=*/true).unsqueeze(0);
   auto bhsd = [](const at::Tensor& t) { return t.unsqueeze(0).transpose(1, 2); };  // [1, heads, total, D]
-  const auto o = flash_attention(bhsd(q), bhsd(k), bhsd(v), /*causal=*/true, scale, window, Documents(ids), 0,
+  const auto o = flash_attention(bhsd(q), bhsd(k), bhsd(v), causal, scale, window, Documents(ids), 0,
                                  dropout_p, std::nullopt, softcap);
   return o.transpose(1, 2).squeeze(0);
 }
@@ -674,7 +683,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   DTRAIN_CHECK_ARG(hkv >= 1 && h % hkv == 0, "attention: ", h, " query heads are not a multiple of ",
                    hkv, " key/value heads");
   check_query_offset("attention", causal, query_offset);
-  check_documents("attention", q, k, causal, documents, query_offset);
+  check_documents("attention", q, k, documents, query_offset);
   // An explicit mask of the keys each query sees (sdpa has no window, no documents and no
   // query offset), made once for all the calls that share `documents`, additive in the
   // dtype sdpa computes in, so that sdpa uses it (and saves it for the backward) as it is:
@@ -682,7 +691,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const auto dtype = sdpa_dtype(q);
   std::optional<at::Tensor> mask;
   if (documents.defined() || window > 0 || query_offset > 0) {
-    mask = documents.sdpa_mask(window, dtype, q.size(2), k.size(2), q.device(), query_offset);
+    mask = documents.sdpa_mask(window, dtype, q.size(2), k.size(2), q.device(), query_offset, causal);
   }
   const bool is_causal = causal && !mask.has_value();
   if (hkv == h) return at::scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal);

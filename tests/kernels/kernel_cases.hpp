@@ -602,7 +602,7 @@ struct AttnCase {
   bool causal;
   at::ScalarType type;
   std::int64_t window = 0;  // a sliding window of this many keys (causal only); 0: none
-  std::int64_t docs = 0;    // packed documents of random lengths from 1 to this (causal only); 0: none
+  std::int64_t docs = 0;    // packed documents of random lengths from 1 to this; 0: none
   std::int64_t offset = 0;  // the queries' first token among the keys' (causal only)
 };
 
@@ -726,12 +726,12 @@ void expect_bad_dropout_and_softcap_refused(const Params& p, const Run& run) {
 // <= o + i, query i being token o + i of the keys' sequence, o the offset; a sliding
 // window of w keys: o + i - w < j <= o + i); with packed documents (doc_ids [batch,
 // >= seq_k], a document number per token of the keys' sequence, which may go on past them),
-// [batch, 1, seq_q, seq_k], and only keys of the query's own document.
+// [batch, 1, seq_q, seq_k], and only keys of the query's own document (without causal,
+// all of them).
 at::Tensor visible(std::int64_t seq_q, std::int64_t seq_k, bool causal, std::int64_t window, const at::Device& device,
                    const at::Tensor& doc_ids = {}, std::int64_t offset = 0) {
   auto ones = torch::ones({seq_q, seq_k}, torch::TensorOptions().dtype(torch::kBool).device(device));
-  if (!causal) return ones;
-  auto mask = ones.tril(offset);
+  auto mask = causal ? ones.tril(offset) : ones;
   if (window > 0) mask = mask.logical_and(ones.triu(offset - (window - 1)));
   if (!doc_ids.defined()) return mask;
   const auto ids = doc_ids.to(device);
@@ -782,7 +782,7 @@ at::Tensor attention_math(const at::Tensor& q, const at::Tensor& k, const at::Te
   auto kk = k.repeat_interleave(group, 1), vv = v.repeat_interleave(group, 1);
   auto s = at::matmul(q, kk.transpose(-2, -1)) * scale;
   at::Tensor none;  // [..., seq_q, 1]: rows that see no key, whose scores stay finite (no NaN)
-  if (causal) {
+  if (causal || doc_ids.defined()) {
     const auto vis = visible(q.size(2), k.size(2), causal, window, q.device(), doc_ids, offset);
     none = vis.any(-1, /*keepdim=*/true).logical_not();
     s = s.masked_fill(vis.logical_not().logical_and(none.logical_not()), -std::numeric_limits<double>::infinity());
@@ -850,13 +850,8 @@ void expect_attention_case_within_twice_the_naive_error(const AttnCase& c) {
   f = fwd_params(qd, kd, vd, o, lse, c.causal, scale, kernel, c.window, c.offset);
   if (c.docs > 0) {
     f.documents = {doc_start.data_ptr<std::int32_t>(), doc_end.data_ptr<std::int32_t>(),
-                   c.offset > 0 ? doc_start.size(1) : 0};
-    auto g = f;  // documents are causal only, number the keys' and the queries' tokens, need both bounds
-    g.causal = 0;
-    g.window = 0;
-    g.query_offset = 0;
-    EXPECT_EQ(run_fwd(g), cudaErrorInvalidValue) << "documents without causal";
-    g = f;
+                   c.offset > 0 || c.seq_q > c.seq_k ? doc_start.size(1) : 0};
+    auto g = f;  // documents number the keys' and the queries' tokens, need both bounds
     g.documents.end = nullptr;
     EXPECT_EQ(run_fwd(g), cudaErrorInvalidValue) << "document starts alone";
     g = f;
@@ -897,7 +892,7 @@ void expect_attention_case_within_twice_the_naive_error(const AttnCase& c) {
      // with one, a row that sees no key has +inf).
     auto s = at::matmul(q.to(at::kDouble), k.to(at::kDouble).repeat_interleave(c.heads / c.kv_heads, 1)
                                                .transpose(-2, -1)) * scale;
-    if (c.causal) {
+    if (c.causal || c.docs > 0) {
       s = s.masked_fill(visible(c.seq_q, c.seq_k, c.causal, c.window, s.device(), doc_ids, c.offset).logical_not(),
                         -std::numeric_limits<double>::infinity());
     }
@@ -974,6 +969,15 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
       // itself alone), with a window, over 2 batches of their own splits.
       {2, 4, 2, 300, 300, 64, true, at::kBFloat16, 0, 40},  {1, 2, 1, 260, 260, 128, true, at::kHalf, 0, 150},
       {1, 2, 1, 130, 130, 96, true, at::kHalf, 0, 1},        {2, 2, 2, 200, 200, 32, true, at::kBFloat16, 30, 90},
+      // Packed documents without causal (a query sees its whole document): shorter than a
+      // tile (both edges masked on every side), longer than one (the forward stops at its
+      // last row's document's end, the backward starts at its first key's document's start),
+      // of one token each, more keys than queries (the later keys' documents hold queries
+      // only up to 99: their dk, dv partly 0), more queries than keys (rows whose
+      // document starts past the keys see none: log-sum-exp +inf, output 0), GQA.
+      {2, 4, 2, 300, 300, 64, false, at::kBFloat16, 0, 40}, {1, 2, 1, 260, 260, 128, false, at::kHalf, 0, 150},
+      {1, 2, 1, 130, 130, 32, false, at::kHalf, 0, 1},       {1, 4, 2, 100, 230, 96, false, at::kBFloat16, 0, 70},
+      {1, 2, 2, 230, 100, 128, false, at::kHalf, 0, 60},
       // Query offsets (a context-parallel chunk of queries among the gathered keys): the
       // queries end with the keys (bottom-right alignment; the diagonal crosses tiles at
       // another phase), end before them (later keys no query sees: zero dk, dv), start past
@@ -995,7 +999,7 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
       // window, documents, an offset.
       {1, 2, 1, 100, 100, 256, true, at::kBFloat16},  {1, 2, 2, 70, 130, 256, false, at::kHalf},
       {1, 4, 2, 150, 150, 200, true, at::kHalf, 70},  {1, 2, 1, 90, 90, 136, false, at::kBFloat16},
-      {1, 2, 1, 130, 130, 256, true, at::kBFloat16, 0, 40},
+      {1, 2, 1, 130, 130, 256, true, at::kBFloat16, 0, 40},  {1, 2, 1, 150, 150, 256, false, at::kHalf, 0, 50},
       {1, 2, 2, 70, 200, 256, true, at::kHalf, 0, 0, 130},
   };
   if (kLargeCases) {
@@ -1119,7 +1123,7 @@ TEST(KERNEL_SUITE(FlashAttention), SharedMemoryPerBlockFitsTheDevice) {
 // on a GPU that gives 99 KB the main test runs them anyway): mma.sync's compact tiles
 // (forward: key tiles of 32; backward: blocks of 4 warps, 32 keys by 32 queries), against
 // the reference as in ForwardAndBackwardWithinTwiceTheNaiveError. Several key and query
-// tiles, tails, GQA, non-causal, a window, documents, an offset, zero-padded head dims.
+// tiles, tails, GQA, non-causal, a window, documents (causal and not), an offset, zero-padded head dims.
 // AUTO under the cap runs mma.sync where wgmma's tiles do not fit. And the cap itself: a
 // smaller one refuses them, nothing written.
 TEST(KERNEL_SUITE(FlashAttention), HeadDim256RunsInCompactTilesWhereABlockGets99Kb) {
@@ -1136,6 +1140,7 @@ TEST(KERNEL_SUITE(FlashAttention), HeadDim256RunsInCompactTilesWhereABlockGets99
                                                  {1, 4, 2, 150, 150, 200, true, at::kHalf, 70},
                                                  {1, 2, 1, 90, 90, 136, false, at::kBFloat16},
                                                  {1, 2, 1, 130, 130, 256, true, at::kBFloat16, 0, 40},
+                                                 {1, 2, 1, 150, 150, 256, false, at::kHalf, 0, 50},
                                                  {1, 2, 2, 70, 200, 256, true, at::kHalf, 0, 0, 130}}) {
     expect_attention_case_within_twice_the_naive_error(c);
   }
@@ -1182,6 +1187,8 @@ TEST(KERNEL_SUITE(FlashAttention), DeterministicBackwardRepeatsBitForBit) {
       // and head dim 96 with documents and an offset.
       {1, 2, 1, 130, 260, 256, true, at::kBFloat16, 70, 40},
       {1, 4, 2, 120, 200, 96, true, at::kHalf, 0, 30, 80},
+      // Documents without causal: key blocks start at their first key's document.
+      {1, 2, 2, 160, 160, 128, false, at::kHalf, 0, 50},
   };
   if (kLargeCases) {
     cases.insert(cases.end(), {{1, 4, 1, 4096, 4096, 128, true, at::kBFloat16},

@@ -527,10 +527,11 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionDocumentsAreFlashAttention2sVarlen) {
       });
 }
 
-// flash_attention_varlen is attention over each packed sequence alone: output and gradients
-// of the op on float64 host tensors (its reference path) are flash_attention's run sequence
-// by sequence (1e-10), and in bf16 on the kernels within twice the error of sdpa run
-// sequence by sequence (a sequence of one token, GQA 4/2). Bad inputs are named.
+// flash_attention_varlen is attention over each packed sequence alone, causal and not:
+// output and gradients of the op on float64 host tensors (its reference path) are
+// flash_attention's run sequence by sequence (1e-10), and in bf16 on the kernels within
+// twice the error of sdpa run sequence by sequence (a sequence of one token, GQA 4/2). Bad
+// inputs are named.
 TEST(KERNEL_SUITE(Ops), FlashAttentionVarlenIsPerSequenceAttention) {
   KERNEL_DEVICE_OR_SKIP();
   torch::manual_seed(23);
@@ -543,41 +544,44 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionVarlenIsPerSequenceAttention) {
   const auto cu = torch::tensor(bounds, torch::kInt);
   const auto q = torch::randn({total, H, D}), k = torch::randn({total, Hkv, D}), v = torch::randn({total, Hkv, D}),
              dout = torch::randn({total, H, D});
-  const AttentionFn varlen = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
-    return ops::flash_attention_varlen(a, b, c, cu.to(a.device()));
-  };
-  auto per_sequence = [&](ops::AttentionBackend backend) -> AttentionFn {
-    return [&, backend](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
-      std::vector<at::Tensor> outs;
-      for (std::size_t i = 0; i + 1 < bounds.size(); ++i) {
-        auto seq = [&](const at::Tensor& t) {  // [1, heads, length, D]
-          return t.narrow(0, bounds[i], bounds[i + 1] - bounds[i]).unsqueeze(0).transpose(1, 2);
-        };
-        outs.push_back(ops::attention(seq(a), seq(b), seq(c), true, 0.0, backend).transpose(1, 2).squeeze(0));
-      }
-      return at::cat(outs, 0);
+  for (bool causal : {true, false}) {
+    SCOPED_TRACE(causal ? "causal" : "bidirectional");
+    const AttentionFn varlen = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+      return ops::flash_attention_varlen(a, b, c, cu.to(a.device()), causal);
     };
-  };
-  auto run = [&](const AttentionFn& f, bool reference) {
-    auto in = [&](const at::Tensor& t) {
-      return (reference ? t.to(at::kDouble) : t.to(kernel_device(), at::kBFloat16)).requires_grad_();
+    auto per_sequence = [&](ops::AttentionBackend backend) -> AttentionFn {
+      return [&, backend](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+        std::vector<at::Tensor> outs;
+        for (std::size_t i = 0; i + 1 < bounds.size(); ++i) {
+          auto seq = [&](const at::Tensor& t) {  // [1, heads, length, D]
+            return t.narrow(0, bounds[i], bounds[i + 1] - bounds[i]).unsqueeze(0).transpose(1, 2);
+          };
+          outs.push_back(ops::attention(seq(a), seq(b), seq(c), causal, 0.0, backend).transpose(1, 2).squeeze(0));
+        }
+        return at::cat(outs, 0);
+      };
     };
-    auto qa = in(q), kb = in(k), vc = in(v);
-    const auto o = f(qa, kb, vc);
-    o.backward(reference ? dout.to(at::kDouble) : dout.to(kernel_device(), at::kBFloat16));
-    return output_and_grads(o, qa, kb, vc);
-  };
-  const auto want = run(varlen, true), each = run(per_sequence(ops::AttentionBackend::kFlash), true);
-  const auto got = run(varlen, false), sdpa = run(per_sequence(ops::AttentionBackend::kSdpa), false);
-  for (int i = 0; i < 4; ++i) {
-    EXPECT_LT((want[i] - each[i]).abs().max().item<double>(), 1e-10) << "reference path, output " << i;
-    const double base = (sdpa[i] - want[i]).abs().max().item<double>();
-    EXPECT_LE((got[i] - want[i]).abs().max().item<double>(), 2 * base + 1e-3) << "kernel, output " << i;
+    auto run = [&](const AttentionFn& f, bool reference) {
+      auto in = [&](const at::Tensor& t) {
+        return (reference ? t.to(at::kDouble) : t.to(kernel_device(), at::kBFloat16)).requires_grad_();
+      };
+      auto qa = in(q), kb = in(k), vc = in(v);
+      const auto o = f(qa, kb, vc);
+      o.backward(reference ? dout.to(at::kDouble) : dout.to(kernel_device(), at::kBFloat16));
+      return output_and_grads(o, qa, kb, vc);
+    };
+    const auto want = run(varlen, true), each = run(per_sequence(ops::AttentionBackend::kFlash), true);
+    const auto got = run(varlen, false), sdpa = run(per_sequence(ops::AttentionBackend::kSdpa), false);
+    for (int i = 0; i < 4; ++i) {
+      EXPECT_LT((want[i] - each[i]).abs().max().item<double>(), 1e-10) << "reference path, output " << i;
+      const double base = (sdpa[i] - want[i]).abs().max().item<double>();
+      EXPECT_LE((got[i] - want[i]).abs().max().item<double>(), 2 * base + 1e-3) << "kernel, output " << i;
+    }
   }
   const auto cud = cu.to(kernel_device());
   const auto qd = q.to(kernel_device(), at::kBFloat16), kd = k.to(kernel_device(), at::kBFloat16);
-  testing::expect_has(testing::error_message([&] { ops::flash_attention_varlen(qd, kd, kd, cud, false); }),
-                      {"causal=false", "allowed: causal=true"});
+  testing::expect_has(testing::error_message([&] { ops::flash_attention_varlen(qd, kd, kd, cud, false, 0.0, 16); }),
+                      {"window=16 without causal", "allowed"});
   testing::expect_has(testing::error_message([&] { ops::flash_attention_varlen(qd, kd.narrow(0, 0, 5), kd, cud); }),
                       {"k (5 tokens)", std::to_string(total)});
   testing::expect_has(testing::error_message([&] { ops::flash_attention_varlen(qd, kd, kd, cud.to(at::kFloat)); }),

@@ -263,14 +263,17 @@ TEST(FlashAttentionReference, DocumentsAreIndependentSequences) {
     }
   }
   const ops::Documents shared(documents);  // one for every call, as a model's layers share it
-  for (std::int64_t window : {0, 25, 0}) {
+  // Causal, with a window, causal again (the kept mask), then bidirectional (twice).
+  for (const auto& [causal, window] : std::vector<std::pair<bool, std::int64_t>>{
+           {true, 0}, {true, 25}, {true, 0}, {false, 0}, {false, 0}}) {
     for (auto backend : {ops::AttentionBackend::kFlash, ops::AttentionBackend::kSdpa}) {
-      SCOPED_TRACE(std::string(ops::to_string(backend)) + " window " + std::to_string(window));
+      SCOPED_TRACE(std::string(ops::to_string(backend)) + (causal ? " causal" : " bidirectional") + " window " +
+                   std::to_string(window));
       auto q = torch::randn({B, H, T, D}, torch::kDouble).requires_grad_();
       auto k = torch::randn({B, Hkv, T, D}, torch::kDouble).requires_grad_();
       auto v = torch::randn({B, Hkv, T, D}, torch::kDouble).requires_grad_();
       auto dout = torch::randn({B, H, T, D}, torch::kDouble);
-      auto got = ops::attention(q, k, v, true, 0.0, backend, window, shared);
+      auto got = ops::attention(q, k, v, causal, 0.0, backend, window, shared);
       got.backward(dout);
       for (std::int64_t b = 0; b < B; ++b) {
         for (const auto& run : runs[b]) {
@@ -279,7 +282,7 @@ TEST(FlashAttentionReference, DocumentsAreIndependentSequences) {
                        std::to_string(r1) + ")");
           auto slice = [&](const at::Tensor& t) { return t.detach().narrow(0, b, 1).narrow(2, r0, r1 - r0); };
           auto qs = slice(q).requires_grad_(), ks = slice(k).requires_grad_(), vs = slice(v).requires_grad_();
-          auto want = ops::flash_attention(qs, ks, vs, true, 0.0, window);
+          auto want = ops::flash_attention(qs, ks, vs, causal, 0.0, window);
           want.backward(slice(dout));
           EXPECT_LT(max_abs(slice(got), want), 1e-10);
           EXPECT_LT(max_abs(slice(q.grad()), qs.grad()), 1e-10);
@@ -293,7 +296,8 @@ TEST(FlashAttentionReference, DocumentsAreIndependentSequences) {
 
 // ops::Documents makes the bounds and sdpa's mask once, and its copies share them; the
 // mask is additive in the dtype asked (0 for the keys of the query's own document up to
-// the query, within the window; -inf elsewhere), its rows padded to 16 elements.
+// the query, within the window, or without causal all of them; -inf elsewhere), its rows
+// padded to 16 elements.
 TEST(FlashAttentionReference, DocumentsMakeTheirMasksOnce) {
   const auto ids = torch::tensor({0, 0, 1, 1, 1, 0}, torch::kInt).view({1, 6});
   const ops::Documents documents(ids);
@@ -319,6 +323,16 @@ TEST(FlashAttentionReference, DocumentsMakeTheirMasksOnce) {
       }
       EXPECT_TRUE(torch::equal(mask.to(at::kFloat), want)) << mask;
     }
+    // Without causal: the whole document, later keys too.
+    const auto& mask = documents.sdpa_mask(0, dtype, 6, 6, at::kCPU, 0, /*causal=*/false);
+    EXPECT_TRUE(copy.sdpa_mask(0, dtype, 6, 6, at::kCPU, 0, false).is_same(mask));
+    EXPECT_FALSE(documents.sdpa_mask(0, dtype, 6, 6, at::kCPU).is_same(mask));
+    auto want = torch::full({1, 1, 6, 6}, -std::numeric_limits<float>::infinity());
+    const std::int64_t start[] = {0, 0, 2, 2, 2, 5}, end[] = {2, 2, 5, 5, 5, 6};
+    for (std::int64_t i = 0; i < 6; ++i) {
+      for (std::int64_t j = start[i]; j < end[i]; ++j) want.index_put_({0, 0, i, j}, 0.0);
+    }
+    EXPECT_TRUE(torch::equal(mask.to(at::kFloat), want)) << mask;
   }
 }
 
@@ -567,10 +581,10 @@ TEST(FlashAttentionReference, NamedInputChecks) {
   expect_has(error_message([&] { ops::flash_attention(q, q, q, true, 0.0, -1); }), {"window=-1", "allowed"});
   expect_has(error_message([&] { ops::attention(q, q, q, false, 0.0, ops::AttentionBackend::kSdpa, 4); }),
              {"attention", "window=4 without causal"});
-  // Packed documents: integer [batch, time] over one sequence, causal only.
+  // Packed documents: integer [batch, time] over one sequence (without causal, no offset).
   const auto docs = torch::zeros({1, 8}, torch::kLong);
-  expect_has(error_message([&] { ops::flash_attention(q, q, q, false, 0.0, 0, docs); }),
-             {"flash_attention", "documents without causal", "allowed"});
+  expect_has(error_message([&] { ops::flash_attention(q, q, q, false, 0.0, 0, docs, 2); }),
+             {"flash_attention", "query_offset=2 without causal", "allowed"});
   expect_has(error_message([&] { ops::flash_attention(q, q, q, true, 0.0, 0, docs.view({8})); }),
              {"flash_attention", "documents must be [batch, time] = [1, >= 8]", "[8]"});
   expect_has(error_message([&] { ops::flash_attention(q, q, q, true, 0.0, 0, docs.to(at::kFloat)); }),

@@ -35,10 +35,11 @@ class Documents {
   // sequence whose first seq_k tokens are the keys, as sdpa's additive mask in `dtype` on
   // `device`: 0 where seen, -inf elsewhere, rows padded to 16 elements; [B, 1, seq_q,
   // seq_k] with documents (both within their T tokens, on the ids' device), else [seq_q,
-  // seq_k]. The last four asked for are kept (a returned reference stays valid until four
+  // seq_k]. causal = false (documents only, no window or offset): each query sees its whole
+  // document. The last four asked for are kept (a returned reference stays valid until four
   // others were made).
   const at::Tensor& sdpa_mask(std::int64_t window, at::ScalarType dtype, std::int64_t seq_q, std::int64_t seq_k,
-                              c10::Device device, std::int64_t first_query = 0) const;
+                              c10::Device device, std::int64_t first_query = 0, bool causal = true) const;
   // The documents of tokens [first, first + tokens), as a Documents of their own (a
   // document cut by `first` starts there), made once per range and kept with these.
   const Documents& slice(std::int64_t first, std::int64_t tokens) const;
@@ -73,15 +74,16 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 // the keys gathered up to it, or against a block of keys before it (O = T_k - T_q:
 // bottom-right alignment). window W > 0 (causal only) is a sliding window: query i sees
 // keys O + i - W < j <= O + i (a row that sees no key gives 0). documents (packed
-// sequences, causal only): integer [B, >= max(T_k, O + T_q)], a document number per token
-// of that sequence; a document is a run of equal numbers
-// (one that recurs after another starts a new one), and a query sees only keys of its own
-// (FlashAttention's varlen attention over sequences packed back to back, without
-// unpacking; Megatron's reset attention mask). The forward keeps the row log-sum-exp, the
+// sequences): integer [B, >= max(T_k, O + T_q)], a document number per token of that
+// sequence; a document is a run of equal numbers (one that recurs after another starts a
+// new one), and a query sees only keys of its own (FlashAttention's varlen attention over
+// sequences packed back to back, without unpacking; Megatron's reset attention mask):
+// causal, those up to itself; not causal (bidirectional, as an encoder's packed
+// sequences), all of them, query i being token i. The forward keeps the row log-sum-exp, the
 // backward recomputes the probabilities from it (the kernel tile by tile; the reference
 // path in chunks of query rows). InvalidArgument naming the input for mismatched shapes
 // and devices, a negative window or offset or either without causal, documents of another
-// shape, dtype or device or without causal, and on CUDA for a dtype other than
+// shape, dtype or device, and on CUDA for a dtype other than
 // bfloat16/float16 or an unsupported head dim. dropout_p in [0, 1): attention dropout on
 // the probabilities that reach v (scaled by 1 / (1 - p)), its mask a hash of a seed drawn
 // from the default generator of q's device (CUDA's Philox state, advanced; the CPU's) and
@@ -122,12 +124,12 @@ std::vector<at::Tensor> flash_attention_backward(const at::Tensor& q, const at::
 // cu_seqlens_q == cu_seqlens_k, as training on packed sequences calls it): q [total, H, D],
 // k and v [total, Hkv, D], the sequences back to back; cu_seqlens (int32 or int64, 1-D, on
 // q's device) their boundaries 0 = c_0 <= c_1 <= ... <= c_n = total; each token attends
-// causally within its own sequence (tokens outside [c_0, c_n) form sequences of their own).
-// Returns [total, H, D]; autograd as flash_attention's, which computes it over one batch row
-// of packed documents (the kernel's varlen form: no unpacking, no padding), so window,
-// dropout_p and softcap are as there. InvalidArgument naming the input for other shapes or
-// totals, cu_seqlens of another dtype, rank or device, and causal = false (packed documents
-// are causal only: non-causal varlen is not taken).
+// within its own sequence (tokens outside [c_0, c_n) form sequences of their own):
+// causally, or with causal = false to the whole sequence. Returns [total, H, D]; autograd
+// as flash_attention's, which computes it over one batch row of packed documents (the
+// kernel's varlen form: no unpacking, no padding), so window (causal only), dropout_p and
+// softcap are as there. InvalidArgument naming the input for other shapes or totals, and
+// cu_seqlens of another dtype, rank or device.
 at::Tensor flash_attention_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& cu_seqlens, bool causal = true, double scale = 0.0,
                                   std::int64_t window = 0, double dropout_p = 0.0, double softcap = 0.0);

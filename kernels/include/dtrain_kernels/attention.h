@@ -14,10 +14,11 @@
  * window: O + i - W < j), as a context-parallel rank's chunk of queries sees the keys
  * gathered up to it, or a block of keys that precedes it (ring attention); O = seq_k -
  * seq_q is FlashAttention's bottom-right causal alignment. Packed documents
- * (documents.start non-null; causal): each (batch, token) of that sequence names its
- * document [start, end), and a query sees only keys of its own document (what
- * FlashAttention's varlen interface gives sequences packed back to back, without
- * unpacking them); combined with a window, both apply.
+ * (documents.start non-null): each (batch, token) of that sequence names its document
+ * [start, end), and a query sees only keys of its own document (what FlashAttention's
+ * varlen interface gives sequences packed back to back, without unpacking them): with
+ * causal, those up to itself; without, the whole document, later keys too (query i being
+ * token i, as there is no offset then); combined with a window, both apply.
  * Attention dropout (dropout_p > 0, either kernel): P V takes P Z / (1 - dropout_p), Z
  * the keep mask dtrain_attention_dropout_keeps gives each (batch, query head, query
  * token, key) under dropout_seed, which the backward recomputes (FlashAttention's dropout,
@@ -57,7 +58,7 @@ typedef enum {
  * offset). For token i of batch b, start[b, i] is the first token of its document and
  * end[b, i] one past its last: start[i] <= i < end[i]; a document is a run of tokens (start
  * and end equal along it). Zeroed: one document per sequence. The forward reads start (at
- * the queries' tokens), the backward end (at the keys'). */
+ * the queries' tokens), the backward end (at the keys'); without causal, each reads both. */
 typedef struct {
   const int32_t* start;
   const int32_t* end;
