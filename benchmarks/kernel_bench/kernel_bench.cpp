@@ -9,9 +9,10 @@
 // the same copy. On CUDA the dtrain side is
 // the kernels of kernels/; elsewhere it is their reference paths (a sanity run, not a
 // performance claim). Prints a table and JSON lines (--json appends them to a file).
-// --window W: causal sliding-window attention only, against LibTorch's FlashAttention-2
-// with window_size (W - 1, 0) (at::_flash_attention_forward) and sdpa with a boolean mask,
-// FLOPs counting the visible (query, key) pairs.
+// --window W: sliding-window attention only, causal and not (both ways), against
+// LibTorch's FlashAttention-2 with window_size (W - 1, 0), or (W - 1, W - 1) without causal
+// (at::_flash_attention_forward), and sdpa with a boolean mask, FLOPs counting the visible
+// (query, key) pairs.
 // --documents L: attention over packed documents of L tokens, causal and not (the last one of a
 // sequence shorter), against LibTorch's FlashAttention-2 varlen (at::_flash_attention_forward
 // with cu_seqlens over the rows laid end to end; q, k, v are stored [B, S, H, D] for every
@@ -182,9 +183,9 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
                 static_cast<long long>(L));
   }
   if (w > 0) {
-    std::printf("# window %lld (causal only): flash_* = LibTorch's FlashAttention-2 with window_size (%lld, 0), "
-                "cudnn_* = sdpa with a boolean mask (flash_*: CUDA only)\n",
-                static_cast<long long>(w), static_cast<long long>(w - 1));
+    std::printf("# window %lld (causal: back; not: both ways): flash_* = LibTorch's FlashAttention-2 with "
+                "window_size (%lld, 0 or %lld), cudnn_* = sdpa with a boolean mask (flash_*: CUDA only)\n",
+                static_cast<long long>(w), static_cast<long long>(w - 1), static_cast<long long>(w - 1));
   }
   // The JSON names of the two baselines.
   const std::string base1 = L > 0 ? "fa2_varlen" : w > 0 ? "fa2_window" : "sdpa_flash",
@@ -198,7 +199,6 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
   for (auto s : seqs) {
     for (auto d : o.dims) {
       for (bool causal : {true, false}) {
-        if (w > 0 && !causal) continue;
         const auto b = std::max<std::int64_t>(1, tokens / s), h = std::max<std::int64_t>(1, o.hidden / d);
         auto opts = torch::TensorOptions().device(dev).dtype(dtype);
         // The leaves, [B, H, S, D] (with documents stored [B, S, H, D]), and q, k, v as
@@ -215,8 +215,15 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
         // window or documents those they let through.
         auto causal_pairs = [](std::int64_t n) { return n * (n + 1) / 2.0; };
         auto doc_pairs = [&](std::int64_t n) { return causal ? causal_pairs(n) : double(n) * n; };
+        auto window_pairs = [&] {  // each row's keys within w back (and, not causal, ahead)
+          double n = 0;
+          for (std::int64_t i = 0; i < s; ++i) {
+            n += double(std::min(i, w - 1) + 1 + (causal ? 0 : std::min(s - 1 - i, w - 1)));
+          }
+          return n;
+        };
         const double pairs = L > 0   ? double(s / L) * doc_pairs(L) + doc_pairs(s % L)
-                             : w > 0 ? (w >= s ? causal_pairs(s) : causal_pairs(w) + double(s - w) * w)
+                             : w > 0 ? window_pairs()
                                      : double(s) * s / (causal ? 2 : 1);
         const double fwd_flops = 4.0 * b * h * d * pairs;
         auto fwd = [&](const std::function<at::Tensor()>& f) {
@@ -267,13 +274,14 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
           }
         } else if (w > 0) {
           auto i = torch::arange(s, torch::TensorOptions().device(dev).dtype(torch::kLong));
-          seen = (i.unsqueeze(0) <= i.unsqueeze(1)).logical_and(i.unsqueeze(0) > i.unsqueeze(1) - w);
+          seen = (i.unsqueeze(0) > i.unsqueeze(1) - w).logical_and(causal ? i.unsqueeze(0) <= i.unsqueeze(1)
+                                                                          : i.unsqueeze(0) < i.unsqueeze(1) + w);
           cudnn = [&] { return at::scaled_dot_product_attention(q, k, v, seen, dp, false); };
           if (cuda(dev)) {
             flash = [&] {
               auto t = [](const at::Tensor& x) { return x.transpose(1, 2); };  // [B, S, H, D]
               return std::get<0>(at::_flash_attention_forward(t(q), t(k), t(v), std::nullopt, std::nullopt, s, s, dp,
-                                                              true, false, std::nullopt, w - 1, 0))
+                                                              causal, false, std::nullopt, w - 1, causal ? 0 : w - 1))
                   .transpose(1, 2);
             };
           }
@@ -804,7 +812,7 @@ int main(int argc, char** argv) {
   app.add_option("--dims", o.dims, "attention head dims (multiples of 8 up to 256; default 64,128)")->delimiter(',');
   app.add_option("--tokens", o.tokens, "attention: batch x seq (0: 16384 on CUDA, 1024 on CPU)");
   app.add_option("--hidden", o.hidden, "attention: heads x head_dim");
-  app.add_option("--window", o.window, "attention: causal sliding windows of this many keys only (0: none)")
+  app.add_option("--window", o.window, "attention: sliding windows of this many keys only, causal and not (0: none)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--documents", o.documents,
                  "attention: attention over packed documents of this many tokens only, causal and not (0: none)")

@@ -104,7 +104,8 @@ __device__ __forceinline__ BlockCoords block_coords(int64_t section) {
 
 // Query row i is token i + query_offset of the keys' sequence (causal only; 0 otherwise):
 // causal attention lets it see keys j <= i + query_offset.
-// Sliding windows (window W > 0, causal only): query i sees keys i + O - W < j <= i + O.
+// Sliding windows (window W > 0): query i sees keys i + O - W < j <= i + O, or without
+// causal (O = 0) i - W < j < i + W.
 // window_first_key: the first key query `row` sees (0 without a window).
 // window_query_end: one past the last query that sees key `key` (seq_q without one).
 template <typename Params>
@@ -151,11 +152,11 @@ template <typename Params>
 __device__ __forceinline__ int64_t document_first_query(const Params& p, int64_t b, int64_t j) {
   return imax(0, imin(p.seq_q, *document_row(p.documents.start, p, b, j) - p.query_offset));
 }
-// Whether the documents bound a query's keys from the right and a key's queries from the
-// left (non-causal documents), where causal attention has its diagonal.
+// Whether the documents or the window bound a query's keys from the right and a key's
+// queries from the left (without causal), where causal attention has its diagonal.
 template <typename Params>
-__host__ __device__ __forceinline__ bool bidirectional_documents(const Params& p) {
-  return !p.causal && p.documents.start != nullptr;
+__host__ __device__ __forceinline__ bool bidirectional_bounds(const Params& p) {
+  return !p.causal && (p.window > 0 || p.documents.start != nullptr);
 }
 
 // What a query row sees of the keys from the left, and a key of the queries to the right,
@@ -172,21 +173,23 @@ __device__ __forceinline__ int64_t query_end(const Params& p, int64_t b, int64_t
   const int64_t w = window_query_end(p, key);
   return p.documents.end != nullptr ? imin(w, document_end(p, b, key)) : w;
 }
-// The other sides: one past the last key `row` sees (causal: its diagonal; bidirectional
-// documents: its document's end; else every key), and the first query that sees `key`
-// (causal: the diagonal's; bidirectional documents: its document's start; else 0). Both
-// are non-decreasing too, so a block's last row and first key bound its walk. (A padding
-// row past seq_q reads a later token's end: a longer walk for the last block, masked; its
-// clamp cost the Hopper forward's producer 8 bytes more of spill.)
+// The other sides: one past the last key `row` sees (causal: its diagonal; else the
+// earlier of its document's end and its window's, or every key), and the first query that
+// sees `key` (causal: the diagonal's; else the later of its document's start and its
+// window's, or 0). Both are non-decreasing too, so a block's last row and first key bound
+// its walk. (A padding row past seq_q reads a later token's end: a longer walk for the
+// last block, masked; its clamp cost the Hopper forward's producer 8 bytes more of spill.)
 template <typename Params>
 __device__ __forceinline__ int64_t key_end(const Params& p, int64_t b, int64_t row) {
   if (p.causal) return imin(p.seq_k, row + p.query_offset + 1);
-  return bidirectional_documents(p) ? document_key_end(p, b, row) : p.seq_k;
+  const int64_t w = p.window > 0 ? imin(p.seq_k, row + p.window) : p.seq_k;
+  return p.documents.end != nullptr ? imin(w, document_key_end(p, b, row)) : w;
 }
 template <typename Params>
 __device__ __forceinline__ int64_t first_query(const Params& p, int64_t b, int64_t key) {
   if (p.causal) return imax(0, key - p.query_offset);
-  return bidirectional_documents(p) ? document_first_query(p, b, key) : 0;
+  const int64_t w = p.window > 0 ? imax(0, key - p.window + 1) : 0;
+  return p.documents.start != nullptr ? imax(w, document_first_query(p, b, key)) : w;
 }
 
 // The query tiles of kBlockM a backward block of keys [n0, n0 + kBlockN) of batch b walks,

@@ -18,7 +18,7 @@ bool shape_ok(const Params& p) {
   return p.batch > 0 && p.heads > 0 && p.kv_heads > 0 && p.heads % p.kv_heads == 0 && p.seq_q > 0 && p.seq_k > 0 &&
          dtrain_attention_supports_head_dim(p.head_dim) && (p.dtype == DTRAIN_KERNEL_BF16 || p.dtype == DTRAIN_KERNEL_F16) &&
          p.batch <= 65535 && p.heads <= 65535 && (p.seq_q + 63) / 64 <= INT32_MAX && (p.seq_k + 63) / 64 <= INT32_MAX &&
-         p.scale > 0.f && p.window >= 0 && (p.window == 0 || p.causal) && p.query_offset >= 0 &&
+         p.scale > 0.f && p.window >= 0 && p.query_offset >= 0 &&
          (p.query_offset == 0 || p.causal) && p.query_offset <= INT32_MAX &&
          p.dropout_p >= 0.f && p.dropout_p < 1.f &&  // NaN fails both
          p.softcap >= 0.f && p.softcap <= 3.4e38f &&   // NaN and inf fail

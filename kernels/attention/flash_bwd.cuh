@@ -130,8 +130,8 @@ __device__ __forceinline__ void mask_scores_t(float (&st)[kN][4], int64_t key0, 
 }
 
 // The window's and the documents' sides of the mask work from each key's queries [first,
-// end): end its query_end, first (bidirectional documents) its document's first query or
-// else 0 (the causal diagonal is mask_scores_t's). A warp stages them for its 16 keys in
+// end): end its query_end, first (without causal, under documents or a window) its
+// first_query, else 0 (the causal diagonal is mask_scores_t's). A warp stages them for its 16 keys in
 // shared memory before its first tile, relative to the block's first key n0:
 // bounds_s[key - n0] = {first - n0, end - n0} (32-bit, clamped: a sequence of 2^31 tokens
 // does not fit in memory anyway). Held in registers, or loaded per tile, the end cost the
@@ -144,7 +144,7 @@ __device__ __forceinline__ void stage_query_bounds(KeyQueries* bounds_s, const d
   const int lane = threadIdx.x % 32;
   if (lane < 16) {
     const int64_t key = warp_key0 + lane;
-    const int64_t first = bidirectional_documents(p) ? document_first_query(p, b, key) : 0;
+    const int64_t first = bidirectional_bounds(p) ? first_query(p, b, key) : 0;
     bounds_s[warp_key0 - n0 + lane] = {static_cast<int>(imax(first - n0, INT32_MIN)),
                                        static_cast<int>(imin(query_end(p, b, key) - n0, INT32_MAX))};
   }
@@ -177,8 +177,8 @@ __device__ __forceinline__ void mask_query_bounds_t(float (&st)[kN][4], const Ke
 // The mask of a warp's transposed score tile for keys [k0, k0 + kKeys) (its own, key0 and
 // key1, among them) against the queries [m0, m0 + kBlockM): only a tile past the end of
 // the keys, across the causal diagonal or, with a sliding window or packed documents,
-// reaching past its warp's first key's query_end or (bidirectional documents) starting
-// before its warp's last key's first query (both non-decreasing) has masked entries.
+// reaching past its warp's first key's query_end or (without causal) starting before its
+// warp's last key's first query (both non-decreasing) has masked entries.
 // bounds_w, n0: as for mask_query_bounds_t.
 template <int kKeys, int kBlockM, int kN>
 __device__ __forceinline__ void mask_tile_t(float (&st)[kN][4], const dtrain_attention_bwd_params& p, int64_t k0,

@@ -89,14 +89,14 @@ __device__ __forceinline__ void mask_scores(float (&s)[kM][kN][4], int64_t row0,
 }
 
 // The per-row sides of the mask: keys before a row's first_key (the sliding window's and
-// the packed documents' side) and, with bidirectional documents, at and after its
-// document_key_end are masked; per row (this thread's 2 kM) 32-bit bounds relative to
+// the packed documents' side) and, without causal, at and after its key_end (the same,
+// to the right) are masked; per row (this thread's 2 kM) 32-bit bounds relative to
 // col0 + 2 t, as above (with documents, one load of each of the row's bounds).
 template <int kM, int kN>
 __device__ __forceinline__ void mask_row_bounds(float (&s)[kM][kN][4], const dtrain_attention_fwd_params& p,
                                                 int64_t b, int64_t row0, int64_t col0) {
   const int t2 = 2 * (threadIdx.x % 4);
-  const bool bidirectional = bidirectional_documents(p);
+  const bool bidirectional = bidirectional_bounds(p);
 #pragma unroll
   for (int m = 0; m < kM; ++m) {
 #pragma unroll
@@ -104,7 +104,7 @@ __device__ __forceinline__ void mask_row_bounds(float (&s)[kM][kN][4], const dtr
       const int64_t row = row0 + m * 16 + r * 8;
       const int first = static_cast<int>(imax(0, imin(first_key(p, b, row) - col0, kN * 8))) - t2;
       const int end =
-          bidirectional ? static_cast<int>(imax(0, imin(document_key_end(p, b, row) - col0, kN * 8))) - t2 : kN * 8;
+          bidirectional ? static_cast<int>(imax(0, imin(key_end(p, b, row) - col0, kN * 8))) - t2 : kN * 8;
 #pragma unroll
       for (int nt = 0; nt < kN; ++nt) {
 #pragma unroll
@@ -121,8 +121,8 @@ __device__ __forceinline__ void mask_row_bounds(float (&s)[kM][kN][4], const dtr
 // offset) for key tile [n0, n0 + kBlockN) of the query block [m0, m0 + kBlockM) of batch
 // b: only a tile past the end of the keys, across the causal diagonal (shifted by the
 // query offset) or, with a sliding window or packed documents, before the block's last
-// row's first key or (bidirectional documents) past its first row's document's end (both
-// non-decreasing) has masked entries, so that interior tiles carry no per-element compare.
+// row's first key or (without causal) past its first row's key_end (both non-decreasing)
+// has masked entries, so that interior tiles carry no per-element compare.
 template <int kBlockM, int kBlockN, int kM, int kN>
 __device__ __forceinline__ void mask_tile(float (&s)[kM][kN][4], const dtrain_attention_fwd_params& p, int64_t b,
                                           int64_t m0, int64_t row0, int64_t n0) {
@@ -130,10 +130,12 @@ __device__ __forceinline__ void mask_tile(float (&s)[kM][kN][4], const dtrain_at
     mask_scores(s, row0 + p.query_offset, n0, p.seq_k, p.causal);
   }
   if (p.window > 0 || p.documents.start != nullptr) {
-    const int64_t bb = opaque(b);  // so that the document rows' addresses are not held across the loop
+    // b and row0 through opaque: the rows' bounds and their documents' addresses are
+    // computed again at each masked tile, not held across the loop.
+    const int64_t bb = opaque(b);
     if (n0 < first_key(p, bb, m0 + kBlockM - 1) ||
-        (bidirectional_documents(p) && n0 + kBlockN > document_key_end(p, bb, m0))) {
-      mask_row_bounds(s, p, bb, row0, n0);
+        (bidirectional_bounds(p) && n0 + kBlockN > key_end(p, bb, m0))) {
+      mask_row_bounds(s, p, bb, opaque(row0), n0);
     }
   }
 }

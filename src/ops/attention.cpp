@@ -58,9 +58,8 @@ constexpr const char* kOp = "flash_attention";
 constexpr std::int64_t kChunk = 256;  // query rows per step of the reference path
 
 // Both backends' sliding-window rule, named after the op (`op`) that got it.
-void check_window(const char* op, bool causal, std::int64_t window) {
-  DTRAIN_OP_CHECK(window >= 0 && (window == 0 || causal), op, "window=", window, causal ? "" : " without causal",
-                  " is not allowed; allowed: 0 (none) or, with causal, a number of keys >= 1");
+void check_window(const char* op, std::int64_t window) {
+  DTRAIN_OP_CHECK(window >= 0, op, "window=", window, " is not allowed; allowed: 0 (none) or a number of keys >= 1");
 }
 
 // The dtype sdpa computes in: q's, or autocast's where autocast casts q (a float type other
@@ -102,7 +101,7 @@ void check_documents(const char* op, const at::Tensor& q, const at::Tensor& k, c
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, std::int64_t window,
                   std::int64_t query_offset) {
-  check_window(kOp, causal, window);
+  check_window(kOp, window);
   DTRAIN_OP_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, kOp,
                   "q, k, v must be [batch, heads, time, head_dim]; got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
   DTRAIN_OP_CHECK(k.sizes() == v.sizes(), kOp, "k ", k.sizes(), " and v ", v.sizes(), " must have the same shape");
@@ -140,15 +139,18 @@ std::pair<at::Tensor, at::Tensor> document_bounds(const at::Tensor& documents) {
 // Whether query i may not see key j, for the queries at tokens [r0, r0 + n) of the keys'
 // sequence and its first sk tokens as keys: [n, sk], or with documents (doc_start,
 // doc_end: each token's document bounds, [B, >= max(r0 + n, sk)]) [B, 1, n, sk]
-// (undefined without a mask). Without causal only documents hide keys: those outside the
-// query's document, later ones too.
+// (undefined without a mask). Without causal, documents and a window hide keys on both
+// sides: those outside the query's document, and those W or more tokens away.
 at::Tensor hidden_keys(std::int64_t r0, std::int64_t n, std::int64_t sk, bool causal, std::int64_t window,
                        const at::Tensor& doc_start, const at::Tensor& doc_end, const at::TensorOptions& options) {
-  if (!causal && !doc_start.defined()) return {};
+  if (!causal && !doc_start.defined() && window == 0) return {};
   auto rows = at::arange(r0, r0 + n, options.dtype(at::kLong)).unsqueeze(1);
   auto cols = at::arange(sk, options.dtype(at::kLong)).unsqueeze(0);
   if (!causal) {
-    return cols.lt(doc_start.narrow(1, r0, n).unsqueeze(-1))
+    auto hidden = window > 0 ? (cols <= rows - window).logical_or(cols >= rows + window)
+                             : at::zeros({n, sk}, options.dtype(at::kBool));
+    if (!doc_start.defined()) return hidden;
+    return hidden.logical_or(cols.lt(doc_start.narrow(1, r0, n).unsqueeze(-1)))
         .logical_or(cols.ge(doc_end.narrow(1, r0, n).unsqueeze(-1)))
         .unsqueeze(1);
   }
@@ -545,8 +547,7 @@ const at::Tensor& Documents::sdpa_mask(std::int64_t window, at::ScalarType dtype
                                        bool causal) const {
   DTRAIN_CHECK(defined() || window > 0 || first_query > 0,
                "internal: an sdpa mask without documents, a window or a query offset");
-  DTRAIN_CHECK(causal || (defined() && window == 0 && first_query == 0),
-               "internal: an sdpa mask without causal takes documents alone");
+  DTRAIN_CHECK(causal || first_query == 0, "internal: an sdpa mask without causal at a query offset");
   DTRAIN_CHECK(first_query >= 0 && (!defined() || (first_query + seq_q <= ids_.size(1) &&
                                                     seq_k <= ids_.size(1) && device == ids_.device())),
                "internal: a document mask for other sequences than the documents'");
@@ -675,7 +676,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   }
   DTRAIN_CHECK_ARG(softcap == 0, "attention: softcap=", softcap, " needs the flash backend (sdpa has no logit "
                    "soft-capping); allowed with sdpa: 0");
-  check_window("attention", causal, window);
+  check_window("attention", window);
   DTRAIN_CHECK_ARG(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
                    "attention: q, k, v must be [batch, heads, time, head_dim]; got ", q.sizes(),
                    ", ", k.sizes(), ", ", v.sizes());

@@ -601,7 +601,7 @@ struct AttnCase {
   std::int64_t batch, heads, kv_heads, seq_q, seq_k, dim;
   bool causal;
   at::ScalarType type;
-  std::int64_t window = 0;  // a sliding window of this many keys (causal only); 0: none
+  std::int64_t window = 0;  // a sliding window of this many keys (without causal, both ways); 0: none
   std::int64_t docs = 0;    // packed documents of random lengths from 1 to this; 0: none
   std::int64_t offset = 0;  // the queries' first token among the keys' (causal only)
 };
@@ -724,14 +724,14 @@ void expect_bad_dropout_and_softcap_refused(const Params& p, const Run& run) {
 
 // Which keys each query sees: [seq_q, seq_k], true where it sees the key (causal: keys j
 // <= o + i, query i being token o + i of the keys' sequence, o the offset; a sliding
-// window of w keys: o + i - w < j <= o + i); with packed documents (doc_ids [batch,
+// window of w keys: o + i - w < j <= o + i, without causal i - w < j < i + w); with packed documents (doc_ids [batch,
 // >= seq_k], a document number per token of the keys' sequence, which may go on past them),
 // [batch, 1, seq_q, seq_k], and only keys of the query's own document (without causal,
 // all of them).
 at::Tensor visible(std::int64_t seq_q, std::int64_t seq_k, bool causal, std::int64_t window, const at::Device& device,
                    const at::Tensor& doc_ids = {}, std::int64_t offset = 0) {
   auto ones = torch::ones({seq_q, seq_k}, torch::TensorOptions().dtype(torch::kBool).device(device));
-  auto mask = causal ? ones.tril(offset) : ones;
+  auto mask = causal ? ones.tril(offset) : window > 0 ? ones.tril(window - 1) : ones;
   if (window > 0) mask = mask.logical_and(ones.triu(offset - (window - 1)));
   if (!doc_ids.defined()) return mask;
   const auto ids = doc_ids.to(device);
@@ -782,7 +782,7 @@ at::Tensor attention_math(const at::Tensor& q, const at::Tensor& k, const at::Te
   auto kk = k.repeat_interleave(group, 1), vv = v.repeat_interleave(group, 1);
   auto s = at::matmul(q, kk.transpose(-2, -1)) * scale;
   at::Tensor none;  // [..., seq_q, 1]: rows that see no key, whose scores stay finite (no NaN)
-  if (causal || doc_ids.defined()) {
+  if (causal || window > 0 || doc_ids.defined()) {
     const auto vis = visible(q.size(2), k.size(2), causal, window, q.device(), doc_ids, offset);
     none = vis.any(-1, /*keepdim=*/true).logical_not();
     s = s.masked_fill(vis.logical_not().logical_and(none.logical_not()), -std::numeric_limits<double>::infinity());
@@ -876,11 +876,8 @@ void expect_attention_case_within_twice_the_naive_error(const AttnCase& c) {
   EXPECT_EQ(dtrain_attention_fwd(&f, nullptr), cudaErrorInvalidValue) << "no workspace";
   // Bad dropout or softcap (the ops' tests run both on each kernel).
   expect_bad_dropout_and_softcap_refused(f, [](dtrain_attention_fwd_params& g) { return run_fwd(g); });
-  if (c.window > 0) {  // a window is causal only, and never negative
+  if (c.window > 0) {  // a window is never negative
     auto g = f;
-    g.causal = 0;
-    EXPECT_EQ(run_fwd(g), cudaErrorInvalidValue) << "a window without causal";
-    g = f;
     g.window = -1;
     EXPECT_EQ(run_fwd(g), cudaErrorInvalidValue) << "window -1";
   }
@@ -892,7 +889,7 @@ void expect_attention_case_within_twice_the_naive_error(const AttnCase& c) {
      // with one, a row that sees no key has +inf).
     auto s = at::matmul(q.to(at::kDouble), k.to(at::kDouble).repeat_interleave(c.heads / c.kv_heads, 1)
                                                .transpose(-2, -1)) * scale;
-    if (c.causal || c.docs > 0) {
+    if (c.causal || c.window > 0 || c.docs > 0) {
       s = s.masked_fill(visible(c.seq_q, c.seq_k, c.causal, c.window, s.device(), doc_ids, c.offset).logical_not(),
                         -std::numeric_limits<double>::infinity());
     }
@@ -979,6 +976,13 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
       {2, 2, 1, 200, 200, 64, false, at::kBFloat16, 0, 40}, {1, 2, 1, 260, 260, 128, false, at::kHalf, 0, 150},
       {1, 2, 1, 130, 130, 32, false, at::kHalf, 0, 1},       {1, 4, 2, 100, 230, 96, false, at::kBFloat16, 0, 70},
       {1, 2, 2, 230, 100, 128, false, at::kHalf, 0, 60},
+      // Windows without causal (i - W < j < i + W): narrower than a tile (blocks skip tiles
+      // on both sides), of one key (a row sees itself), wider than two tiles at D 32, with
+      // documents (the nearer bound of each side), more queries than keys (rows W and more
+      // past the keys see none).
+      {1, 2, 1, 300, 300, 64, false, at::kBFloat16, 50}, {1, 2, 2, 150, 150, 128, false, at::kHalf, 1},
+      {1, 2, 1, 250, 250, 32, false, at::kHalf, 130},    {2, 2, 1, 200, 200, 96, false, at::kBFloat16, 30, 90},
+      {1, 2, 1, 230, 100, 128, false, at::kBFloat16, 40},
       // Query offsets (a context-parallel chunk of queries among the gathered keys): the
       // queries end with the keys (bottom-right alignment; the diagonal crosses tiles at
       // another phase), end before them (later keys no query sees: zero dk, dv), start past
@@ -1188,8 +1192,9 @@ TEST(KERNEL_SUITE(FlashAttention), DeterministicBackwardRepeatsBitForBit) {
       // and head dim 96 with documents and an offset.
       {1, 2, 1, 130, 260, 256, true, at::kBFloat16, 70, 40},
       {1, 4, 2, 120, 200, 96, true, at::kHalf, 0, 30, 80},
-      // Documents without causal: key blocks start at their first key's document.
-      {1, 2, 2, 160, 160, 128, false, at::kHalf, 0, 50},
+      // Documents and a window without causal: key blocks start at their first key's
+      // first query.
+      {1, 2, 2, 160, 160, 128, false, at::kHalf, 40, 50},
   };
   if (kLargeCases) {
     cases.insert(cases.end(), {{1, 4, 1, 4096, 4096, 128, true, at::kBFloat16},

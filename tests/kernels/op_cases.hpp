@@ -73,7 +73,8 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionAutogradMatchesTheReferencePath) {
   // (causal, sliding window, packed documents, query offset): a window that starts inside
   // the first key tile and ends inside the last query tile's; documents of one token to
   // more than a tile; half as many queries as keys, from a quarter of the way in (a
-  // context-parallel chunk: keys on both sides of the queries), alone and with the others.
+  // context-parallel chunk: keys on both sides of the queries), alone and with the others;
+  // and without causal, the window both ways within documents.
   const std::int64_t w = kLargeCases ? 100 : 23, off = nt / 4;
   const auto docs = packed_documents(nb, nt, kLargeCases ? std::vector<std::int64_t>{150, 1, 77, 40, 200}
                                                         : std::vector<std::int64_t>{20, 1, 30, 45});
@@ -84,7 +85,8 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionAutogradMatchesTheReferencePath) {
     std::int64_t offset = 0;
   };
   for (const auto& mask : {Mask{true, 0, {}}, Mask{false, 0, {}}, Mask{true, w, {}}, Mask{true, 0, docs.first},
-                           Mask{true, w, docs.first}, Mask{true, 0, {}, off}, Mask{true, w, docs.first, off}}) {
+                           Mask{true, w, docs.first}, Mask{true, 0, {}, off}, Mask{true, w, docs.first, off},
+                           Mask{false, w, docs.first}}) {
     const bool causal = mask.causal;
     const std::int64_t window = mask.window, nq = mask.offset > 0 ? nt / 2 : nt;
     for (std::int64_t d : {64, 128, 32, 80, 256}) {
@@ -466,38 +468,41 @@ void expect_op_and_fa2_match_the_reference(const at::Tensor& q, const at::Tensor
   }
 }
 
-// The window's convention is FlashAttention's window_size (W - 1, 0): on CUDA, LibTorch's
-// FlashAttention-2 run with it computes the function of the op's float64 reference path
-// (within twice the error of sdpa with the window as a mask), output and gradients. A
-// window of 8 keys makes one key more or less a large change.
+// The window's convention is FlashAttention's window_size (W - 1, 0), or without causal
+// (W - 1, W - 1): on CUDA, LibTorch's FlashAttention-2 run with it computes the function of
+// the op's float64 reference path (within twice the error of sdpa with the window as a
+// mask), output and gradients. A window of 8 keys makes one key more or less a large
+// change.
 TEST(KERNEL_SUITE(Ops), FlashAttentionWindowIsFlashAttention2sWindowSize) {
   KERNEL_DEVICE_OR_SKIP();
   if (!kernel_device().is_cuda()) GTEST_SKIP() << "LibTorch's FlashAttention-2 runs on CUDA only";
   torch::manual_seed(13);
-  for (std::int64_t w : {8, 100}) {
-    SCOPED_TRACE("window " + std::to_string(w));
+  for (const auto& cw : std::vector<std::pair<bool, std::int64_t>>{{true, 8}, {true, 100}, {false, 8}, {false, 100}}) {
+    const bool causal = cw.first;
+    const std::int64_t w = cw.second;
+    SCOPED_TRACE(std::string(causal ? "causal" : "both ways") + " window " + std::to_string(w));
     auto q = torch::randn({2, 4, 300, 64}), k = torch::randn({2, 4, 300, 64}), v = torch::randn({2, 4, 300, 64});
     expect_op_and_fa2_match_the_reference(
         q, k, v, torch::randn({2, 4, 300, 64}),
         [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
-          return ops::flash_attention(a, b, c, true, 0.0, w);
+          return ops::flash_attention(a, b, c, causal, 0.0, w);
         },
         [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
-          return ops::attention(a, b, c, true, 0.0, ops::AttentionBackend::kSdpa, w);
+          return ops::attention(a, b, c, causal, 0.0, ops::AttentionBackend::kSdpa, w);
         },
         [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
           auto t = [](const at::Tensor& x) { return x.transpose(1, 2); };
           return std::get<0>(at::_flash_attention_forward(t(a), t(b), t(c), std::nullopt, std::nullopt, 300, 300, 0.0,
-                                                          true, false, std::nullopt, w - 1, 0))
+                                                          causal, false, std::nullopt, w - 1, causal ? 0 : w - 1))
               .transpose(1, 2);
         });
   }
 }
 
 // Packed documents are FlashAttention's varlen attention over the rows laid end to end
-// (cu_seqlens at the documents' starts): on CUDA, LibTorch's FlashAttention-2 run so
-// computes the function of the op's float64 reference path (within twice the error of sdpa
-// with the documents as a mask), output and gradients.
+// (cu_seqlens at the documents' starts), causal and not: on CUDA, LibTorch's
+// FlashAttention-2 run so computes the function of the op's float64 reference path (within
+// twice the error of sdpa with the documents as a mask), output and gradients.
 TEST(KERNEL_SUITE(Ops), FlashAttentionDocumentsAreFlashAttention2sVarlen) {
   KERNEL_DEVICE_OR_SKIP();
   if (!kernel_device().is_cuda()) GTEST_SKIP() << "LibTorch's FlashAttention-2 runs on CUDA only";
@@ -509,22 +514,25 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionDocumentsAreFlashAttention2sVarlen) {
   for (std::int64_t i = 1; i < cu_seqlens.size(0); ++i) {
     longest = std::max<std::int64_t>(longest, cu_seqlens[i].item<std::int64_t>() - cu_seqlens[i - 1].item<std::int64_t>());
   }
-  expect_op_and_fa2_match_the_reference(
-      torch::randn({B, H, T, D}), torch::randn({B, H, T, D}), torch::randn({B, H, T, D}), torch::randn({B, H, T, D}),
-      [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
-        return ops::flash_attention(a, b, c, true, 0.0, 0, documents.to(a.device()));
-      },
-      [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
-        return ops::attention(a, b, c, true, 0.0, ops::AttentionBackend::kSdpa, 0, documents.to(a.device()));
-      },
-      [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {  // [B T, H, D], the rows end to end
-        auto packed = [&](const at::Tensor& x) { return x.transpose(1, 2).reshape({B * T, H, D}); };
-        const auto cu = cu_seqlens.to(kernel_device());
-        return std::get<0>(at::_flash_attention_forward(packed(a), packed(b), packed(c), cu, cu, longest, longest,
-                                                        0.0, true, false))
-            .view({B, T, H, D})
-            .transpose(1, 2);
-      });
+  for (bool causal : {true, false}) {
+    SCOPED_TRACE(causal ? "causal" : "bidirectional");
+    expect_op_and_fa2_match_the_reference(
+        torch::randn({B, H, T, D}), torch::randn({B, H, T, D}), torch::randn({B, H, T, D}), torch::randn({B, H, T, D}),
+        [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+          return ops::flash_attention(a, b, c, causal, 0.0, 0, documents.to(a.device()));
+        },
+        [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+          return ops::attention(a, b, c, causal, 0.0, ops::AttentionBackend::kSdpa, 0, documents.to(a.device()));
+        },
+        [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {  // [B T, H, D], the rows end to end
+          auto packed = [&](const at::Tensor& x) { return x.transpose(1, 2).reshape({B * T, H, D}); };
+          const auto cu = cu_seqlens.to(kernel_device());
+          return std::get<0>(at::_flash_attention_forward(packed(a), packed(b), packed(c), cu, cu, longest, longest,
+                                                          0.0, causal, false))
+              .view({B, T, H, D})
+              .transpose(1, 2);
+        });
+  }
 }
 
 // flash_attention_varlen is attention over each packed sequence alone, causal and not:
@@ -580,8 +588,8 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionVarlenIsPerSequenceAttention) {
   }
   const auto cud = cu.to(kernel_device());
   const auto qd = q.to(kernel_device(), at::kBFloat16), kd = k.to(kernel_device(), at::kBFloat16);
-  testing::expect_has(testing::error_message([&] { ops::flash_attention_varlen(qd, kd, kd, cud, false, 0.0, 16); }),
-                      {"window=16 without causal", "allowed"});
+  testing::expect_has(testing::error_message([&] { ops::flash_attention_varlen(qd, kd, kd, cud, false, 0.0, -16); }),
+                      {"window=-16", "allowed"});
   testing::expect_has(testing::error_message([&] { ops::flash_attention_varlen(qd, kd.narrow(0, 0, 5), kd, cud); }),
                       {"k (5 tokens)", std::to_string(total)});
   testing::expect_has(testing::error_message([&] { ops::flash_attention_varlen(qd, kd, kd, cud.to(at::kFloat)); }),

@@ -38,13 +38,15 @@ double max_abs(const at::Tensor& a, const at::Tensor& b) {
 
 // ---- attention ---------------------------------------------------------------------------
 
-// Which keys each query sees with a causal sliding window, written out element by
-// element (independent of the ops' own masks): [sq, sk], true where i - w < j <= i.
-at::Tensor window_mask(std::int64_t sq, std::int64_t sk, std::int64_t w) {
+// Which keys each query sees with a sliding window, written out element by element
+// (independent of the ops' own masks): [sq, sk], true where i - w < j <= i, or without
+// causal i - w < j < i + w.
+at::Tensor window_mask(std::int64_t sq, std::int64_t sk, std::int64_t w, bool causal = true) {
   auto mask = torch::zeros({sq, sk}, torch::kBool);
   auto a = mask.accessor<bool, 2>();
   for (std::int64_t i = 0; i < sq; ++i) {
-    for (std::int64_t j = std::max<std::int64_t>(0, i - w + 1); j <= std::min(i, sk - 1); ++j) a[i][j] = true;
+    const std::int64_t last = std::min(causal ? i : i + w - 1, sk - 1);
+    for (std::int64_t j = std::max<std::int64_t>(0, i - w + 1); j <= last; ++j) a[i][j] = true;
   }
   return mask;
 }
@@ -58,11 +60,12 @@ TEST(FlashAttentionReference, MatchesSdpaForwardAndBackward) {
   };
   // Sliding windows: across the reference path's 256-row chunks (GQA), of one key, and
   // past the keys' end (45 queries over 20 keys: rows 29.. see none, sdpa's all-masked
-  // rows are not compared, below).
+  // rows are not compared, below); causal and both ways.
   for (const auto& c : {Case{2, 4, 4, 33, 33, 16, true}, Case{1, 4, 2, 300, 300, 8, true},
                         Case{2, 2, 1, 20, 45, 8, false}, Case{1, 2, 2, 45, 20, 8, true},
                         Case{1, 4, 2, 300, 300, 8, true, 57}, Case{2, 2, 2, 33, 33, 16, true, 1},
-                        Case{1, 2, 1, 45, 20, 8, true, 10}}) {
+                        Case{1, 2, 1, 45, 20, 8, true, 10}, Case{1, 4, 2, 300, 300, 8, false, 57},
+                        Case{2, 2, 2, 33, 33, 16, false, 1}, Case{1, 2, 1, 45, 20, 8, false, 10}}) {
     SCOPED_TRACE("sq " + std::to_string(c.sq) + " sk " + std::to_string(c.sk) + (c.causal ? " causal" : "") +
                  " window " + std::to_string(c.window));
     auto q = torch::randn({c.b, c.h, c.sq, c.d}, torch::kDouble).requires_grad_();
@@ -84,9 +87,11 @@ TEST(FlashAttentionReference, MatchesSdpaForwardAndBackward) {
     if (c.window > 0) {
       const auto group = c.h / c.hkv;
       want = at::scaled_dot_product_attention(q.narrow(2, 0, seen), k.repeat_interleave(group, 1),
-                                              v.repeat_interleave(group, 1), window_mask(seen, c.sk, c.window));
+                                              v.repeat_interleave(group, 1),
+                                              window_mask(seen, c.sk, c.window, c.causal));
       // The sdpa backend's window is the same function.
-      EXPECT_LT(max_abs(ops::attention(q.narrow(2, 0, seen), k, v, true, 0.0, ops::AttentionBackend::kSdpa, c.window),
+      EXPECT_LT(max_abs(ops::attention(q.narrow(2, 0, seen), k, v, c.causal, 0.0, ops::AttentionBackend::kSdpa,
+                                       c.window),
                         want),
                 1e-10);
     } else {
@@ -263,9 +268,10 @@ TEST(FlashAttentionReference, DocumentsAreIndependentSequences) {
     }
   }
   const ops::Documents shared(documents);  // one for every call, as a model's layers share it
-  // Causal, with a window, causal again (the kept mask), then bidirectional (twice).
+  // Causal, with a window, causal again (the kept mask), then bidirectional (twice, then
+  // with a window both ways).
   for (const auto& [causal, window] : std::vector<std::pair<bool, std::int64_t>>{
-           {true, 0}, {true, 25}, {true, 0}, {false, 0}, {false, 0}}) {
+           {true, 0}, {true, 25}, {true, 0}, {false, 0}, {false, 0}, {false, 25}}) {
     for (auto backend : {ops::AttentionBackend::kFlash, ops::AttentionBackend::kSdpa}) {
       SCOPED_TRACE(std::string(ops::to_string(backend)) + (causal ? " causal" : " bidirectional") + " window " +
                    std::to_string(window));
@@ -576,11 +582,11 @@ TEST(FlashAttentionReference, NamedInputChecks) {
   expect_has(error_message([&] { ops::flash_attention(q, q, q, true, 0.0, 0, {}, 0, -0.1); }),
              {"dropout_p=-0.1", "allowed: [0, 1)"});
   expect_has(error_message([&] { ops::parse_attention_backend("fast"); }), {"--attention=fast", "sdpa, flash"});
-  expect_has(error_message([&] { ops::flash_attention(q, q, q, false, 0.0, 16); }),
-             {"flash_attention", "window=16 without causal", "allowed"});
+  expect_has(error_message([&] { ops::flash_attention(q, q, q, false, 0.0, -16); }),
+             {"flash_attention", "window=-16", "allowed: 0 (none) or a number of keys >= 1"});
   expect_has(error_message([&] { ops::flash_attention(q, q, q, true, 0.0, -1); }), {"window=-1", "allowed"});
-  expect_has(error_message([&] { ops::attention(q, q, q, false, 0.0, ops::AttentionBackend::kSdpa, 4); }),
-             {"attention", "window=4 without causal"});
+  expect_has(error_message([&] { ops::attention(q, q, q, false, 0.0, ops::AttentionBackend::kSdpa, -4); }),
+             {"attention", "window=-4"});
   // Packed documents: integer [batch, time] over one sequence (without causal, no offset).
   const auto docs = torch::zeros({1, 8}, torch::kLong);
   expect_has(error_message([&] { ops::flash_attention(q, q, q, false, 0.0, 0, docs, 2); }),

@@ -35,8 +35,8 @@ class Documents {
   // sequence whose first seq_k tokens are the keys, as sdpa's additive mask in `dtype` on
   // `device`: 0 where seen, -inf elsewhere, rows padded to 16 elements; [B, 1, seq_q,
   // seq_k] with documents (both within their T tokens, on the ids' device), else [seq_q,
-  // seq_k]. causal = false (documents only, no window or offset): each query sees its whole
-  // document. The last four asked for are kept (a returned reference stays valid until four
+  // seq_k]. causal = false (no offset): each query sees its whole document, within the
+  // window both ways. The last four asked for are kept (a returned reference stays valid until four
   // others were made).
   const at::Tensor& sdpa_mask(std::int64_t window, at::ScalarType dtype, std::int64_t seq_q, std::int64_t seq_k,
                               c10::Device device, std::int64_t first_query = 0, bool causal = true) const;
@@ -72,8 +72,9 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 // only): the queries are tokens [O, O + T_q) of a sequence whose first T_k tokens are the
 // keys, so query i sees keys j <= O + i: a context-parallel rank's chunk of queries against
 // the keys gathered up to it, or against a block of keys before it (O = T_k - T_q:
-// bottom-right alignment). window W > 0 (causal only) is a sliding window: query i sees
-// keys O + i - W < j <= O + i (a row that sees no key gives 0). documents (packed
+// bottom-right alignment). window W > 0 is a sliding window: query i sees keys
+// O + i - W < j <= O + i, or without causal i - W < j < i + W (a local window both ways,
+// FlashAttention's window_size (W - 1, W - 1)); a row that sees no key gives 0. documents (packed
 // sequences): integer [B, >= max(T_k, O + T_q)], a document number per token of that
 // sequence; a document is a run of equal numbers (one that recurs after another starts a
 // new one), and a query sees only keys of its own (FlashAttention's varlen attention over
@@ -82,7 +83,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 // sequences), all of them, query i being token i. The forward keeps the row log-sum-exp, the
 // backward recomputes the probabilities from it (the kernel tile by tile; the reference
 // path in chunks of query rows). InvalidArgument naming the input for mismatched shapes
-// and devices, a negative window or offset or either without causal, documents of another
+// and devices, a negative window or offset, an offset without causal, documents of another
 // shape, dtype or device, and on CUDA for a dtype other than
 // bfloat16/float16 or an unsupported head dim. dropout_p in [0, 1): attention dropout on
 // the probabilities that reach v (scaled by 1 / (1 - p)), its mask a hash of a seed drawn
@@ -127,7 +128,7 @@ std::vector<at::Tensor> flash_attention_backward(const at::Tensor& q, const at::
 // within its own sequence (tokens outside [c_0, c_n) form sequences of their own):
 // causally, or with causal = false to the whole sequence. Returns [total, H, D]; autograd
 // as flash_attention's, which computes it over one batch row of packed documents (the
-// kernel's varlen form: no unpacking, no padding), so window (causal only), dropout_p and
+// kernel's varlen form: no unpacking, no padding), so window, dropout_p and
 // softcap are as there. InvalidArgument naming the input for other shapes or totals, and
 // cu_seqlens of another dtype, rank or device.
 at::Tensor flash_attention_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -7,8 +7,9 @@
  * with its own batch/head/seq strides in elements (unit stride along head_dim; strides
  * multiples of 8 and pointers 16-byte aligned). Causal masking is top-left aligned as in
  * at::scaled_dot_product_attention: query i sees keys j <= i; with a sliding window of W
- * keys (window = W > 0, causal only), keys i - W < j <= i (Mistral's sliding window;
- * FlashAttention's window_size (W - 1, 0)), and only the key tiles a block can see are
+ * keys (window = W > 0), keys i - W < j <= i (Mistral's sliding window; FlashAttention's
+ * window_size (W - 1, 0)), or without causal i - W < j < i + W (a local window both ways,
+ * ModernBERT's; window_size (W - 1, W - 1)), and only the key tiles a block can see are
  * visited. A query offset O >= 0 (causal only) places the queries at tokens [O, O + seq_q)
  * of a sequence whose first seq_k tokens are the keys: query i sees keys j <= O + i (the
  * window: O + i - W < j), as a context-parallel rank's chunk of queries sees the keys
@@ -80,7 +81,7 @@ typedef struct {
   int causal;
   dtrain_kernel_dtype dtype; /* BF16 or F16 */
   dtrain_attention_kernel kernel;
-  int64_t window; /* 0: none; W > 0 (causal only): query i sees keys O + i - W < j <= O + i */
+  int64_t window; /* 0: none; W > 0: query i sees keys O + i - W < j <= O + i (causal), i - W < j < i + W (not) */
   dtrain_attention_documents documents;
   int64_t query_offset; /* O: 0, or with causal the queries' first token in the keys' sequence */
   float dropout_p;       /* 0: none; in (0, 1): attention dropout */
