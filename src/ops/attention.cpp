@@ -146,18 +146,15 @@ at::Tensor hidden_keys(std::int64_t r0, std::int64_t n, std::int64_t sk, bool ca
   if (!causal && !doc_start.defined() && window == 0) return {};
   auto rows = at::arange(r0, r0 + n, options.dtype(at::kLong)).unsqueeze(1);
   auto cols = at::arange(sk, options.dtype(at::kLong)).unsqueeze(0);
-  if (!causal) {
-    auto hidden = window > 0 ? (cols <= rows - window).logical_or(cols >= rows + window)
+  // The right side (causal: the diagonal), then the left: the window's, the document's.
+  auto hidden = causal       ? cols > rows
+                : window > 0 ? cols >= rows + window
                              : at::zeros({n, sk}, options.dtype(at::kBool));
-    if (!doc_start.defined()) return hidden;
-    return hidden.logical_or(cols.lt(doc_start.narrow(1, r0, n).unsqueeze(-1)))
-        .logical_or(cols.ge(doc_end.narrow(1, r0, n).unsqueeze(-1)))
-        .unsqueeze(1);
-  }
-  auto hidden = cols > rows;
   if (window > 0) hidden.logical_or_(cols <= rows - window);
   if (!doc_start.defined()) return hidden;
-  return hidden.logical_or(cols < doc_start.narrow(1, r0, n).unsqueeze(-1)).unsqueeze(1);
+  hidden = hidden.logical_or(cols < doc_start.narrow(1, r0, n).unsqueeze(-1));
+  if (!causal) hidden = hidden.logical_or(cols >= doc_end.narrow(1, r0, n).unsqueeze(-1));  // the document's right
+  return hidden.unsqueeze(1);
 }
 
 // What hides keys from queries, as both paths take it: causal, the window, the query
