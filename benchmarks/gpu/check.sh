@@ -128,6 +128,11 @@ phase kernel_bench_dropout 60 "$build/benchmarks/kernel_bench" --only attention 
 # against kernel_bench's rows without it, what the cap costs).
 phase kernel_bench_softcap 60 "$build/benchmarks/kernel_bench" --only attention --seq 4096 --dims 128 --softcap 50 \
   --json "$out/kernel_bench_softcap.jsonl"
+# Learned attention sinks on dtrain's side at S 4096, D 128 (LibTorch has none: against
+# kernel_bench's rows without them, what a logit per head costs in the forward's epilogue
+# and the sinks' gradient).
+phase kernel_bench_sinks 60 "$build/benchmarks/kernel_bench" --only attention --seq 4096 --dims 128 --sinks \
+  --json "$out/kernel_bench_sinks.jsonl"
 # The deterministic backward (LibTorch's deterministic algorithms on every side) at S 4096,
 # D 128: against kernel_bench's rows without it, what bitwise reproducibility costs.
 phase kernel_bench_deterministic 60 "$build/benchmarks/kernel_bench" --only attention --seq 4096 --dims 128 \
@@ -253,6 +258,7 @@ done
 [ -f "$out/kernel_bench_compact.log" ] && { echo "-- kernel_bench, D 256 in 99 KB tiles (mma.sync)"; grep -vE '^\{|^#' "$out/kernel_bench_compact.log"; }
 [ -f "$out/kernel_bench_dropout.log" ] && { echo "-- kernel_bench, dropout 0.1 (dtrain: wgmma on Hopper, mma_*: mma.sync)"; grep -vE '^\{' "$out/kernel_bench_dropout.log"; }
 [ -f "$out/kernel_bench_softcap.log" ] && { echo "-- kernel_bench, softcap 50 (dtrain only)"; grep -vE '^\{' "$out/kernel_bench_softcap.log"; }
+[ -f "$out/kernel_bench_sinks.log" ] && { echo "-- kernel_bench, learned sinks (dtrain only)"; grep -vE '^\{' "$out/kernel_bench_sinks.log"; }
 [ -f "$out/kernel_bench_deterministic.log" ] && { echo "-- kernel_bench, deterministic"; grep -vE '^\{' "$out/kernel_bench_deterministic.log"; }
 [ -f "$out/kernel_bench_window.log" ] && { echo "-- kernel_bench, window 1024"; grep -vE '^\{' "$out/kernel_bench_window.log"; }
 [ -f "$out/kernel_bench_documents.log" ] && { echo "-- kernel_bench, documents of 2048"; grep -vE '^\{' "$out/kernel_bench_documents.log"; }

@@ -19,6 +19,8 @@
 // side, so that its [B S, H, D] is a view) and sdpa with a boolean mask; FLOPs as above.
 // --softcap C: logit soft-capping on dtrain's side only (LibTorch's backends have none), so
 // the ratios against the table without it say what it costs.
+// --sinks: learned attention sinks (a logit per head, with its gradient) on dtrain's side
+// only (LibTorch's backends have none), likewise.
 // --deterministic: every side under LibTorch's deterministic algorithms (dtrain's
 // deterministic backward; LibTorch's flash backend its own; cuDNN refuses and shows "-"), so
 // the ratios against the table without it say what bitwise reproducibility costs.
@@ -82,6 +84,7 @@ struct Options {
   double dropout = 0;             // attention: dropout probability on every side
   double softcap = 0;             // attention: dtrain's logit soft-capping (LibTorch has none)
   bool deterministic = false;     // attention: LibTorch's deterministic algorithms on every side
+  bool sinks = false;             // attention: dtrain's learned attention sinks (LibTorch has none)
 };
 
 bool cuda(const c10::Device& d) { return d.is_cuda(); }
@@ -177,6 +180,10 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
                 "it costs\n",
                 o.softcap);
   }
+  if (o.sinks) {
+    std::printf("# learned attention sinks on dtrain's side only (LibTorch's backends have none): the ratios say what "
+                "they cost\n");
+  }
   if (L > 0) {
     std::printf("# documents of %lld tokens (causal and not: bidirectional within a document): flash_* = LibTorch's "
                 "FlashAttention-2 varlen, cudnn_* = sdpa with a boolean mask (flash_*: CUDA only)\n",
@@ -251,8 +258,11 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
           cu.push_back(static_cast<std::int32_t>(b * s));
           cu_seqlens = torch::tensor(cu, torch::kInt).to(dev);
         }
+        const auto sinks = o.sinks ? torch::randn({h}, torch::TensorOptions().device(dev)).requires_grad_()
+                                   : at::Tensor();
         auto ours = [&] {
-          return dtrain::ops::flash_attention(q, k, v, causal, 0.0, w, doc_ids, 0, dp, std::nullopt, o.softcap);
+          return dtrain::ops::flash_attention(q, k, v, causal, 0.0, w, doc_ids, 0, dp, std::nullopt, o.softcap,
+                                              sinks);
         };
         std::function<at::Tensor()> flash, cudnn;
         at::Tensor seen;  // with a window or documents: the keys each query sees, [s, s]
@@ -329,7 +339,7 @@ void attention(const Options& o, const c10::Device& dev, int iters, Out& out) {
             cell(r_cudnn.b), rf, rfb, rb);
         out.line({{"bench", "kernel"}, {"op", "attention"}, {"device", cuda(dev) ? "cuda" : "cpu"},
                   {"dtype", c10::toString(dtype)}, {"seq", s}, {"head_dim", d}, {"causal", causal}, {"window", w},
-                  {"documents", L}, {"smem_cap", o.smem_cap}, {"dropout", dp}, {"softcap", o.softcap},
+                  {"documents", L}, {"smem_cap", o.smem_cap}, {"dropout", dp}, {"softcap", o.softcap}, {"sinks", o.sinks},
                   {"deterministic", o.deterministic},
                   {"batch", b}, {"heads", h}, {"kernel", kernel},
                   {"fwd_kernel", pass_kernel(dev, kernel, d, false)},
@@ -828,6 +838,7 @@ int main(int argc, char** argv) {
                  "a smaller GPU (101376: the 99 KB of compute capability 8.6 and 8.9; 0: the device's)");
   app.add_option("--softcap", o.softcap, "attention: dtrain's logit soft-capping (Gemma 2: 50; LibTorch has none)")
       ->check(CLI::NonNegativeNumber);
+  app.add_flag("--sinks", o.sinks, "attention: dtrain's learned attention sinks, one logit per head (LibTorch has none)");
   app.add_flag("--deterministic", o.deterministic,
                "attention: LibTorch's deterministic algorithms on every side (dtrain's deterministic backward)");
   app.add_option("--dropout", o.dropout, "attention: dropout probability on every side (0: none)")

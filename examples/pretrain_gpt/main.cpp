@@ -48,6 +48,7 @@ struct Options {
                d_model = -1, ffn_hidden = -1;
   std::int64_t attention_window = 0;
   double attention_softcap = 0.0;
+  std::string softmax_type = "vanilla";
   std::int64_t document_separator = -1;
   bool reset_position_ids = false;
   bool qk_norm = false;
@@ -105,6 +106,7 @@ void define(CLI::App& app, Options& o) {
   app.add_option("--tie-embeddings", o.tie_embeddings, "true or false (default: the preset's)")->default_str("preset")->group(model);
   app.add_option("--attention-window", o.attention_window, "sliding-window attention: each token attends to itself and the W - 1 before it (0: all earlier tokens)")->group(model);
   app.add_option("--attention-softcap", o.attention_softcap, "logit soft-capping: the attention softmax takes c tanh(s / c) of each scaled score (Gemma 2: 50; 0: none; --attention flash)")->group(model);
+  app.add_option("--softmax-type", o.softmax_type, "the attention softmax: vanilla, off-by-one (one more logit of 0 in every row) or learnable (that logit a parameter per head and block: gpt-oss's attention sinks); Megatron's --softmax-type; not vanilla: --attention flash")->group(model);
   app.add_option("--document-separator", o.document_separator, "packed documents: this token id ends a document, and tokens after it attend only to tokens from there on (Megatron's --reset-attention-mask; GPT-2's <|endoftext|> is 50256, the byte tokenizer's newline 10; -1: none)")->group(model);
   app.add_flag("--reset-position-ids", o.reset_position_ids, "with --document-separator: each document's positions count from 0 (Megatron's --reset-position-ids)")->group(model);
   app.add_flag("--qk-norm", o.qk_norm, "RMSNorm over each head's query and key before the rotary embedding (Megatron's --qk-layernorm; Qwen3, OLMo 2)")->group(model);
@@ -295,6 +297,7 @@ dtrain::models::GptConfig model_config(const Options& o) {
   c.recompute_blocks = recompute_blocks(o.activation_checkpointing);
   c.attention_window = o.attention_window;
   c.attention_softcap = o.attention_softcap;
+  c.softmax_type = o.softmax_type;
   c.document_separator = o.document_separator;
   c.reset_position_ids = o.reset_position_ids;
   c.qk_norm = c.qk_norm || o.qk_norm;

@@ -51,8 +51,7 @@ __global__ void __launch_bounds__(FlashConfig<D, kCompact>::kFwdThreads)
   float acc[kM][D / 8][4];
   zero_tiles(acc);
   float row_max[kM][2], row_sum[kM][2];
-#pragma unroll
-  for (int m = 0; m < kM; ++m) row_max[m][0] = row_max[m][1] = -INFINITY, row_sum[m][0] = row_sum[m][1] = 0.f;
+  init_row_stats(p, h, row_max, row_sum);
   const float scale_log2 = p.scale * kLog2e;
   uint32_t qf[kQInRegs ? D / 16 : 1][kM][4];
 

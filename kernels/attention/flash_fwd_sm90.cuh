@@ -191,7 +191,8 @@ __global__ void __launch_bounds__(FlashSm90Config<D>::kThreads, 1)
     };
 
     zero_tiles(acc);
-    float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}}, alpha[1][2];
+    float row_max[1][2], row_sum[1][2], alpha[1][2];
+    init_row_stats(p, h, row_max, row_sum);
     // s holds S_j, then, after its softmax, P_j in float32 until retire_pv packs it.
     float s[1][BN / 8][4];
     // Before P_j V_j: wait for P_{j-1} V_{j-1} (its P registers and O), release its V

@@ -228,6 +228,21 @@ __device__ __forceinline__ void rescale(float (&acc)[kM][kD][4], const float (&a
   }
 }
 
+// The running row max and sum before the first key tile: no key seen (-inf, 0), or with
+// attention sinks (p.sinks) head h's sink as a key seen already whose value is 0 (its
+// logit in log2 units; a weight of 1 in the sum, held by the quad's first thread), which
+// the online softmax then rescales like any other key, so that the output and the
+// log-sum-exp take it in and a row that sees no key ends with o 0 and lse the sink.
+template <int kM>
+__device__ __forceinline__ void init_row_stats(const dtrain_attention_fwd_params& p, int64_t h,
+                                               float (&row_max)[kM][2], float (&row_sum)[kM][2]) {
+  const bool sinks = p.sinks != nullptr;
+  const float first = sinks ? p.sinks[h] * kLog2e : -INFINITY;
+  const float weight = sinks && threadIdx.x % 4 == 0 ? 1.f : 0.f;
+#pragma unroll
+  for (int m = 0; m < kM; ++m) row_max[m][0] = row_max[m][1] = first, row_sum[m][0] = row_sum[m][1] = weight;
+}
+
 // softmax_step, then the rescale of the output accumulators.
 template <int kM, int kN, int kD>
 __device__ __forceinline__ void online_softmax(float (&s)[kM][kN][4], float (&acc)[kM][kD][4],

@@ -68,6 +68,12 @@ void GptConfig::validate() const {
   DTRAIN_CHECK_ARG(attention_softcap == 0 || attention == ops::AttentionBackend::kFlash, "attention_softcap=",
                    attention_softcap, " (--attention-softcap) needs --attention flash; got --attention ",
                    ops::to_string(attention), " (LibTorch's sdpa has no soft-capping)");
+  DTRAIN_CHECK_ARG(softmax_type == "vanilla" || softmax_type == "off-by-one" || softmax_type == "learnable",
+                   "softmax_type '", softmax_type, "' (--softmax-type) is not known; allowed: vanilla, off-by-one, "
+                   "learnable");
+  DTRAIN_CHECK_ARG(!attention_sinks() || attention == ops::AttentionBackend::kFlash, "softmax_type '", softmax_type,
+                   "' (--softmax-type) needs --attention flash; got --attention ", ops::to_string(attention),
+                   " (LibTorch's sdpa has no attention sinks)");
   DTRAIN_CHECK_ARG(document_separator >= -1 && document_separator < vocab_size, "document_separator=",
                    document_separator, " (--document-separator) is out of range; allowed: -1 (none) or a token id in "
                    "0..", vocab_size - 1);
@@ -106,7 +112,7 @@ std::int64_t GptConfig::num_parameters() const {
   const bool gpt2 = family == "gpt2";
   const std::int64_t hd = head_dim(), h = mlp_hidden();
   const std::int64_t norm = gpt2 ? 2 * d_model : d_model;
-  std::int64_t block = 2 * norm + (qk_norm ? 2 * hd : 0);
+  std::int64_t block = 2 * norm + (qk_norm ? 2 * hd : 0) + (softmax_type == "learnable" ? n_head : 0);
   block += d_model * (n_head + 2 * n_kv_head) * hd + (gpt2 ? (n_head + 2 * n_kv_head) * hd : 0);
   block += n_head * hd * d_model + (gpt2 ? d_model : 0);
   block += gpt2 ? (d_model * h + h + h * d_model + d_model) : 3 * d_model * h;
@@ -142,6 +148,7 @@ std::vector<std::pair<std::string, std::vector<std::int64_t>>> GptConfig::parame
       out.push_back({h + "q_norm_weight", {head_dim()}});
       out.push_back({h + "k_norm_weight", {head_dim()}});
     }
+    if (softmax_type == "learnable") out.push_back({h + "attn_sinks", {n_head}});
     out.push_back({h + "attn_qkv.weight", {qkv, d}});
     if (gpt2) out.push_back({h + "attn_qkv.bias", {qkv}});
     out.push_back({h + "attn_proj.weight", {d, n_head * head_dim()}});
@@ -170,6 +177,7 @@ double GptConfig::flops_per_token(std::int64_t seq_len) const {
   const std::int64_t norm = gpt2 ? 2 * d_model : d_model;
   matmul -= (2 * n_layer + 1) * norm;  // norm weights (and biases)
   if (qk_norm) matmul -= 2 * n_layer * head_dim();
+  if (softmax_type == "learnable") matmul -= n_layer * n_head;  // sinks: one logit each
   if (gpt2) {
     matmul -= context * d_model;  // learned positions: a lookup, no matmul
     matmul -= n_layer * ((n_head + 2 * n_kv_head) * head_dim() + 2 * d_model + mlp_hidden());
@@ -213,6 +221,9 @@ BlockImpl::BlockImpl(const GptConfig& c, TpEnv tp, std::int64_t index) : config_
   if (c.qk_norm) {
     q_norm_w_ = register_parameter("q_norm_weight", torch::ones({hd}));
     k_norm_w_ = register_parameter("k_norm_weight", torch::ones({hd}));
+  }
+  if (c.softmax_type == "learnable") {
+    sinks_ = register_parameter("attn_sinks", torch::zeros({c.n_head / tp_.size}));
   }
   const std::int64_t kv_local = kv_split() ? c.n_kv_head / tp_.size : c.n_kv_head;
   const std::int64_t qkv_rows = (c.n_head / tp_.size + 2 * kv_local) * hd;
@@ -331,15 +342,19 @@ torch::Tensor BlockImpl::attention(const torch::Tensor& in, const torch::Tensor&
     k = rope(k, rope_cos, rope_sin, config_.fused_rope);
   }
   const double p = is_training() ? config_.dropout : 0.0;
+  // This rank's heads' sinks: the parameter, or the off-by-one softmax's zeros.
+  const auto sinks = sinks_.defined()               ? sinks_
+                     : config_.attention_sinks() ? torch::zeros({H}, q.options().dtype(torch::kFloat))
+                                                 : torch::Tensor();
   torch::Tensor y;
   if (tp_.cp && tp_.cp->size() > 1) {  // no dropout: the Gpt constructor checks
     y = cp::attention(q, k, v, tp_.cp, tp_.cp_comm, config_.attention, 0.0, config_.attention_window, documents,
-                      config_.attention_softcap);
+                      config_.attention_softcap, sinks);
   } else {
     std::unique_ptr<tp::RngTracker::Fork> fork;  // dropout: heads differ across tp, the split stream
     if (p > 0) fork = tp_.rng->fork(tp::RngTracker::Stream::kSplit);
     y = ops::attention(q, k, v, /*causal=*/true, p, config_.attention, config_.attention_window, documents, 0,
-                       config_.attention_softcap);
+                       config_.attention_softcap, sinks);
   }
   return y.transpose(1, 2).reshape({B, T, H * D});
 }
@@ -446,6 +461,8 @@ TpShard shard_of(const GptConfig& c, const std::string& name, int r, int n, int 
     }
   } else if (ends_with(name, "attn_proj.weight")) {
     s.full_shape = {d, H * hd}, s.dim = 1, s.ranges = {part(H * hd)};
+  } else if (ends_with(name, "attn_sinks")) {  // per query head, as the heads split
+    s.full_shape = {H}, s.dim = 0, s.ranges = {part(H)};
   } else if (ends_with(name, "mlp_fc.weight") || ends_with(name, "mlp_gate.weight")) {
     s.full_shape = {F, d}, s.dim = 0, s.ranges = {part(F)};
   } else if (ends_with(name, "mlp_fc.bias") || ends_with(name, "mlp_gate.bias")) {

@@ -60,6 +60,7 @@ std::vector<Mapping> mappings(const GptConfig& c) {
       m.push_back({h + "mlp_fc.bias", {p + "mlp.c_fc.bias"}});
       m.push_back({h + "mlp_proj.weight", {p + "mlp.c_proj.weight"}, {}, true});
       m.push_back({h + "mlp_proj.bias", {p + "mlp.c_proj.bias"}});
+      if (c.softmax_type == "learnable") m.push_back({h + "attn_sinks", {p + "attn.sinks"}});  // no HF model's
       continue;
     }
     const std::string p = "model.layers." + std::to_string(i) + ".";
@@ -73,6 +74,7 @@ std::vector<Mapping> mappings(const GptConfig& c) {
       m.push_back({h + "q_norm_weight", {p + "self_attn.q_norm.weight"}});
       m.push_back({h + "k_norm_weight", {p + "self_attn.k_norm.weight"}});
     }
+    if (c.softmax_type == "learnable") m.push_back({h + "attn_sinks", {p + "self_attn.sinks"}});  // gpt-oss's name
     if (c.moe.is_moe_block(i)) {
       m.push_back({h + "moe.router.weight", {p + "block_sparse_moe.gate.weight"}});
       for (std::int64_t e = 0; e < c.moe.experts; ++e) {
@@ -100,6 +102,9 @@ std::string hf_class(const GptConfig& c, std::string* why) {
   if (c.attention_softcap != 0) {
     none << "--attention-softcap=" << c.attention_softcap << ": no transformers model of GPT-2's or Llama's layout "
          << "caps attention logits";
+  } else if (c.attention_sinks()) {
+    none << "--softmax-type=" << c.softmax_type << ": no transformers model of GPT-2's or Llama's layout has "
+         << "attention sinks (gpt-oss's has, in a layout of its own)";
   } else if (window && gpt2) {
     none << "--attention-window=" << c.attention_window << " with --family gpt2: GPT-2 has no sliding window";
   } else if (c.moe.enabled() && c.moe.every != 1) {  // Mixtral: every block's experts, softmax over the top k

@@ -171,6 +171,9 @@ struct Mask {
   std::uint64_t dropout_seed = 0;
   // Logit soft-capping (0: none): the softmax takes softcap tanh(s scale / softcap).
   double softcap = 0.0;
+  // Attention sinks (undefined: none): [H] on q's device, detached (their gradient is
+  // FlashAttentionFn's, by sinks_grad).
+  at::Tensor sinks;
 };
 
 // A seed for attention dropout from the default generator of `device` (under the model's
@@ -243,9 +246,14 @@ std::pair<at::Tensor, at::Tensor> reference_forward(const at::Tensor& q, const a
   for (std::int64_t r0 = 0; r0 < q.size(2); r0 += kChunk) {
     const auto n = std::min(kChunk, q.size(2) - r0);
     auto s = scores(qf, kf, r0, n, mask, scale);
-    // A row that sees no key: log-sum-exp +inf (as the kernel's), so its probabilities are 0.
+    // A row that sees no key: log-sum-exp +inf (as the kernel's), so its probabilities are
+    // 0; with sinks, each head's sink is one more logit (such a row's is the sink's).
     auto l = s.logsumexp(-1, /*keepdim=*/true);
-    l.masked_fill_(l == -std::numeric_limits<double>::infinity(), std::numeric_limits<double>::infinity());
+    if (mask.sinks.defined()) {
+      l = at::logaddexp(l, mask.sinks.to(ct).view({1, -1, 1, 1}).expand_as(l));
+    } else {
+      l.masked_fill_(l == -std::numeric_limits<double>::infinity(), std::numeric_limits<double>::infinity());
+    }
     auto probs = (s - l).exp();
     if (mask.dropout_p > 0) {
       probs = probs * dropout_factor(q.size(0), q.size(1), r0, n, k.size(2), mask, probs.options());
@@ -405,6 +413,8 @@ std::pair<at::Tensor, at::Tensor> kernel_forward(at::Tensor q, at::Tensor k, at:
   p.v_stride = strides_of(v);
   p.o_stride = strides_of(o);
   fill_shape(p, q, k, mask, scale, with_backward);
+  const auto sinks = mask.sinks.defined() ? mask.sinks.to(at::kFloat).contiguous() : at::Tensor();
+  if (sinks.defined()) p.sinks = sinks.data_ptr<float>();
   auto workspace = at::empty({static_cast<std::int64_t>(dtrain_attention_fwd_workspace_bytes(&p) / sizeof(int))},
                              q.options().dtype(at::kInt));
   p.workspace = workspace.data_ptr();
@@ -465,13 +475,17 @@ std::vector<at::Tensor> backward_pass(const at::Tensor& q, const at::Tensor& k, 
   return reference_backward(q, k, v, o, lse, dout, mask, scale);
 }
 
+// sinks: [H] (a Tensor input, so that autograd gives it its gradient), or empty for none
+// (an undefined Tensor cannot be an input).
 class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
  public:
   // with_backward: decided outside, where grad mode is the caller's.
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, const Mask& mask, double scale, bool with_backward) {
+                            const at::Tensor& v, const at::Tensor& sinks, Mask mask, double scale,
+                            bool with_backward) {
+    if (sinks.numel() > 0) mask.sinks = sinks.detach();
     const auto [o, lse] = forward_pass(q, k, v, mask, scale, with_backward);
-    ctx->save_for_backward({q, k, v, o, lse});
+    ctx->save_for_backward({q, k, v, o, lse, mask.sinks});
     ctx->saved_data["doc_start"] = mask.doc_start;
     ctx->saved_data["doc_end"] = mask.doc_end;
     ctx->saved_data["causal"] = mask.causal;
@@ -499,9 +513,12 @@ class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
     const std::int64_t seed = ctx->saved_data["dropout_seed"].toInt();
     std::memcpy(&mask.dropout_seed, &seed, sizeof(seed));
     mask.softcap = ctx->saved_data["softcap"].toDouble();
+    mask.sinks = saved[5];
     const double scale = ctx->saved_data["scale"].toDouble();
     const auto g = backward_pass(saved[0], saved[1], saved[2], saved[3], saved[4], grads[0], mask, scale);
-    return {g[0], g[1], g[2], at::Tensor(), at::Tensor(), at::Tensor()};
+    at::Tensor dsinks;
+    if (mask.sinks.defined() && ctx->needs_input_grad(3)) dsinks = sinks_grad(saved[3], saved[4], grads[0], mask.sinks);
+    return {g[0], g[1], g[2], dsinks, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -585,6 +602,22 @@ const Documents& Documents::slice(std::int64_t first, std::int64_t tokens) const
 
 namespace {
 
+// Attention sinks: a floating [H] tensor on q's device, H q's heads (undefined: none).
+void check_sinks(const char* op, const at::Tensor& q, const at::Tensor& sinks) {
+  if (!sinks.defined()) return;
+  DTRAIN_OP_CHECK(sinks.dim() == 1 && sinks.size(0) == q.size(1), op, "sinks must be [heads] = [", q.size(1),
+                  "] (one logit per query head); got ", sinks.sizes());
+  DTRAIN_OP_CHECK(at::isFloatingType(sinks.scalar_type()), op, "sinks are ", detail::dtype_name(sinks),
+                  "; allowed: a floating dtype");
+  DTRAIN_OP_CHECK(sinks.device() == q.device(), op, "sinks are on ", sinks.device(), ", q on ", q.device(),
+                  "; they must be on one device");
+}
+
+// The Function's sinks input: sinks, or an empty tensor for none.
+at::Tensor sinks_input(const at::Tensor& sinks, const at::Tensor& q) {
+  return sinks.defined() ? sinks : at::empty({0}, q.options().dtype(at::kFloat));
+}
+
 // flash_attention's checks, then what its passes take.
 Mask checked_mask(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, std::int64_t window,
                   const Documents& documents, std::int64_t query_offset, double softcap) {
@@ -592,8 +625,8 @@ Mask checked_mask(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   check_documents(kOp, q, k, documents, query_offset);
   DTRAIN_OP_CHECK(softcap >= 0 && softcap <= std::numeric_limits<float>::max(), kOp, "softcap=", softcap,
                   " is out of range; allowed: 0 (none) or a finite cap > 0 (Gemma 2: 50)");
-  Mask mask{causal, window, query_offset, {}, {}};
-  mask.softcap = softcap;
+  Mask mask;
+  mask.causal = causal, mask.window = window, mask.query_offset = query_offset, mask.softcap = softcap;
   if (documents.defined()) std::tie(mask.doc_start, mask.doc_end) = documents.bounds();
   return mask;
 }
@@ -602,26 +635,52 @@ double scale_or_default(double scale, const at::Tensor& q) {
   return scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(q.size(3)));
 }
 
+// The shape checks fold_sinks and sinks_grad share: o [B, H, S, D], lse [B, H, S], sinks [H].
+void check_sink_shapes(const char* op, const at::Tensor& o, const at::Tensor& lse, const at::Tensor& sinks) {
+  DTRAIN_OP_CHECK(o.dim() == 4 && lse.dim() == 3 && lse.sizes() == o.sizes().slice(0, 3), op, "o must be [batch, ",
+                  "heads, seq, head_dim] and lse [batch, heads, seq]; got o ", o.sizes(), ", lse ", lse.sizes());
+  check_sinks(op, o, sinks);
+  DTRAIN_OP_CHECK(sinks.defined(), op, "sinks are undefined");
+}
+
 }  // namespace
+
+std::pair<at::Tensor, at::Tensor> fold_sinks(const at::Tensor& o, const at::Tensor& lse, const at::Tensor& sinks) {
+  check_sink_shapes("fold_sinks", o, lse, sinks);
+  const auto folded = at::logaddexp(lse, sinks.to(lse.scalar_type()).view({1, -1, 1}).expand_as(lse));
+  // A row that saw no key (lse -inf or +inf, output 0) stays 0.
+  const auto keep = (lse - folded).exp().masked_fill(lse.isinf(), 0.0);
+  return {(o * keep.unsqueeze(-1).to(o.scalar_type())), folded};
+}
+
+at::Tensor sinks_grad(const at::Tensor& o, const at::Tensor& lse, const at::Tensor& dout, const at::Tensor& sinks) {
+  check_sink_shapes("sinks_grad", o, lse, sinks);
+  const auto ct = lse.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto delta = (dout.to(ct) * o.to(ct)).sum(-1);  // rowsum(dO o) [B, H, S]
+  const auto weight = (sinks.to(ct).view({1, -1, 1}) - lse.to(ct)).exp();  // the sink's probability
+  return -(weight * delta).sum(at::IntArrayRef{0, 2});
+}
 
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                            double scale, std::int64_t window, const Documents& documents, std::int64_t query_offset,
-                           double dropout_p, std::optional<std::uint64_t> dropout_seed, double softcap) {
+                           double dropout_p, std::optional<std::uint64_t> dropout_seed, double softcap,
+                           const at::Tensor& sinks) {
   Mask mask = checked_mask(q, k, v, causal, window, documents, query_offset, softcap);
+  check_sinks(kOp, q, sinks);
   DTRAIN_OP_CHECK(dropout_p >= 0 && dropout_p < 1, kOp, "dropout_p=", dropout_p,
                   " is out of range; allowed: [0, 1)");
   if (dropout_p > 0) {
     mask.dropout_p = dropout_p;
     mask.dropout_seed = dropout_seed ? *dropout_seed : draw_dropout_seed(q.device());
   }
-  const bool with_backward =
-      at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
-  return FlashAttentionFn::apply(q, k, v, mask, scale_or_default(scale, q), with_backward);
+  const bool with_backward = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() ||
+                                                            v.requires_grad() || (sinks.defined() && sinks.requires_grad()));
+  return FlashAttentionFn::apply(q, k, v, sinks_input(sinks, q), mask, scale_or_default(scale, q), with_backward);
 }
 
 at::Tensor flash_attention_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& cu_seqlens, bool causal, double scale, std::int64_t window,
-                                  double dropout_p, double softcap) {
+                                  double dropout_p, double softcap, const at::Tensor& sinks) {
   DTRAIN_OP_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, kOp, "varlen: q, k and v must be [total, heads, "
                   "head_dim]; got q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
   DTRAIN_OP_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0), kOp, "varlen: k (", k.size(0), " tokens) and v (",
@@ -636,7 +695,7 @@ at::Tensor flash_attention_varlen(const at::Tensor& q, const at::Tensor& k, cons
   const auto ids = at::searchsorted(cu_seqlens, tokens, /*out_int32=*/false, /*right=*/true).unsqueeze(0);
   auto bhsd = [](const at::Tensor& t) { return t.unsqueeze(0).transpose(1, 2); };  // [1, heads, total, D]
   const auto o = flash_attention(bhsd(q), bhsd(k), bhsd(v), causal, scale, window, Documents(ids), 0,
-                                 dropout_p, std::nullopt, softcap);
+                                 dropout_p, std::nullopt, softcap, sinks);
   return o.transpose(1, 2).squeeze(0);
 }
 
@@ -667,12 +726,15 @@ std::vector<at::Tensor> flash_attention_backward(const at::Tensor& q, const at::
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                      double dropout_p, AttentionBackend backend, std::int64_t window, const Documents& documents,
-                     std::int64_t query_offset, double softcap) {
+                     std::int64_t query_offset, double softcap, const at::Tensor& sinks) {
   if (backend == AttentionBackend::kFlash) {
-    return flash_attention(q, k, v, causal, 0.0, window, documents, query_offset, dropout_p, std::nullopt, softcap);
+    return flash_attention(q, k, v, causal, 0.0, window, documents, query_offset, dropout_p, std::nullopt, softcap,
+                           sinks);
   }
   DTRAIN_CHECK_ARG(softcap == 0, "attention: softcap=", softcap, " needs the flash backend (sdpa has no logit "
                    "soft-capping); allowed with sdpa: 0");
+  DTRAIN_CHECK_ARG(!sinks.defined(), "attention: sinks need the flash backend (sdpa has no attention sinks); "
+                   "allowed with sdpa: none");
   check_window("attention", window);
   DTRAIN_CHECK_ARG(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
                    "attention: q, k, v must be [batch, heads, time, head_dim]; got ", q.sizes(),

@@ -132,9 +132,10 @@ void wait_all(std::vector<WorkPtr>& works) {
   works.clear();
 }
 
+// sinks: [H], or empty for none (ops::fold_sinks after the last block's merge).
 struct RingAttention : public torch::autograd::Function<RingAttention> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            std::int64_t comm, const RingMask& mask) {
+                            const at::Tensor& sinks, std::int64_t comm, const RingMask& mask) {
     auto& c = *reinterpret_cast<Communicator*>(comm);
     const int n = c.size(), r = c.rank();
     const auto L = q.size(2) / 2, hkv = k.size(1);
@@ -165,8 +166,10 @@ struct RingAttention : public torch::autograd::Function<RingAttention> {
       wait_all(works);
       if (next.defined()) kv = next;
     }
+    // The sinks join each row's softmax once, over the merged blocks.
+    if (sinks.numel() > 0) std::tie(o, lse) = ops::fold_sinks(o, lse, sinks.detach());
     auto out = o.to(q.scalar_type());
-    ctx->save_for_backward({q, k, v, out, lse});
+    ctx->save_for_backward({q, k, v, out, lse, sinks.numel() > 0 ? sinks.detach() : at::Tensor()});
     ctx->saved_data["comm"] = comm;
     ctx->saved_data["window"] = mask.window;
     ctx->saved_data["documents"] = mask.documents.ids();
@@ -212,24 +215,28 @@ struct RingAttention : public torch::autograd::Function<RingAttention> {
       if (next.defined()) kv = next;
     }
     wait_all(grad_works);
+    at::Tensor dsinks;
+    if (saved[5].defined() && ctx->needs_input_grad(3)) dsinks = ops::sinks_grad(o, lse, dout, saved[5]);
     return {dq.to(q.scalar_type()), arriving.narrow(1, 0, hkv).to(k.scalar_type()),
-            arriving.narrow(1, hkv, hkv).to(v.scalar_type()), at::Tensor(), at::Tensor()};
+            arriving.narrow(1, hkv, hkv).to(v.scalar_type()), dsinks, at::Tensor(), at::Tensor()};
   }
 };
 
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const CommPtr& cp,
                           ops::AttentionBackend backend, double dropout_p, std::int64_t window,
-                          const ops::Documents& documents, double softcap) {
+                          const ops::Documents& documents, double softcap, const at::Tensor& sinks) {
   DTRAIN_CHECK_ARG(backend == ops::AttentionBackend::kFlash && dropout_p == 0,
                    "context parallel attention: --cp-comm p2p runs flash attention's passes on blocks of keys, "
                    "without dropout; got --attention ", ops::to_string(backend), ", dropout ", dropout_p,
                    "; allowed: --attention flash without dropout, or --cp-comm all_gather or a2a");
-  return RingAttention::apply(q, k, v, reinterpret_cast<std::int64_t>(cp.get()), RingMask{window, documents, softcap});
+  const auto sinks_in = sinks.defined() ? sinks : at::empty({0}, q.options().dtype(at::kFloat));
+  return RingAttention::apply(q, k, v, sinks_in, reinterpret_cast<std::int64_t>(cp.get()),
+                              RingMask{window, documents, softcap});
 }
 
 at::Tensor all_gather_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const CommPtr& cp,
                                 ops::AttentionBackend backend, double dropout_p, std::int64_t window,
-                                const ops::Documents& documents, double softcap) {
+                                const ops::Documents& documents, double softcap, const at::Tensor& sinks) {
   const int n = cp->size();
   const auto hkv = k.size(1), L = q.size(2) / 2;
   // One all-gather for keys and values together.
@@ -240,14 +247,14 @@ at::Tensor all_gather_attention(const at::Tensor& q, const at::Tensor& k, const 
     const auto g = chunk_of(n, cp->rank(), s);
     const auto seen = (g + 1) * L;  // the keys up to the chunk's end
     out.push_back(ops::attention(q.narrow(2, s * L, L), keys.narrow(2, 0, seen), values.narrow(2, 0, seen),
-                                 /*causal=*/true, dropout_p, backend, window, documents, g * L, softcap));
+                                 /*causal=*/true, dropout_p, backend, window, documents, g * L, softcap, sinks));
   }
   return at::cat(out, 2);
 }
 
 at::Tensor all_to_all_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const CommPtr& cp,
                                 ops::AttentionBackend backend, double dropout_p, std::int64_t window,
-                                const ops::Documents& documents, double softcap) {
+                                const ops::Documents& documents, double softcap, const at::Tensor& sinks) {
   const std::int64_t n = cp->size(), B = q.size(0), H = q.size(1), Tl = q.size(2), D = q.size(3);
   DTRAIN_CHECK_ARG(H % n == 0, "context parallel attention: --cp-comm a2a splits the ", H,
                    " query heads (of this tensor-parallel rank) across --cp=", n,
@@ -261,8 +268,10 @@ at::Tensor all_to_all_attention(const at::Tensor& q, const at::Tensor& k, const 
   // One all-to-all for q, k and v: [B, h + 2 hkv, T, D] in sequence order.
   const auto whole =
       reorder(exchange(at::cat({per_rank(q), per_rank(keys), per_rank(values)}, 2), cp, true), 2, n, true);
+  // This rank's heads after the exchange: [rank h, rank h + h) of H (and of the sinks).
   const auto y = ops::attention(whole.narrow(1, 0, h), whole.narrow(1, h, hkv), whole.narrow(1, h + hkv, hkv),
-                                /*causal=*/true, dropout_p, backend, window, documents, 0, softcap);
+                                /*causal=*/true, dropout_p, backend, window, documents, 0, softcap,
+                                sinks.defined() ? sinks.narrow(0, cp->rank() * h, h) : sinks);
   return exchange(reorder(y, 2, n, false), cp, false).reshape({B, H, Tl, D});
 }
 }  // namespace
@@ -301,10 +310,10 @@ at::Tensor gather_sequence(const at::Tensor& x, std::int64_t dim, const CommPtr&
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const CommPtr& cp,
                      CpComm method, ops::AttentionBackend backend, double dropout_p, std::int64_t window,
-                     const ops::Documents& documents, double softcap) {
+                     const ops::Documents& documents, double softcap, const at::Tensor& sinks) {
   DTRAIN_CHECK_ARG(cp != nullptr, "context parallel: no cp communicator");
   if (cp->size() == 1) {
-    return ops::attention(q, k, v, /*causal=*/true, dropout_p, backend, window, documents, 0, softcap);
+    return ops::attention(q, k, v, /*causal=*/true, dropout_p, backend, window, documents, 0, softcap, sinks);
   }
   DTRAIN_CHECK_ARG(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes() &&
                        q.size(2) == k.size(2) && q.size(2) % 2 == 0 && q.size(1) % k.size(1) == 0,
@@ -312,11 +321,12 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                    "and v alike and a multiple of their heads in q; got ", q.sizes(), ", ", k.sizes(), ", ",
                    v.sizes());
   switch (method) {
-    case CpComm::kAllToAll: return all_to_all_attention(q, k, v, cp, backend, dropout_p, window, documents, softcap);
-    case CpComm::kRing: return ring_attention(q, k, v, cp, backend, dropout_p, window, documents, softcap);
+    case CpComm::kAllToAll:
+      return all_to_all_attention(q, k, v, cp, backend, dropout_p, window, documents, softcap, sinks);
+    case CpComm::kRing: return ring_attention(q, k, v, cp, backend, dropout_p, window, documents, softcap, sinks);
     case CpComm::kAllGather: break;
   }
-  return all_gather_attention(q, k, v, cp, backend, dropout_p, window, documents, softcap);
+  return all_gather_attention(q, k, v, cp, backend, dropout_p, window, documents, softcap, sinks);
 }
 
 }  // namespace dtrain::cp

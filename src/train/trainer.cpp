@@ -757,6 +757,8 @@ void Trainer::log_summary() const {
                (model_config_.attention_softcap > 0
                     ? format(" (attention softcap {})", model_config_.attention_softcap)
                     : std::string()) +
+               (model_config_.attention_sinks() ? format(" ({} softmax)", model_config_.softmax_type)
+                                                : std::string()) +
                (model_config_.document_separator >= 0
                     ? format(" (documents end at token {}{})", model_config_.document_separator,
                              std::string(model_config_.reset_position_ids ? ", positions restart" : "") +

@@ -86,7 +86,7 @@ void agree(Communicator& comm, const std::string& error, at::Device device) {
 // Architecture fields added after the first checkpoints, with the value every model had
 // before them: what a checkpoint that lacks one was saved with.
 const json& later_fields() {
-  static const json fields = {{"qk_norm", false}};
+  static const json fields = {{"qk_norm", false}, {"softmax_type", "vanilla"}};
   return fields;
 }
 
@@ -96,6 +96,7 @@ json architecture(const models::GptConfig& c) {
           {"n_layer", c.n_layer},       {"n_head", c.n_head},
           {"n_kv_head", c.n_kv_head},   {"d_model", c.d_model},
           {"mlp_hidden", c.mlp_hidden()}, {"tie_embeddings", c.tie_embeddings}, {"qk_norm", c.qk_norm},
+          {"softmax_type", c.softmax_type},
           {"moe_experts", c.moe.experts}, {"moe_every", c.moe.every},
           {"expert_hidden", c.moe.experts > 0 ? c.expert_hidden() : 0}};
 }

@@ -86,6 +86,14 @@ expect(softcap-needs-flash 2 "attention_softcap=20 \\(--attention-softcap\\) nee
        ARGS ${DATA} --attention sdpa --attention-softcap 20)
 expect(softcap-negative 2 "attention_softcap=-1 \\(--attention-softcap\\) is out of range; allowed: 0 \\(none\\) or a finite cap > 0"
        ARGS ${DATA} --attention-softcap -1)
+# Attention sinks (Megatron's --softmax-type): learned ones train on flash attention's
+# reference path; any but vanilla without flash, or an unknown type, is refused.
+expect(softmax-learnable 0 "\\(learnable softmax\\).*done: 3 steps" CPU
+       ARGS ${DATA} --family llama --global-batch 8 --steps 3 --warmup-steps 1 --attention flash --softmax-type learnable)
+expect(softmax-needs-flash 2 "softmax_type 'off-by-one' \\(--softmax-type\\) needs --attention flash; got --attention sdpa"
+       ARGS ${DATA} --attention sdpa --softmax-type off-by-one)
+expect(softmax-unknown 2 "softmax_type 'softmax1' \\(--softmax-type\\) is not known; allowed: vanilla, off-by-one, learnable"
+       ARGS ${DATA} --softmax-type softmax1)
 # --deterministic (LibTorch's deterministic algorithms, which fail any op that has none,
 # and flash attention's deterministic backward) trains a MoE Llama with dropout on 2 ranks
 # (1 in a build without MPI) to the same losses as without it: the CPU paths are
@@ -290,6 +298,9 @@ expect(qk-norm-export-hf 2 "the Hugging Face export has no names for GPT-2 with 
 expect(softcap-export-hf 0 "--export-hf: no transformers class computes this model from its weights \\(--attention-softcap=30: no transformers model of GPT-2's or Llama's layout caps attention logits\\); the file will serve --init-from"
        ARGS ${DATA} --global-batch 8 --steps 2 --warmup-steps 1 --family llama --attention flash --attention-softcap 30
             --export-hf "${WORK_DIR}/softcap.safetensors")
+expect(sinks-export-hf 0 "--export-hf: no transformers class computes this model from its weights \\(--softmax-type=learnable: no transformers model of GPT-2's or Llama's layout has attention sinks"
+       ARGS ${DATA} --global-batch 8 --steps 2 --warmup-steps 1 --family llama --attention flash --softmax-type learnable
+            --export-hf "${WORK_DIR}/sinks.safetensors")
 expect(window-gpt2-export-hf 0 "export: no transformers class computes this model from its weights \\(--attention-window=8 with --family gpt2: GPT-2 has no sliding window\\)"
        ARGS ${DATA} --global-batch 8 --steps 2 --warmup-steps 1 --attention-window 8 --export-hf "${WORK_DIR}/window.safetensors")
 expect(moe-top1-export-hf 0 "--moe-topk=1: Mixtral weighs a single chosen expert by 1, dtrain by its probability"

@@ -238,9 +238,9 @@ TEST_F(CheckpointTest, LoadsIntoAnyLayoutAndContinuesAsTheUninterruptedRun) {
   }
 }
 
-// The full export holds the single-process model under Hugging Face names and layouts;
-// importing it into any layout reproduces the parameters exactly; a foreign file is a
-// named error.
+// The full export holds the single-process model under Hugging Face names and layouts
+// (learned attention sinks under gpt-oss's); importing it into any layout reproduces the
+// parameters exactly; a foreign file is a named error.
 TEST_F(CheckpointTest, HuggingFaceExportImportsIntoAnyLayout) {
   const int n = nranks();
   TestCorpus corpus("hf" + std::to_string(rank()));
@@ -253,6 +253,9 @@ TEST_F(CheckpointTest, HuggingFaceExportImportsIntoAnyLayout) {
   std::vector<Case> cases = {{gpt2, Layout{1, 1, 1, false, "full"}, Layout{1, 1, 1, false, "zero1"}},
                              {moe(), Layout{1, 1, n, false, "none"}, Layout{1, 1, 1, false, "zero2"}}};
   if (n % 2 == 0) cases.push_back({llama(), Layout{2, 1, 1, false, "none"}, Layout{1, 2, 1, false, "none"}});
+  auto sinks = llama();  // learned attention sinks under gpt-oss's name, split by head at tp 2
+  sinks.attention = ops::AttentionBackend::kFlash, sinks.softmax_type = "learnable";
+  cases.push_back({sinks, Layout{n % 2 == 0 ? 2 : 1, 1, 1, false, "none"}, Layout{1, 1, 1, false, "full"}});
   int k = 0;
   for (const auto& c : cases) {
     SCOPED_TRACE(c.save.text() + " -> " + c.load.text() + " " + c.cfg.family);
@@ -271,6 +274,10 @@ TEST_F(CheckpointTest, HuggingFaceExportImportsIntoAnyLayout) {
       const auto kv = c.cfg.n_kv_head * c.cfg.head_dim();
       EXPECT_EQ(file.info("model.layers.1.self_attn.k_proj.weight").shape, (std::vector<std::int64_t>{kv, d}));
       EXPECT_EQ(file.contains("lm_head.weight"), !c.cfg.tie_embeddings);
+      EXPECT_EQ(file.contains("model.layers.1.self_attn.sinks"), c.cfg.attention_sinks());
+      if (c.cfg.attention_sinks()) {
+        EXPECT_EQ(file.info("model.layers.1.self_attn.sinks").shape, (std::vector<std::int64_t>{c.cfg.n_head}));
+      }
       if (c.cfg.moe.enabled()) {
         EXPECT_EQ(file.info("model.layers.0.block_sparse_moe.experts.11.w2.weight").shape,
                   (std::vector<std::int64_t>{d, c.cfg.moe.ffn_hidden}));
@@ -348,6 +355,10 @@ TEST_F(CheckpointTest, DamagedCheckpointsAreNamedAndAutoResumeFallsBack) {
   auto deeper = cfg;
   deeper.n_layer = 3;
   expect_has(resume_error(checkpoint::step_dir(root, 2), deeper), {"is from a different model: n_layer is 2 there, 3 here"});
+  auto sinks = cfg;  // the same weights but for none, or the same weights with another softmax
+  sinks.attention = ops::AttentionBackend::kFlash, sinks.softmax_type = "off-by-one";
+  expect_has(resume_error(checkpoint::step_dir(root, 2), sinks),
+             {"is from a different model: softmax_type is \"vanilla\" there, \"off-by-one\" here"});
   // Not a checkpoint.
   expect_has(resume_error(corpus.dir()), {"is neither a checkpoint"});
 }

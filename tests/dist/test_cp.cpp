@@ -91,6 +91,7 @@ TEST_F(CpTest, AttentionMatchesTheWholeSequence) {
     bool documents;
     ops::AttentionBackend backend = ops::AttentionBackend::kSdpa;
     double softcap = 0.0;  // logit soft-capping (flash only)
+    bool sinks = false;    // attention sinks (flash only)
   };
   const auto a2a = CpComm::kAllToAll, gather = CpComm::kAllGather, ring = CpComm::kRing;
   const auto flash = ops::AttentionBackend::kFlash;  // its reference path on the CPU
@@ -102,25 +103,36 @@ TEST_F(CpTest, AttentionMatchesTheWholeSequence) {
                         Case{ring, 4, 7, false, flash}, Case{ring, 2, 5, true, flash}, Case{ring, 12, 0, true, flash},
                         Case{ring, 12, 2, true, flash}, Case{gather, 2, 5, true, flash, 1.5},
                         Case{a2a, 4, 0, false, flash, 1.5}, Case{ring, 12, 0, false, flash, 1.5},
-                        Case{ring, 2, 5, true, flash, 1.5}}) {
-    SCOPED_TRACE(format("{}, kv heads {}, window {}, documents {}, {}, softcap {}", to_string(c.comm), c.kv_heads,
-                        c.window, c.documents, ops::to_string(c.backend), c.softcap));
+                        Case{ring, 2, 5, true, flash, 1.5}, Case{gather, 2, 5, true, flash, 0.0, true},
+                        Case{a2a, 4, 0, false, flash, 0.0, true}, Case{ring, 2, 5, true, flash, 0.0, true},
+                        Case{ring, 12, 0, false, flash, 1.5, true}}) {
+    SCOPED_TRACE(format("{}, kv heads {}, window {}, documents {}, {}, softcap {}, sinks {}", to_string(c.comm),
+                        c.kv_heads, c.window, c.documents, ops::to_string(c.backend), c.softcap, c.sinks));
     auto q = torch::randn({B, H, T, D}, f64), k = torch::randn({B, c.kv_heads, T, D}, f64);
     auto v = torch::randn({B, c.kv_heads, T, D}, f64), dy = torch::randn({B, H, T, D}, f64);
+    auto sinks = torch::randn({H}, f64) * 2 + 1;
     // Documents of 1 to 9 tokens, numbered by their first token.
     auto ids = (torch::rand({B, T}, f64) < 0.2).to(torch::kLong).cumsum(1);
-    for (auto* t : {&q, &k, &v, &dy, &ids}) world()->broadcast(*t)->wait();
+    for (auto* t : {&q, &k, &v, &dy, &ids, &sinks}) world()->broadcast(*t)->wait();
     const ops::Documents documents = c.documents ? ops::Documents(ids) : ops::Documents();
 
     auto qw = q.clone().requires_grad_(), kw = k.clone().requires_grad_(), vw = v.clone().requires_grad_();
-    const auto want = ops::attention(qw, kw, vw, true, 0.0, c.backend, c.window, documents, 0, c.softcap);
+    auto sw = sinks.clone().requires_grad_();
+    const auto want =
+        ops::attention(qw, kw, vw, true, 0.0, c.backend, c.window, documents, 0, c.softcap, c.sinks ? sw : at::Tensor());
     (want * dy).sum().backward();
 
     auto local = [&](const torch::Tensor& t) { return cp::take_local(t.detach(), 2, n, r).clone(); };
     auto ql = local(q).requires_grad_(), kl = local(k).requires_grad_(), vl = local(v).requires_grad_();
-    const auto got =
-        cp::attention(ql, kl, vl, ctx->cp_comm(), c.comm, c.backend, 0.0, c.window, documents, c.softcap);
+    auto sl = sinks.clone().requires_grad_();
+    const auto got = cp::attention(ql, kl, vl, ctx->cp_comm(), c.comm, c.backend, 0.0, c.window, documents,
+                                   c.softcap, c.sinks ? sl : at::Tensor());
     (got * local(dy)).sum().backward();
+    if (c.sinks) {  // each rank's share of the sinks' gradient (its queries'), summed over cp
+      auto ds = sl.grad().clone();
+      ctx->cp_comm()->all_reduce(ds)->wait();
+      EXPECT_TRUE(torch::allclose(ds, sw.grad(), 1e-10, 1e-12)) << (ds - sw.grad()).abs().max().item<double>();
+    }
     EXPECT_TRUE(torch::allclose(got, local(want), 1e-10, 1e-12)) << (got - local(want)).abs().max().item<double>();
     EXPECT_TRUE(torch::allclose(ql.grad(), local(qw.grad()), 1e-10, 1e-12));
     EXPECT_TRUE(torch::allclose(kl.grad(), local(kw.grad()), 1e-10, 1e-12))
@@ -130,7 +142,8 @@ TEST_F(CpTest, AttentionMatchesTheWholeSequence) {
 }
 
 // cp = world size: Llama with packed documents and a window in all_gather and a2a on sdpa,
-// in all three forms on flash, and with soft-capping on the ring (flash's reference path,
+// in all three forms on flash, with soft-capping on the ring, and with learned attention
+// sinks on the ring and a2a (flash's reference path,
 // the kernel's function: query offsets for all_gather and the ring's blocks), GPT-2 with
 // learned positions and tied embeddings.
 TEST_F(CpTest, TrainingMatchesSingleProcess) {
@@ -149,6 +162,13 @@ TEST_F(CpTest, TrainingMatchesSingleProcess) {
     auto cfg = flash_llama();
     cfg.attention_softcap = 2.0;
     expect_matches(context(n, CpComm::kRing), cfg, cp_options(corpus, true));
+  }
+  for (const auto comm : {CpComm::kRing, CpComm::kAllToAll}) {
+    // learned sinks: folded in once after the ring's merge; each rank's heads' after a2a
+    SCOPED_TRACE(format("llama, documents, window, learnable softmax, {}, flash attention", to_string(comm)));
+    auto cfg = flash_llama();
+    cfg.softmax_type = "learnable";
+    expect_matches(context(n, comm), cfg, cp_options(corpus, true));
   }
   {
     SCOPED_TRACE("gpt2");

@@ -3,7 +3,7 @@
 // parallelism, GPT-2 and Llama (key/value heads split, or replicated when tp does not
 // divide them), replicated data parallelism and FSDP; 10 steps of the train harness with
 // its tolerances (losses rtol 1e-5, gradient norms 1e-4, parameters rtol 1e-5 / atol 5e-5).
-// Also: packed documents (reset positions, no loss at separators), every kernel option
+// Also: packed documents (reset positions, no loss at separators), attention sinks, every kernel option
 // (the cross-entropy over the split vocabulary among them), QK-norm, the slices of the
 // initial model, the dropout streams of the RNG tracker, and the errors for sizes that do
 // not divide.
@@ -137,6 +137,25 @@ TEST_F(TpModelTest, QkNormMatchesSingleProcess) {
       expect_matches(context(n, sp), cfg, "none", false, 1e-3, /*param_atol=*/1e-4);
     }
   }
+}
+
+// Attention sinks (--softmax-type, flash attention's reference path on the CPU): the
+// learned sinks split by query head like the heads (tp 3: 2 of 6 per rank), with sequence
+// parallelism, and with FSDP (a 1-D parameter sharded with the rest); the off-by-one
+// softmax (zeros, no parameter) on Llama's replicated key/value heads.
+TEST_F(TpModelTest, AttentionSinksMatchSingleProcess) {
+  const int n = nranks();
+  for (auto cfg : {gpt2(n), llama(n)}) {
+    cfg.attention = ops::AttentionBackend::kFlash;
+    cfg.softmax_type = "learnable";
+    SCOPED_TRACE(cfg.family + " learnable");
+    expect_matches(context(n, cfg.family == "llama"), cfg, cfg.family == "gpt2" ? "full" : "none");
+  }
+  auto cfg = llama(n);
+  cfg.attention = ops::AttentionBackend::kFlash;
+  cfg.softmax_type = "off-by-one";
+  SCOPED_TRACE("llama off-by-one");
+  expect_matches(context(n, false), cfg);
 }
 
 // Packed documents with reset positions and no loss at separators (the byte corpus's

@@ -604,6 +604,7 @@ struct AttnCase {
   std::int64_t window = 0;  // a sliding window of this many keys (without causal, both ways); 0: none
   std::int64_t docs = 0;    // packed documents of random lengths from 1 to this; 0: none
   std::int64_t offset = 0;  // the queries' first token among the keys' (causal only)
+  bool sinks = false;       // an attention sink per query head (random logits)
 };
 
 std::string name(const AttnCase& c) {
@@ -611,7 +612,8 @@ std::string name(const AttnCase& c) {
          std::to_string(c.seq_q) + "x" + std::to_string(c.seq_k) + " d" + std::to_string(c.dim) +
          (c.causal ? " causal " : " ") + (c.window > 0 ? "window " + std::to_string(c.window) + " " : "") +
          (c.docs > 0 ? "docs " + std::to_string(c.docs) + " " : "") +
-         (c.offset > 0 ? "offset " + std::to_string(c.offset) + " " : "") + c10::toString(c.type);
+         (c.offset > 0 ? "offset " + std::to_string(c.offset) + " " : "") + (c.sinks ? "sinks " : "") +
+         c10::toString(c.type);
 }
 
 dtrain_attention_strides strides(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
@@ -773,24 +775,36 @@ std::pair<at::Tensor, at::Tensor> document_bounds(const at::Tensor& doc_ids) {
   return {start, end};
 }
 
+// The scaled scores q k^T scale of the keys each query sees (visible's), -inf elsewhere;
+// kv heads repeated for GQA; [batch, heads, seq_q, seq_k].
+at::Tensor masked_scores(const at::Tensor& q, const at::Tensor& k, bool causal, double scale, std::int64_t window,
+                         const at::Tensor& doc_ids, std::int64_t offset) {
+  auto s = at::matmul(q, k.repeat_interleave(q.size(1) / k.size(1), 1).transpose(-2, -1)) * scale;
+  if (!causal && window == 0 && !doc_ids.defined()) return s;
+  const auto vis = visible(q.size(2), k.size(2), causal, window, q.device(), doc_ids, offset);
+  return s.masked_fill(vis.logical_not(), -std::numeric_limits<double>::infinity());
+}
+
+// masked_scores with each head's sink logit as one more column: [..., seq_k + 1].
+at::Tensor with_sinks(const at::Tensor& s, const at::Tensor& sinks) {
+  return at::cat({s, sinks.to(s.scalar_type()).view({1, -1, 1, 1}).expand({s.size(0), -1, s.size(2), 1})}, -1);
+}
+
 // softmax(q k^T scale) v in the inputs' arithmetic (a naive implementation for 16-bit
 // inputs, softmax in float32; the reference for float64); kv heads repeated for GQA. A
-// row that sees no key (a window past the keys' end) gives 0, as the kernels do.
+// row that sees no key (a window past the keys' end) gives 0, as the kernels do. sinks
+// (float [heads]): one more logit per head in each row's softmax, with no value.
 at::Tensor attention_math(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
-                          std::int64_t window = 0, const at::Tensor& doc_ids = {}, std::int64_t offset = 0) {
-  const auto group = q.size(1) / k.size(1);
-  auto kk = k.repeat_interleave(group, 1), vv = v.repeat_interleave(group, 1);
-  auto s = at::matmul(q, kk.transpose(-2, -1)) * scale;
-  at::Tensor none;  // [..., seq_q, 1]: rows that see no key, whose scores stay finite (no NaN)
-  if (causal || window > 0 || doc_ids.defined()) {
-    const auto vis = visible(q.size(2), k.size(2), causal, window, q.device(), doc_ids, offset);
-    none = vis.any(-1, /*keepdim=*/true).logical_not();
-    s = s.masked_fill(vis.logical_not().logical_and(none.logical_not()), -std::numeric_limits<double>::infinity());
-  }
+                          std::int64_t window = 0, const at::Tensor& doc_ids = {}, std::int64_t offset = 0,
+                          const at::Tensor& sinks = {}) {
+  auto s = masked_scores(q, k, causal, scale, window, doc_ids, offset);
   auto sf = q.scalar_type() == at::kDouble ? s : s.to(at::kFloat);
-  auto probs = at::softmax(sf, -1);
-  if (none.defined()) probs = probs.masked_fill(none, 0.0);
-  return at::matmul(probs.to(q.scalar_type()), vv);
+  if (sinks.defined()) sf = with_sinks(sf, sinks);
+  // Rows that see nothing (no key, no sink) keep finite scores (no NaN) and give 0.
+  const auto none = (sf == -std::numeric_limits<double>::infinity()).all(-1, /*keepdim=*/true);
+  auto probs = at::softmax(sf.masked_fill(none, 0.0), -1).masked_fill(none, 0.0);
+  if (sinks.defined()) probs = probs.narrow(-1, 0, k.size(2));
+  return at::matmul(probs.to(q.scalar_type()), v.repeat_interleave(q.size(1) / k.size(1), 1));
 }
 
 // One case: every forward kernel this device runs against the float64 reference and the
@@ -815,13 +829,16 @@ void expect_attention_case_within_twice_the_naive_error(const AttnCase& c) {
     std::tie(doc_start, doc_end) = document_bounds(doc_ids);
     doc_start = dev(doc_start), doc_end = dev(doc_end);
   }
-  auto want = attention_math(qr, kr, vr, c.causal, scale, c.window, doc_ids, c.offset);
+  // Sinks of either sign, some large enough to outweigh every key a row sees.
+  const auto sinks = c.sinks ? torch::randn({c.heads}) * 3 + 2 : at::Tensor();
+  const auto sinks_d = c.sinks ? dev(sinks) : at::Tensor();
+  auto want = attention_math(qr, kr, vr, c.causal, scale, c.window, doc_ids, c.offset, sinks);
   want.backward(dout.to(at::kDouble));
   // The naive 16-bit implementation, on the kernels' device (CPU matmuls in float16 are
   // not what a GPU user would compare against).
   auto qn = dev(q).detach().requires_grad_(), kn = dev(k).detach().requires_grad_(),
        vn = dev(v).detach().requires_grad_();
-  auto naive = attention_math(qn, kn, vn, c.causal, scale, c.window, doc_ids, c.offset);
+  auto naive = attention_math(qn, kn, vn, c.causal, scale, c.window, doc_ids, c.offset, sinks_d);
   naive.backward(dev(dout));
 
   auto qd = dev(q.transpose(1, 2).contiguous()).transpose(1, 2);  // keep the strided layout
@@ -848,6 +865,7 @@ void expect_attention_case_within_twice_the_naive_error(const AttnCase& c) {
   o = poisoned({c.batch, c.heads, c.seq_q, c.dim}, c.type);
   lse = poisoned({c.batch, c.heads, c.seq_q}, at::kFloat);
   f = fwd_params(qd, kd, vd, o, lse, c.causal, scale, kernel, c.window, c.offset);
+  if (c.sinks) f.sinks = sinks_d.data_ptr<float>();
   if (c.docs > 0) {
     f.documents = {doc_start.data_ptr<std::int32_t>(), doc_end.data_ptr<std::int32_t>(),
                    c.offset > 0 || c.seq_q > c.seq_k ? doc_start.size(1) : 0};
@@ -885,14 +903,10 @@ void expect_attention_case_within_twice_the_naive_error(const AttnCase& c) {
   EXPECT_FALSE(o.isnan().any().item<bool>());
   const double err = max_abs(o, want), naive_err = max_abs(naive, want);
   EXPECT_LE(err, 2 * naive_err + 1e-3) << "kernel " << err << ", naive " << naive_err;
-  {  // The log-sum-exp of the scaled scores (without a window every row sees key 0;
-     // with one, a row that sees no key has +inf).
-    auto s = at::matmul(q.to(at::kDouble), k.to(at::kDouble).repeat_interleave(c.heads / c.kv_heads, 1)
-                                               .transpose(-2, -1)) * scale;
-    if (c.causal || c.window > 0 || c.docs > 0) {
-      s = s.masked_fill(visible(c.seq_q, c.seq_k, c.causal, c.window, s.device(), doc_ids, c.offset).logical_not(),
-                        -std::numeric_limits<double>::infinity());
-    }
+  {  // The log-sum-exp of the scaled scores (and the sink) (without a window every row
+     // sees key 0; with one, a row that sees no key has +inf, or its sink).
+    auto s = masked_scores(q.to(at::kDouble), k.to(at::kDouble), c.causal, scale, c.window, doc_ids, c.offset);
+    if (c.sinks) s = with_sinks(s, sinks);
     auto want_lse = s.logsumexp(-1);
     want_lse = want_lse.masked_fill(want_lse == -std::numeric_limits<double>::infinity(),
                                     std::numeric_limits<double>::infinity());
@@ -1006,6 +1020,14 @@ TEST(KERNEL_SUITE(FlashAttention), ForwardAndBackwardWithinTwiceTheNaiveError) {
       {1, 4, 2, 150, 150, 200, true, at::kHalf, 70},  {1, 2, 1, 90, 90, 136, false, at::kBFloat16},
       {1, 2, 1, 130, 130, 256, true, at::kBFloat16, 0, 40},  {1, 2, 1, 150, 150, 256, false, at::kHalf, 0, 50},
       {1, 2, 2, 70, 200, 256, true, at::kHalf, 0, 0, 130},
+      // Attention sinks (one more logit per head, no value): causal and not, GQA, rows past
+      // the window's reach that see the sink alone (output 0, log-sum-exp the sink), with
+      // documents, with an offset at D 256.
+      {1, 2, 1, 100, 100, 64, true, at::kBFloat16, 0, 0, 0, true},
+      {1, 4, 2, 70, 130, 128, false, at::kHalf, 0, 0, 0, true},
+      {1, 2, 1, 150, 60, 64, true, at::kBFloat16, 50, 0, 0, true},
+      {1, 2, 2, 130, 130, 32, true, at::kHalf, 0, 40, 0, true},
+      {1, 2, 1, 70, 200, 256, true, at::kHalf, 0, 0, 130, true},
   };
   if (kLargeCases) {
     cases.insert(cases.end(), {{2, 8, 2, 1000, 1000, 128, true, at::kBFloat16},

@@ -317,6 +317,66 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionSoftcapMatchesTheReferencePath) {
   });
 }
 
+// Attention sinks on the kernels: the op's output and the gradients of q, k, v and the
+// sinks (learnable, bf16 like a model's parameter) against the float64 reference path with
+// the same sinks, within twice the error of LibTorch's bf16 ops over [scores, sink]
+// (softmax in float32); the sinks change more than the tolerance. Causal at D 64, and
+// without causal in a window at D 128 with more queries than keys (rows that see no key),
+// on each kernel.
+TEST(KERNEL_SUITE(Ops), FlashAttentionSinksMatchTheReferencePath) {
+  KERNEL_DEVICE_OR_SKIP();
+  const auto bf16 = torch::TensorOptions().device(kernel_device()).dtype(torch::kBFloat16);
+  torch::manual_seed(21);
+  struct Case {
+    bool causal;
+    std::int64_t window, nq, d;
+  };
+  const std::int64_t nh = 4, nk = 70;
+  for (auto kernel : attention_kernels()) {
+    env::ScopedOverride only(env::kAttentionKernel, kernel == DTRAIN_ATTENTION_KERNEL_MMA ? "mma" : "wgmma");
+    for (const auto& c : {Case{true, 0, nk, 64}, Case{false, 23, 100, 128}}) {
+      SCOPED_TRACE(std::string(kernel == DTRAIN_ATTENTION_KERNEL_MMA ? "mma.sync" : "wgmma") + " d " +
+                   std::to_string(c.d) + (c.causal ? " causal" : " window " + std::to_string(c.window)));
+      auto q = torch::randn({1, nh, c.nq, c.d}), k = torch::randn({1, 2, nk, c.d}), v = torch::randn({1, 2, nk, c.d});
+      auto dout = torch::randn({1, nh, c.nq, c.d});
+      const auto sinks = torch::randn({nh}) * 2 + 2;
+      // Output and the gradients of q, k, v, sinks, float64 on the host.
+      auto run = [&](const at::TensorOptions& o, bool with_sinks, bool naive) {
+        auto qa = q.to(o).requires_grad_(), kb = k.to(o).requires_grad_(), vc = v.to(o).requires_grad_();
+        auto sa = sinks.to(o).requires_grad_();
+        at::Tensor out;
+        if (naive) {
+          auto s = at::matmul(qa, kb.repeat_interleave(nh / 2, 1).transpose(-2, -1)) / std::sqrt(double(c.d));
+          auto rows = torch::arange(c.nq, o.dtype(torch::kLong)).unsqueeze(1), cols = torch::arange(nk, o.dtype(torch::kLong));
+          auto hidden = c.causal ? cols.unsqueeze(0) > rows
+                                 : (cols.unsqueeze(0) - rows).abs() >= c.window;
+          s = s.masked_fill(hidden, -std::numeric_limits<double>::infinity()).to(torch::kFloat);
+          s = at::cat({s, sa.to(torch::kFloat).view({1, nh, 1, 1}).expand({1, nh, c.nq, 1})}, -1);
+          out = at::matmul(at::softmax(s, -1).narrow(-1, 0, nk).to(o.dtype()), vc.repeat_interleave(nh / 2, 1));
+        } else {
+          out = ops::flash_attention(qa, kb, vc, c.causal, 0.0, c.window, {}, 0, 0.0, std::nullopt, 0.0,
+                                     with_sinks ? sa : at::Tensor());
+        }
+        out.backward(dout.to(o));
+        auto host = [](const at::Tensor& t) { return t.defined() ? t.cpu().to(at::kDouble) : torch::zeros({1}, torch::kDouble); };
+        return std::vector<at::Tensor>{host(out), host(qa.grad()), host(kb.grad()), host(vc.grad()), host(sa.grad())};
+      };
+      const auto f64 = torch::TensorOptions().dtype(torch::kDouble);
+      const auto want = run(f64, true, false), none = run(f64, false, false);
+      const auto got = run(bf16, true, false), base_run = run(bf16, true, true);
+      for (int i = 0; i < 5; ++i) {
+        const double e = (got[i] - want[i]).abs().max().item<double>();
+        const double base = (base_run[i] - want[i]).abs().max().item<double>();
+        EXPECT_LE(e, 2 * base + 1e-3) << "output " << i << ": flash " << e << ", bf16 ops " << base;
+        if (i < 4) {
+          EXPECT_GT((want[i] - none[i]).abs().max().item<double>(), 5 * (2 * base + 1e-3))
+              << "output " << i << ": the sinks must change more than the tolerance";
+        }
+      }
+    }
+  }
+}
+
 // Flash attention's two passes on blocks of keys, as ring attention (context parallelism,
 // --cp-comm p2p) uses them: causal attention over 3 chunks of L tokens as a block per pair
 // of chunks (query chunk c over key chunk c' <= c, at query offset (c - c') L: the

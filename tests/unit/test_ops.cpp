@@ -203,6 +203,89 @@ TEST(FlashAttentionReference, DropoutIsAMaskOnTheProbabilities) {
   EXPECT_FALSE(torch::equal(a, b));
 }
 
+// Attention sinks: the op's output and gradients (the sinks' too) are those of softmax over
+// [q k^T scale, sink] written out with one more column per head, dropped before v, and
+// differentiated by autograd (float64): causal, full, a window at a query offset, packed
+// documents, GQA; a window that leaves rows no key gives them 0 and no sink gradient; the
+// sinks change the result. fold_sinks over flash_attention_forward (what ring attention
+// merges) gives the same output, and sinks_grad the same gradient. Sinks of the wrong
+// shape, dtype or device, or on sdpa, are errors naming them.
+TEST(FlashAttentionReference, SinksAreOneMoreLogitPerHead) {
+  torch::manual_seed(7);
+  const std::int64_t B = 2, H = 4, Hkv = 2, Sk = 40, D = 8;
+  struct Case {
+    bool causal;
+    std::int64_t sq, offset, window;
+    bool documents;
+  };
+  for (const auto& c : {Case{true, Sk, 0, 0, false}, Case{false, Sk, 0, 0, false}, Case{true, 17, 23, 9, false},
+                        Case{true, Sk, 0, 0, true}, Case{false, 60, 0, 5, false}}) {
+    SCOPED_TRACE(std::string(c.causal ? "causal" : "full") + " sq " + std::to_string(c.sq) + " offset " +
+                 std::to_string(c.offset) + " window " + std::to_string(c.window) + (c.documents ? " documents" : ""));
+    auto q = (2 * torch::randn({B, H, c.sq, D}, torch::kDouble)).requires_grad_();
+    auto k = (2 * torch::randn({B, Hkv, Sk, D}, torch::kDouble)).requires_grad_();
+    auto v = torch::randn({B, Hkv, Sk, D}, torch::kDouble).requires_grad_();
+    auto sinks = (torch::randn({H}, torch::kDouble) * 2 + 1).requires_grad_();
+    auto dout = torch::randn({B, H, c.sq, D}, torch::kDouble);
+    // Documents of 7 tokens: the rows' own run of numbers.
+    const auto ids = (torch::arange(Sk).div(7, "floor")).unsqueeze(0).expand({B, Sk}).contiguous();
+    const ops::Documents docs = c.documents ? ops::Documents(ids) : ops::Documents();
+    auto got = ops::flash_attention(q, k, v, c.causal, 0.0, c.window, docs, c.offset, 0.0, std::nullopt, 0.0, sinks);
+    got.backward(dout);
+    const auto dq = q.grad().clone(), dk = k.grad().clone(), dv = v.grad().clone(), ds = sinks.grad().clone();
+    q.mutable_grad().reset(), k.mutable_grad().reset(), v.mutable_grad().reset(), sinks.mutable_grad().reset();
+
+    auto s = at::matmul(q, k.repeat_interleave(H / Hkv, 1).transpose(-2, -1)) / std::sqrt(static_cast<double>(D));
+    auto seen = torch::ones({c.sq, Sk}, torch::kBool);
+    if (c.window > 0) seen = window_mask(c.sq + c.offset, Sk, c.window, c.causal).narrow(0, c.offset, c.sq);
+    else if (c.causal) seen = seen.tril(c.offset);
+    if (c.documents) seen = seen.logical_and(ids[0].unsqueeze(1) == ids[0].unsqueeze(0));
+    s = s.masked_fill(seen.logical_not(), -std::numeric_limits<double>::infinity());
+    auto with_sink = at::cat({s, sinks.view({1, H, 1, 1}).expand({B, H, c.sq, 1})}, -1);
+    auto probs = at::softmax(with_sink, -1).narrow(-1, 0, Sk);
+    auto want = at::matmul(probs, v.repeat_interleave(H / Hkv, 1));
+    want.backward(dout);
+    EXPECT_LT(max_abs(got, want), 1e-10);
+    EXPECT_LT(max_abs(dq, q.grad()), 1e-10);
+    EXPECT_LT(max_abs(dk, k.grad()), 1e-10);
+    EXPECT_LT(max_abs(dv, v.grad()), 1e-10);
+    EXPECT_LT(max_abs(ds, sinks.grad()), 1e-10);
+    EXPECT_GT(ds.abs().min().item<double>(), 1e-6) << "a head's sink got no gradient";
+    const auto none = seen.logical_not().all(1);  // rows that see no key: output 0
+    if (none.any().item<bool>()) {
+      EXPECT_EQ(got.detach().index({torch::indexing::Slice(), torch::indexing::Slice(), none}).abs().max().item<double>(), 0.0);
+    }
+    const auto plain = ops::flash_attention(q, k, v, c.causal, 0.0, c.window, docs, c.offset);
+    EXPECT_GT(max_abs(got, plain), 0.05) << "the sinks changed nothing";
+
+    // The blocks' form: fold_sinks over the forward without sinks, sinks_grad.
+    torch::NoGradGuard no_grad;
+    const auto [o, lse] = ops::flash_attention_forward(q, k, v, c.causal, 0.0, c.window, docs, c.offset);
+    const auto [fo, flse] = ops::fold_sinks(o, lse, sinks);
+    EXPECT_LT(max_abs(fo, got), 1e-10);
+    EXPECT_LT(max_abs(ops::sinks_grad(fo, flse, dout, sinks), ds), 1e-10);
+    const auto g = ops::flash_attention_backward(q, k, v, fo, flse, dout, c.causal, 0.0, c.window, docs, c.offset);
+    EXPECT_LT(max_abs(g[0], dq), 1e-10) << "the backward over the folded output and log-sum-exp";
+    EXPECT_LT(max_abs(g[1], dk), 1e-10);
+  }
+  auto q = torch::randn({1, 2, 8, D});
+  expect_has(error_message([&] {
+               ops::flash_attention(q, q, q, true, 0.0, 0, {}, 0, 0.0, std::nullopt, 0.0, torch::zeros({3}));
+             }),
+             {"sinks must be [heads] = [2]", "[3]"});
+  expect_has(error_message([&] {
+               ops::flash_attention(q, q, q, true, 0.0, 0, {}, 0, 0.0, std::nullopt, 0.0,
+                                    torch::zeros({2}, torch::kInt));
+             }),
+             {"sinks are Int", "allowed: a floating dtype"});
+  expect_has(error_message([&] {
+               ops::attention(q, q, q, true, 0.0, ops::AttentionBackend::kSdpa, 0, {}, 0, 0.0, torch::zeros({2}));
+             }),
+             {"sinks need the flash backend", "allowed with sdpa: none"});
+  expect_has(error_message([&] { ops::fold_sinks(q, torch::zeros({1, 2, 8}), torch::zeros({4})); }),
+             {"fold_sinks", "sinks must be [heads] = [2]"});
+}
+
 // Packed documents are independent sequences: each document's rows of the output, and its
 // rows of the gradients, are those of causal attention over that document alone (sliced
 // out, no mask), for both backends, with and without a window. Document numbers are runs:

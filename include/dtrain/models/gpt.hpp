@@ -55,6 +55,13 @@ struct GptConfig {
   // Logit soft-capping (Gemma 2: 50): the attention softmax takes c tanh(s / c) of each
   // scaled score s; 0: none. --attention flash only (sdpa has none); not with cp > 1.
   double attention_softcap = 0.0;
+  // The attention softmax (Megatron's and Transformer Engine's --softmax-type): "vanilla";
+  // "off-by-one", one more logit of 0 in every row's softmax (the probabilities of the keys
+  // may sum to less than 1); "learnable", that logit a parameter per head and block
+  // (attn_sinks [n_head], gpt-oss's attention sinks; starts at 0, no weight decay).
+  // --attention flash only (sdpa has no sinks).
+  std::string softmax_type = "vanilla";
+  bool attention_sinks() const { return softmax_type != "vanilla"; }
   // Packed documents (Megatron's --reset-attention-mask): -1 lets every token attend to
   // every earlier one; a token id >= 0 ends a document wherever it occurs, and tokens after
   // it attend only to tokens from there on (the separator belongs to the document it ends).
@@ -163,6 +170,7 @@ class BlockImpl : public torch::nn::Module {
   tp::ParallelLinearOptions column_, row_;
   torch::Tensor ln1_w_, ln1_b_, ln2_w_, ln2_b_;
   torch::Tensor q_norm_w_, k_norm_w_;                       // qk_norm: [head_dim], replicated
+  torch::Tensor sinks_;  // softmax_type learnable: [n_head / tp], this rank's heads' (off-by-one: zeros)
   torch::Tensor qkv_w_, qkv_b_;                             // attn_qkv: this rank's q, k, v rows
   tp::RowParallelLinear proj_{nullptr}, down_{nullptr};     // attention out, MLP out
   tp::ColumnParallelLinear fc_{nullptr}, gate_{nullptr};    // MLP in (gate: llama)

@@ -60,12 +60,12 @@ const char* to_string(AttentionBackend backend);
 // q's device (flash: as flash_attention's). window, documents,
 // query_offset: as flash_attention's (sdpa takes them as documents.sdpa_mask, made once
 // for the calls that share `documents`). Grouped-query attention on sdpa: its own (enable_gqa) wherever a
-// backend other than math takes the call, else k and v repeated per query head. softcap:
-// flash only (as flash_attention's; sdpa has none: InvalidArgument).
+// backend other than math takes the call, else k and v repeated per query head. softcap,
+// sinks: flash only (as flash_attention's; sdpa has neither: InvalidArgument).
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                      double dropout_p = 0.0, AttentionBackend backend = AttentionBackend::kSdpa,
                      std::int64_t window = 0, const Documents& documents = {}, std::int64_t query_offset = 0,
-                     double softcap = 0.0);
+                     double softcap = 0.0, const at::Tensor& sinks = {});
 
 // Flash attention with autograd: softmax(q k^T scale) v, causal masks top-left aligned as
 // in sdpa (query i sees keys j <= i); scale <= 0 means 1 / sqrt(D). query_offset O (causal
@@ -93,7 +93,11 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 // a draw, for reproducing a mask). On CUDA either kernel takes it (the mask depends on
 // the coordinates alone, so a forward and backward on different kernels agree).
 // softcap > 0: logit soft-capping (Gemma 2; FlashAttention's softcap): the softmax takes
-// softcap tanh(s scale / softcap) of each score s, before the mask; 0: none. Under
+// softcap tanh(s scale / softcap) of each score s, before the mask; 0: none. sinks
+// (attention sinks: gpt-oss's learned ones, Megatron's --softmax-type learnable; zeros are
+// its off-by-one softmax): a floating [H], one finite logit per query head that joins every
+// row's softmax with no value (the probabilities of the keys sum to less than 1; a row that
+// sees no key gives 0), differentiable; undefined: none. Under
 // LibTorch's deterministic algorithms (at::globalContext().deterministicAlgorithms(),
 // torch's use_deterministic_algorithms; TrainOptions::deterministic sets them) the kernel's
 // backward is its deterministic one: gradients bitwise the same on every run (slower, and
@@ -101,7 +105,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                            double scale = 0.0, std::int64_t window = 0, const Documents& documents = {},
                            std::int64_t query_offset = 0, double dropout_p = 0.0,
-                           std::optional<std::uint64_t> dropout_seed = std::nullopt, double softcap = 0.0);
+                           std::optional<std::uint64_t> dropout_seed = std::nullopt, double softcap = 0.0,
+                           const at::Tensor& sinks = {});
 
 // Flash attention's two passes without autograd, for callers that split the keys into
 // blocks and merge the blocks' results themselves (ring attention): the forward's output
@@ -121,6 +126,16 @@ std::vector<at::Tensor> flash_attention_backward(const at::Tensor& q, const at::
                                                  const Documents& documents = {}, std::int64_t query_offset = 0,
                                                  double softcap = 0.0);
 
+// Attention sinks for callers that merge blocks of keys themselves (ring attention, over
+// flash_attention_forward/_backward, which take none): fold_sinks gives the merged output
+// o [B, H, S, D] and log-sum-exp lse [B, H, S] with each head's sink (sinks [H]) as one
+// more logit (a row that saw no key, lse +-inf: output 0, log-sum-exp the sink); the
+// backward takes what it returns as its o and lse, and sinks_grad the sinks' gradient
+// from them and dout, -sum over batch and rows of exp(sink - lse) rowsum(dout o), float32
+// (float64 for a float64 lse) [H]. Neither is differentiable.
+std::pair<at::Tensor, at::Tensor> fold_sinks(const at::Tensor& o, const at::Tensor& lse, const at::Tensor& sinks);
+at::Tensor sinks_grad(const at::Tensor& o, const at::Tensor& lse, const at::Tensor& dout, const at::Tensor& sinks);
+
 // FlashAttention's varlen interface for packed self-attention (flash_attn_varlen_func with
 // cu_seqlens_q == cu_seqlens_k, as training on packed sequences calls it): q [total, H, D],
 // k and v [total, Hkv, D], the sequences back to back; cu_seqlens (int32 or int64, 1-D, on
@@ -129,11 +144,12 @@ std::vector<at::Tensor> flash_attention_backward(const at::Tensor& q, const at::
 // causally, or with causal = false to the whole sequence. Returns [total, H, D]; autograd
 // as flash_attention's, which computes it over one batch row of packed documents (the
 // kernel's varlen form: no unpacking, no padding), so window, dropout_p and
-// softcap are as there. InvalidArgument naming the input for other shapes or totals, and
-// cu_seqlens of another dtype, rank or device.
+// softcap and sinks are as there. InvalidArgument naming the input for other shapes or totals,
+// and cu_seqlens of another dtype, rank or device.
 at::Tensor flash_attention_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& cu_seqlens, bool causal = true, double scale = 0.0,
-                                  std::int64_t window = 0, double dropout_p = 0.0, double softcap = 0.0);
+                                  std::int64_t window = 0, double dropout_p = 0.0, double softcap = 0.0,
+                                  const at::Tensor& sinks = {});
 
 // Whether the CUDA kernel takes this head dim (multiples of 8 from 8 to 256); false in a
 // build without CUDA. The reference path takes any.

@@ -36,8 +36,9 @@ at::Tensor gather_sequence(const at::Tensor& x, std::int64_t dim, const CommPtr&
 
 // Causal attention of this rank's queries over the whole sequence: q [B, H, T / cp, D],
 // k and v [B, Hkv, T / cp, D] in take_local order; returns [B, H, T / cp, D] in that order.
-// window, documents ([B, T], the whole sequence's) and softcap (logit soft-capping, flash
-// only) as ops::attention's. At cp = 1: ops::attention.
+// window, documents ([B, T], the whole sequence's), softcap (logit soft-capping) and sinks
+// (attention sinks [H], this rank's heads'; both flash only) as ops::attention's. At cp = 1:
+// ops::attention.
 // - kAllGather: keys and values gathered in one all-gather; each of the two local chunks
 //   of queries attends to the keys up to its own end (ops::attention with the chunk's
 //   query offset), on either backend (sdpa with an explicit mask; flash in its kernel).
@@ -47,6 +48,6 @@ at::Tensor gather_sequence(const at::Tensor& x, std::int64_t dim, const CommPtr&
 //   output's positions. InvalidArgument when cp does not divide H.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const CommPtr& cp,
                      CpComm method, ops::AttentionBackend backend, double dropout_p, std::int64_t window,
-                     const ops::Documents& documents, double softcap = 0.0);
+                     const ops::Documents& documents, double softcap = 0.0, const at::Tensor& sinks = {});
 
 }  // namespace dtrain::cp

@@ -25,6 +25,10 @@
  * token, key) under dropout_seed, which the backward recomputes (FlashAttention's dropout,
  * with a stateless hash for its Philox), so a forward and backward on different kernels
  * agree; the log-sum-exp is the undropped one.
+ * Attention sinks (sinks non-null, forward only): one more logit per query head in each
+ * row's softmax; the backward needs nothing more than the forward's o and log-sum-exp
+ * (the sink has no value, so dS = P (dP - rowsum(dO o)) still holds), and the sinks'
+ * gradient, -sum over rows of exp(sink - lse) rowsum(dO o), is the caller's to reduce.
  * The forward writes o and the log-sum-exp per query row (float32, [batch, heads, seq_q],
  * contiguous; +inf for a row that sees no key), by mma.sync or, on Hopper, by wgmma
  * (dtrain_attention_kernel). The backward recomputes the attention
@@ -88,6 +92,11 @@ typedef struct {
   uint64_t dropout_seed; /* the keep mask's key (dtrain_attention_dropout_keeps) */
   float softcap; /* 0: none; c > 0: the softmax takes c tanh(s scale / c) for each score s
                     (Gemma 2's logit soft-capping; FlashAttention's softcap) */
+  const float* sinks; /* null: none; else float32 [heads]: query head h's softmax has one more
+                         logit, sinks[h], that no value goes with (an attention sink: gpt-oss's
+                         learned sinks, Transformer Engine's softmax_offset; all zeros is the
+                         off-by-one softmax). o and the log-sum-exp are over the keys and the
+                         sink, so a row that sees no key gives o 0 and the log-sum-exp sinks[h]. */
 } dtrain_attention_fwd_params;
 
 typedef struct {
