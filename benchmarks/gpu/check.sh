@@ -129,7 +129,7 @@ phase kernel_bench_dropout 60 "$build/benchmarks/kernel_bench" --only attention 
 phase kernel_bench_softcap 60 "$build/benchmarks/kernel_bench" --only attention --seq 4096 --dims 128 --softcap 50 \
   --json "$out/kernel_bench_softcap.jsonl"
 # Learned attention sinks on dtrain's side at S 4096, D 128 (LibTorch has none: against
-# kernel_bench's rows without them, what a logit per head costs in the forward's epilogue
+# kernel_bench's rows without them, what a logit per head costs at the forward's start
 # and the sinks' gradient).
 phase kernel_bench_sinks 60 "$build/benchmarks/kernel_bench" --only attention --seq 4096 --dims 128 --sinks \
   --json "$out/kernel_bench_sinks.jsonl"

@@ -272,7 +272,7 @@ std::vector<at::Tensor> reference_backward(const at::Tensor& q, const at::Tensor
   const auto B = q.size(0), H = q.size(1), Hkv = k.size(1), Sk = k.size(2), D = q.size(3), group = H / Hkv;
   auto qf = q.to(ct), kf = k.to(ct).repeat_interleave(group, 1), vf = v.to(ct).repeat_interleave(group, 1);
   auto dof = dout.to(ct);
-  auto delta = (dof * o.to(ct)).sum(-1, /*keepdim=*/true);  // [B, H, Sq, 1]
+  auto delta = (dof * o.to(ct)).sum(-1, /*keepdim=*/true);  // rowsum(dO o) [B, H, Sq, 1]
   auto lsef = lse.to(ct).unsqueeze(-1);
   auto dq = at::empty(q.sizes(), qf.options());
   auto dk = at::zeros({B, H, Sk, D}, qf.options()), dv = at::zeros({B, H, Sk, D}, qf.options());
@@ -296,7 +296,16 @@ std::vector<at::Tensor> reference_backward(const at::Tensor& q, const at::Tensor
   // Grouped-query attention: a kv head's gradient sums its query heads'.
   dk = dk.view({B, Hkv, group, Sk, D}).sum(2);
   dv = dv.view({B, Hkv, group, Sk, D}).sum(2);
-  return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
+  return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type()), delta.squeeze(-1)};
+}
+
+// The attention sinks' gradient from the backward's delta = rowsum(dO o) [B, H, Sq] and the
+// log-sum-exp (with the sinks): -sum over batch and rows of exp(sink - lse) delta, the
+// sink's probability times the gradient of its logit; float32 (float64 for float64 lse) [H].
+at::Tensor sinks_grad_of(const at::Tensor& delta, const at::Tensor& lse, const at::Tensor& sinks) {
+  const auto ct = lse.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto weight = (sinks.to(ct).view({1, -1, 1}) - lse.to(ct)).exp();
+  return -(weight * delta.to(ct)).sum(at::IntArrayRef{0, 2});
 }
 
 // ---- CUDA kernel -------------------------------------------------------------------------
@@ -452,11 +461,13 @@ std::vector<at::Tensor> kernel_backward(at::Tensor q, at::Tensor k, at::Tensor v
                              q.options().dtype(at::kFloat));
   p.workspace = workspace.data_ptr();
   DTRAIN_CUDA_CHECK(dtrain_attention_bwd(&p, detail::current_stream(q)));
-  return {dq, dk, dv};
+  const auto rows = p.batch * p.heads * p.seq_q;  // delta, at the workspace's end
+  return {dq, dk, dv, workspace.narrow(0, workspace.numel() - rows, rows).view({p.batch, p.heads, p.seq_q})};
 }
 #endif
 
-// The two passes on the kernel where it runs, else on the reference path.
+// The two passes on the kernel where it runs, else on the reference path; the backward's
+// {dq, dk, dv, delta = rowsum(dO o) [B, H, Sq]}.
 std::pair<at::Tensor, at::Tensor> forward_pass(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                const Mask& mask, double scale, bool with_backward) {
 #ifdef DTRAIN_WITH_CUDA
@@ -517,7 +528,7 @@ class FlashAttentionFn : public torch::autograd::Function<FlashAttentionFn> {
     const double scale = ctx->saved_data["scale"].toDouble();
     const auto g = backward_pass(saved[0], saved[1], saved[2], saved[3], saved[4], grads[0], mask, scale);
     at::Tensor dsinks;
-    if (mask.sinks.defined() && ctx->needs_input_grad(3)) dsinks = sinks_grad(saved[3], saved[4], grads[0], mask.sinks);
+    if (mask.sinks.defined() && ctx->needs_input_grad(3)) dsinks = sinks_grad_of(g[3], saved[4], mask.sinks);
     return {g[0], g[1], g[2], dsinks, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -656,9 +667,7 @@ std::pair<at::Tensor, at::Tensor> fold_sinks(const at::Tensor& o, const at::Tens
 at::Tensor sinks_grad(const at::Tensor& o, const at::Tensor& lse, const at::Tensor& dout, const at::Tensor& sinks) {
   check_sink_shapes("sinks_grad", o, lse, sinks);
   const auto ct = lse.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const auto delta = (dout.to(ct) * o.to(ct)).sum(-1);  // rowsum(dO o) [B, H, S]
-  const auto weight = (sinks.to(ct).view({1, -1, 1}) - lse.to(ct)).exp();  // the sink's probability
-  return -(weight * delta).sum(at::IntArrayRef{0, 2});
+  return sinks_grad_of((dout.to(ct) * o.to(ct)).sum(-1), lse, sinks);
 }
 
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
@@ -721,7 +730,9 @@ std::vector<at::Tensor> flash_attention_backward(const at::Tensor& q, const at::
   DTRAIN_OP_CHECK(lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) && lse.size(2) == q.size(2),
                   kOp, "lse must be [batch, heads, seq_q] = [", q.size(0), ", ", q.size(1), ", ", q.size(2), "]; got ",
                   lse.sizes());
-  return backward_pass(q, k, v, o, lse.contiguous(), dout, mask, scale_or_default(scale, q));
+  auto g = backward_pass(q, k, v, o, lse.contiguous(), dout, mask, scale_or_default(scale, q));
+  g.pop_back();  // delta
+  return g;
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,

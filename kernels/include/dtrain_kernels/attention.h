@@ -28,7 +28,8 @@
  * Attention sinks (sinks non-null, forward only): one more logit per query head in each
  * row's softmax; the backward needs nothing more than the forward's o and log-sum-exp
  * (the sink has no value, so dS = P (dP - rowsum(dO o)) still holds), and the sinks'
- * gradient, -sum over rows of exp(sink - lse) rowsum(dO o), is the caller's to reduce.
+ * gradient, -sum over rows of exp(sink - lse) rowsum(dO o), is the caller's to reduce (the
+ * backward leaves rowsum(dO o) at its workspace's end).
  * The forward writes o and the log-sum-exp per query row (float32, [batch, heads, seq_q],
  * contiguous; +inf for a row that sees no key), by mma.sync or, on Hopper, by wgmma
  * (dtrain_attention_kernel). The backward recomputes the attention
@@ -109,7 +110,9 @@ typedef struct {
   void* dq;
   void* dk;
   void* dv;
-  void* workspace; /* dtrain_attention_bwd_workspace_bytes(params) bytes */
+  void* workspace; /* dtrain_attention_bwd_workspace_bytes(params) bytes; on return its last
+                      batch heads seq_q floats hold delta = rowsum(dout o), float32 [batch,
+                      heads, seq_q] (what the attention sinks' gradient takes) */
   dtrain_attention_strides q_stride, k_stride, v_stride, o_stride, dout_stride, dq_stride, dk_stride, dv_stride;
   int64_t batch, heads, kv_heads, seq_q, seq_k, head_dim;
   float scale;
