@@ -47,6 +47,7 @@ struct Options {
   std::int64_t vocab_size = -1, context = -1, n_layer = -1, n_head = -1, n_kv_head = -1,
                d_model = -1, ffn_hidden = -1;
   std::int64_t attention_window = 0;
+  std::int64_t window_skip_every = 0;
   double attention_softcap = 0.0;
   std::string softmax_type = "vanilla";
   std::int64_t document_separator = -1;
@@ -105,6 +106,7 @@ void define(CLI::App& app, Options& o) {
   app.add_option("--ffn-hidden", o.ffn_hidden, "MLP width, 0: 4 x d (gpt2) or SwiGLU 8/3 x d (default: the preset's)")->default_str("preset")->group(model);
   app.add_option("--tie-embeddings", o.tie_embeddings, "true or false (default: the preset's)")->default_str("preset")->group(model);
   app.add_option("--attention-window", o.attention_window, "sliding-window attention: each token attends to itself and the W - 1 before it (0: all earlier tokens)")->group(model);
+  app.add_option("--window-attn-skip-freq", o.window_skip_every, "with --attention-window: every N-th block attends to every earlier token, the others keep the window (local and global layers: gpt-oss 2, Gemma 3 6; Megatron's --window-attn-skip-freq; 0: every block windowed)")->group(model);
   app.add_option("--attention-softcap", o.attention_softcap, "logit soft-capping: the attention softmax takes c tanh(s / c) of each scaled score (Gemma 2: 50; 0: none; --attention flash)")->group(model);
   app.add_option("--softmax-type", o.softmax_type, "the attention softmax: vanilla, off-by-one (one more logit of 0 in every row) or learnable (that logit a parameter per head and block: gpt-oss's attention sinks); Megatron's --softmax-type; not vanilla: --attention flash")->group(model);
   app.add_option("--document-separator", o.document_separator, "packed documents: this token id ends a document, and tokens after it attend only to tokens from there on (Megatron's --reset-attention-mask; GPT-2's <|endoftext|> is 50256, the byte tokenizer's newline 10; -1: none)")->group(model);
@@ -296,6 +298,7 @@ dtrain::models::GptConfig model_config(const Options& o) {
   }
   c.recompute_blocks = recompute_blocks(o.activation_checkpointing);
   c.attention_window = o.attention_window;
+  c.window_skip_every = o.window_skip_every;
   c.attention_softcap = o.attention_softcap;
   c.softmax_type = o.softmax_type;
   c.document_separator = o.document_separator;

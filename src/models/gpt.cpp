@@ -62,6 +62,10 @@ void GptConfig::validate() const {
                    "init_std, norm_eps and rope_theta must be positive");
   DTRAIN_CHECK_ARG(attention_window >= 0, "attention_window=", attention_window,
                    " (--attention-window) is out of range; allowed: 0 (every earlier token) or a number of tokens >= 1");
+  DTRAIN_CHECK_ARG(window_skip_every >= 0 && (window_skip_every == 0 || attention_window > 0), "window_skip_every=",
+                   window_skip_every, " (--window-attn-skip-freq) is not allowed", attention_window > 0 ? "" :
+                   " without --attention-window", "; allowed: 0 (every block windowed), or with --attention-window "
+                   "N >= 1 (every N-th block attends to every earlier token)");
   DTRAIN_CHECK_ARG(std::isfinite(attention_softcap) && attention_softcap >= 0, "attention_softcap=",
                    attention_softcap, " (--attention-softcap) is out of range; allowed: 0 (none) or a finite cap > 0 "
                    "(Gemma 2: 50)");
@@ -187,9 +191,9 @@ double GptConfig::flops_per_token(std::int64_t seq_len) const {
     if (gpt2) matmul += mlp_hidden() + d_model;  // the MLP biases taken off above are not there
     matmul -= (moe.experts - moe.topk) * 3 * d_model * expert_hidden();
   }
-  return 6.0 * static_cast<double>(matmul) +
-         12.0 * static_cast<double>(n_layer * n_head * head_dim() *
-                                    (attention_window > 0 ? std::min(seq_len, attention_window) : seq_len));
+  std::int64_t keys = 0;  // per query, summed over the blocks
+  for (std::int64_t b = 0; b < n_layer; ++b) keys += window_of(b) > 0 ? std::min(seq_len, window_of(b)) : seq_len;
+  return 6.0 * static_cast<double>(matmul) + 12.0 * static_cast<double>(n_head * head_dim() * keys);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -207,7 +211,8 @@ torch::Tensor shared(const torch::Tensor& p, const TpEnv& tp) {
 }
 }  // namespace
 
-BlockImpl::BlockImpl(const GptConfig& c, TpEnv tp, std::int64_t index) : config_(c), tp_(std::move(tp)) {
+BlockImpl::BlockImpl(const GptConfig& c, TpEnv tp, std::int64_t index)
+    : config_(c), tp_(std::move(tp)), window_(c.window_of(index)) {
   const bool gpt2 = c.family == "gpt2";
   const std::int64_t hd = c.head_dim();
   column_.bias = row_.bias = gpt2;
@@ -348,12 +353,12 @@ torch::Tensor BlockImpl::attention(const torch::Tensor& in, const torch::Tensor&
                                                  : torch::Tensor();
   torch::Tensor y;
   if (tp_.cp && tp_.cp->size() > 1) {  // no dropout: the Gpt constructor checks
-    y = cp::attention(q, k, v, tp_.cp, tp_.cp_comm, config_.attention, 0.0, config_.attention_window, documents,
+    y = cp::attention(q, k, v, tp_.cp, tp_.cp_comm, config_.attention, 0.0, window_, documents,
                       config_.attention_softcap, sinks);
   } else {
     std::unique_ptr<tp::RngTracker::Fork> fork;  // dropout: heads differ across tp, the split stream
     if (p > 0) fork = tp_.rng->fork(tp::RngTracker::Stream::kSplit);
-    y = ops::attention(q, k, v, /*causal=*/true, p, config_.attention, config_.attention_window, documents, 0,
+    y = ops::attention(q, k, v, /*causal=*/true, p, config_.attention, window_, documents, 0,
                        config_.attention_softcap, sinks);
   }
   return y.transpose(1, 2).reshape({B, T, H * D});

@@ -105,6 +105,9 @@ std::string hf_class(const GptConfig& c, std::string* why) {
   } else if (c.attention_sinks()) {
     none << "--softmax-type=" << c.softmax_type << ": no transformers model of GPT-2's or Llama's layout has "
          << "attention sinks (gpt-oss's has, in a layout of its own)";
+  } else if (c.window_skip_every > 0) {
+    none << "--window-attn-skip-freq=" << c.window_skip_every << ": the exported layouts' classes (Mistral's, "
+         << "Qwen3's, Mixtral's) give every layer the one sliding window";
   } else if (window && gpt2) {
     none << "--attention-window=" << c.attention_window << " with --family gpt2: GPT-2 has no sliding window";
   } else if (c.moe.enabled() && c.moe.every != 1) {  // Mixtral: every block's experts, softmax over the top k

@@ -752,8 +752,12 @@ void Trainer::log_summary() const {
            "{}M parameters, {} GFLOP per token (seq {})",
            model_config_.family, model_config_.n_layer, model_config_.d_model,
            model_config_.n_head, model_config_.n_kv_head, model_config_.context,
-           (model_config_.attention_window > 0 ? format(" (attention window {})", model_config_.attention_window)
-                                               : std::string()) +
+           (model_config_.attention_window > 0
+                ? format(" (attention window {}{})", model_config_.attention_window,
+                         model_config_.window_skip_every > 0
+                             ? format(", global every {} blocks", model_config_.window_skip_every)
+                             : std::string())
+                : std::string()) +
                (model_config_.attention_softcap > 0
                     ? format(" (attention softcap {})", model_config_.attention_softcap)
                     : std::string()) +

@@ -92,6 +92,13 @@ expect(softmax-learnable 0 "\\(learnable softmax\\).*done: 3 steps" CPU
        ARGS ${DATA} --family llama --global-batch 8 --steps 3 --warmup-steps 1 --attention flash --softmax-type learnable)
 expect(softmax-needs-flash 2 "softmax_type 'off-by-one' \\(--softmax-type\\) needs --attention flash; got --attention sdpa"
        ARGS ${DATA} --attention sdpa --softmax-type off-by-one)
+# Local and global blocks (Megatron's --window-attn-skip-freq): logged with the window;
+# without a window refused; exported with the warning (no class has per-layer windows).
+expect(window-skip 0 "\\(attention window 8, global every 2 blocks\\).*done: 2 steps"
+       ARGS ${DATA} --family llama --global-batch 8 --steps 2 --warmup-steps 1 --attention-window 8
+            --window-attn-skip-freq 2 --export-hf "${WORK_DIR}/skip.safetensors")
+expect(window-skip-needs-window 2 "window_skip_every=2 \\(--window-attn-skip-freq\\) is not allowed without --attention-window"
+       ARGS ${DATA} --window-attn-skip-freq 2)
 expect(softmax-unknown 2 "softmax_type 'softmax1' \\(--softmax-type\\) is not known; allowed: vanilla, off-by-one, learnable"
        ARGS ${DATA} --softmax-type softmax1)
 # --deterministic (LibTorch's deterministic algorithms, which fail any op that has none,

@@ -143,7 +143,7 @@ TEST_F(CpTest, AttentionMatchesTheWholeSequence) {
 
 // cp = world size: Llama with packed documents and a window in all_gather and a2a on sdpa,
 // in all three forms on flash, with soft-capping on the ring, and with learned attention
-// sinks on the ring and a2a (flash's reference path,
+// sinks and a global block among windowed ones on the ring and a2a (flash's reference path,
 // the kernel's function: query offsets for all_gather and the ring's blocks), GPT-2 with
 // learned positions and tied embeddings.
 TEST_F(CpTest, TrainingMatchesSingleProcess) {
@@ -164,10 +164,13 @@ TEST_F(CpTest, TrainingMatchesSingleProcess) {
     expect_matches(context(n, CpComm::kRing), cfg, cp_options(corpus, true));
   }
   for (const auto comm : {CpComm::kRing, CpComm::kAllToAll}) {
-    // learned sinks: folded in once after the ring's merge; each rank's heads' after a2a
-    SCOPED_TRACE(format("llama, documents, window, learnable softmax, {}, flash attention", to_string(comm)));
+    // learned sinks: folded in once after the ring's merge; each rank's heads' after a2a;
+    // block 1 global (--window-attn-skip-freq 2: the ring visits every earlier block there)
+    SCOPED_TRACE(format("llama, documents, window, global every 2 blocks, learnable softmax, {}, flash attention",
+                        to_string(comm)));
     auto cfg = flash_llama();
     cfg.softmax_type = "learnable";
+    cfg.window_skip_every = 2;
     expect_matches(context(n, comm), cfg, cp_options(corpus, true));
   }
   {

@@ -1,5 +1,5 @@
 // The GPT model: presets and parameter counts, validation, seeded initialisation, loss at
-// initialisation, causality, sliding-window attention's reach, packed documents (isolated, and
+// initialisation, causality, sliding-window attention's reach (and local and global blocks), packed documents (isolated, and
 // with reset positions each computed as if alone), activation checkpointing leaves gradients unchanged, a tiny
 // model learns a repeating sequence, and pipeline stages chained equal the whole model.
 #include <gtest/gtest.h>
@@ -7,6 +7,7 @@
 
 #include <cmath>
 
+#include "common/errors.hpp"
 #include "dtrain/core/error.hpp"
 #include "dtrain/models/gpt.hpp"
 #include "dtrain/train/device_stats.hpp"
@@ -125,6 +126,52 @@ TEST(Gpt, AttentionWindowBoundsWhatEachTokenSees) {
   EXPECT_DOUBLE_EQ(none.flops_per_token(1024) - c.flops_per_token(1024),
                    12.0 * c.n_layer * c.n_head * c.head_dim() * (1024 - 256));
   EXPECT_DOUBLE_EQ(none.flops_per_token(200), c.flops_per_token(200));
+}
+
+// Local and global blocks (--window-attn-skip-freq N, Megatron's): every N-th block (1
+// of tiny's 2 at N 2: block 1) attends to every earlier token, the others keep the window:
+// a token past every window's reach still reaches the last logits through the global
+// block; N 1 makes every block global (the model without a window), and N 2 differs from
+// both; the FLOPs count each block's own keys; N without a window, or negative, is refused
+// naming the option.
+TEST(Gpt, WindowSkipMakesEveryNthBlockGlobal) {
+  for (auto cfg : {GptConfig::preset("tiny"), tiny_llama()}) {
+    SCOPED_TRACE(cfg.family);
+    Gpt full(single(), cfg, 3);
+    cfg.attention_window = 5;
+    Gpt windowed(single(), cfg, 3);
+    cfg.window_skip_every = 2;
+    EXPECT_EQ(cfg.window_of(0), 5);
+    EXPECT_EQ(cfg.window_of(1), 0);
+    Gpt mixed(single(), cfg, 3);
+    cfg.window_skip_every = 1;
+    Gpt global(single(), cfg, 3);
+    auto idx = torch::randint(0, 256, {2, 32}, torch::kLong);
+    const std::int64_t t = 31, far = t - cfg.n_layer * (cfg.attention_window - 1) - 1;
+    torch::NoGradGuard no_grad;
+    auto changed = [&](Gpt& m, std::int64_t pos) {
+      auto idx2 = idx.clone();
+      idx2.index_put_({torch::indexing::Slice(), pos}, (idx.select(1, pos) + 1) % 256);
+      return !torch::allclose(m->forward(idx).select(1, t), m->forward(idx2).select(1, t), 1e-5, 1e-6);
+    };
+    EXPECT_FALSE(changed(windowed, far));
+    EXPECT_TRUE(changed(mixed, far)) << "the global block did not reach past the windows";
+    const auto l_full = full->forward(idx), l_win = windowed->forward(idx), l_mixed = mixed->forward(idx);
+    EXPECT_TRUE(torch::allclose(global->forward(idx), l_full, 1e-5, 1e-6)) << "N 1: every block global";
+    EXPECT_FALSE(torch::allclose(l_mixed, l_full));
+    EXPECT_FALSE(torch::allclose(l_mixed, l_win));
+  }
+  auto c = GptConfig::preset("tiny");
+  c.window_skip_every = 2;
+  testing::expect_has(testing::error_message([&] { c.validate(); }),
+                      {"window_skip_every=2 (--window-attn-skip-freq) is not allowed without --attention-window"});
+  c.attention_window = 256, c.window_skip_every = -1;
+  EXPECT_THROW(c.validate(), InvalidArgument);
+  c.window_skip_every = 2;  // block 1 of 2 global: half the windowed blocks' saving
+  auto windowed = c;
+  windowed.window_skip_every = 0;
+  EXPECT_DOUBLE_EQ(c.flops_per_token(1024) - windowed.flops_per_token(1024),
+                   12.0 * c.n_head * c.head_dim() * (1024 - 256));
 }
 
 // Packed documents (--document-separator): a token's logits depend on no token before the

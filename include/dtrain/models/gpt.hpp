@@ -52,6 +52,14 @@ struct GptConfig {
   // Sliding-window attention (Mistral's): 0 attends to every earlier token; W > 0 lets each
   // token attend to itself and the W - 1 before it (both attention backends).
   std::int64_t attention_window = 0;
+  // Local and global layers (Megatron's --window-attn-skip-freq; gpt-oss: 2, Gemma 3: 6):
+  // with attention_window, every N-th block (blocks N - 1, 2N - 1, ... from 0) attends to
+  // every earlier token and the others keep the window; 0: every block windowed.
+  std::int64_t window_skip_every = 0;
+  // The window block `block` attends in (0: every earlier token).
+  std::int64_t window_of(std::int64_t block) const {
+    return window_skip_every > 0 && (block + 1) % window_skip_every == 0 ? 0 : attention_window;
+  }
   // Logit soft-capping (Gemma 2: 50): the attention softmax takes c tanh(s / c) of each
   // scaled score s; 0: none. --attention flash only (sdpa has none); not with cp > 1.
   double attention_softcap = 0.0;
@@ -119,7 +127,8 @@ struct GptConfig {
   // weight used in a matmul (of a MoE layer: the router and topk experts) (every parameter except norms, biases and learned positions;
   // the tied embedding counts once, as the output projection) plus attention's
   // 12 * n_layer * n_head * head_dim * seq_len (scores and values, causal mask ignored,
-  // as in PaLM and nanoGPT; with a sliding window, min(seq_len, attention_window) keys).
+  // as in PaLM and nanoGPT; with a sliding window, min(seq_len, window) keys in each block
+  // that has one, window_of).
   double flops_per_token(std::int64_t seq_len) const;
 };
 
@@ -158,6 +167,8 @@ class BlockImpl : public torch::nn::Module {
                         const ops::Documents& documents = {});
   // Whether this rank holds its own n_kv_head / tp key/value heads (else all of them).
   bool kv_split() const { return config_.n_kv_head % tp_.size == 0; }
+  // Its attention's sliding window (0: every earlier token; GptConfig::window_of).
+  std::int64_t window() const { return window_; }
   tp::RngTracker& rng() { return *tp_.rng; }
   Moe moe() const { return moe_; }  // null for a dense block
 
@@ -167,6 +178,7 @@ class BlockImpl : public torch::nn::Module {
                           const ops::Documents& documents);
   GptConfig config_;
   TpEnv tp_;
+  std::int64_t window_ = 0;
   tp::ParallelLinearOptions column_, row_;
   torch::Tensor ln1_w_, ln1_b_, ln2_w_, ln2_b_;
   torch::Tensor q_norm_w_, k_norm_w_;                       // qk_norm: [head_dim], replicated
