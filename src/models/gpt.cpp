@@ -116,7 +116,7 @@ std::int64_t GptConfig::num_parameters() const {
   const bool gpt2 = family == "gpt2";
   const std::int64_t hd = head_dim(), h = mlp_hidden();
   const std::int64_t norm = gpt2 ? 2 * d_model : d_model;
-  std::int64_t block = 2 * norm + (qk_norm ? 2 * hd : 0) + (softmax_type == "learnable" ? n_head : 0);
+  std::int64_t block = 2 * norm + (qk_norm ? 2 * hd : 0) + (learned_sinks() ? n_head : 0);
   block += d_model * (n_head + 2 * n_kv_head) * hd + (gpt2 ? (n_head + 2 * n_kv_head) * hd : 0);
   block += n_head * hd * d_model + (gpt2 ? d_model : 0);
   block += gpt2 ? (d_model * h + h + h * d_model + d_model) : 3 * d_model * h;
@@ -152,7 +152,7 @@ std::vector<std::pair<std::string, std::vector<std::int64_t>>> GptConfig::parame
       out.push_back({h + "q_norm_weight", {head_dim()}});
       out.push_back({h + "k_norm_weight", {head_dim()}});
     }
-    if (softmax_type == "learnable") out.push_back({h + "attn_sinks", {n_head}});
+    if (learned_sinks()) out.push_back({h + "attn_sinks", {n_head}});
     out.push_back({h + "attn_qkv.weight", {qkv, d}});
     if (gpt2) out.push_back({h + "attn_qkv.bias", {qkv}});
     out.push_back({h + "attn_proj.weight", {d, n_head * head_dim()}});
@@ -181,7 +181,7 @@ double GptConfig::flops_per_token(std::int64_t seq_len) const {
   const std::int64_t norm = gpt2 ? 2 * d_model : d_model;
   matmul -= (2 * n_layer + 1) * norm;  // norm weights (and biases)
   if (qk_norm) matmul -= 2 * n_layer * head_dim();
-  if (softmax_type == "learnable") matmul -= n_layer * n_head;  // sinks: one logit each
+  if (learned_sinks()) matmul -= n_layer * n_head;  // sinks: one logit each
   if (gpt2) {
     matmul -= context * d_model;  // learned positions: a lookup, no matmul
     matmul -= n_layer * ((n_head + 2 * n_kv_head) * head_dim() + 2 * d_model + mlp_hidden());
@@ -227,7 +227,7 @@ BlockImpl::BlockImpl(const GptConfig& c, TpEnv tp, std::int64_t index)
     q_norm_w_ = register_parameter("q_norm_weight", torch::ones({hd}));
     k_norm_w_ = register_parameter("k_norm_weight", torch::ones({hd}));
   }
-  if (c.softmax_type == "learnable") {
+  if (c.learned_sinks()) {
     sinks_ = register_parameter("attn_sinks", torch::zeros({c.n_head / tp_.size}));
   }
   const std::int64_t kv_local = kv_split() ? c.n_kv_head / tp_.size : c.n_kv_head;

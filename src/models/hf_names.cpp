@@ -60,7 +60,7 @@ std::vector<Mapping> mappings(const GptConfig& c) {
       m.push_back({h + "mlp_fc.bias", {p + "mlp.c_fc.bias"}});
       m.push_back({h + "mlp_proj.weight", {p + "mlp.c_proj.weight"}, {}, true});
       m.push_back({h + "mlp_proj.bias", {p + "mlp.c_proj.bias"}});
-      if (c.softmax_type == "learnable") m.push_back({h + "attn_sinks", {p + "attn.sinks"}});  // no HF model's
+      if (c.learned_sinks()) m.push_back({h + "attn_sinks", {p + "attn.sinks"}});  // no HF model's
       continue;
     }
     const std::string p = "model.layers." + std::to_string(i) + ".";
@@ -74,7 +74,7 @@ std::vector<Mapping> mappings(const GptConfig& c) {
       m.push_back({h + "q_norm_weight", {p + "self_attn.q_norm.weight"}});
       m.push_back({h + "k_norm_weight", {p + "self_attn.k_norm.weight"}});
     }
-    if (c.softmax_type == "learnable") m.push_back({h + "attn_sinks", {p + "self_attn.sinks"}});  // gpt-oss's name
+    if (c.learned_sinks()) m.push_back({h + "attn_sinks", {p + "self_attn.sinks"}});  // gpt-oss's name
     if (c.moe.is_moe_block(i)) {
       m.push_back({h + "moe.router.weight", {p + "block_sparse_moe.gate.weight"}});
       for (std::int64_t e = 0; e < c.moe.experts; ++e) {

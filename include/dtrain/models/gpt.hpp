@@ -70,6 +70,7 @@ struct GptConfig {
   // --attention flash only (sdpa has no sinks).
   std::string softmax_type = "vanilla";
   bool attention_sinks() const { return softmax_type != "vanilla"; }
+  bool learned_sinks() const { return softmax_type == "learnable"; }
   // Packed documents (Megatron's --reset-attention-mask): -1 lets every token attend to
   // every earlier one; a token id >= 0 ends a document wherever it occurs, and tokens after
   // it attend only to tokens from there on (the separator belongs to the document it ends).
