@@ -608,8 +608,9 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionDocumentsAreFlashAttention2sVarlen) {
 // flash_attention_varlen is attention over each packed sequence alone, causal and not:
 // output and gradients of the op on float64 host tensors (its reference path) are
 // flash_attention's run sequence by sequence (1e-10), and in bf16 on the kernels within
-// twice the error of sdpa run sequence by sequence (a sequence of one token, GQA 4/2). Bad
-// inputs are named.
+// twice the error of sdpa run sequence by sequence (a sequence of one token, GQA 4/2); with
+// attention sinks, each sequence's softmax takes them (the reference path). Bad inputs are
+// named.
 TEST(KERNEL_SUITE(Ops), FlashAttentionVarlenIsPerSequenceAttention) {
   KERNEL_DEVICE_OR_SKIP();
   torch::manual_seed(23);
@@ -654,6 +655,35 @@ TEST(KERNEL_SUITE(Ops), FlashAttentionVarlenIsPerSequenceAttention) {
       EXPECT_LT((want[i] - each[i]).abs().max().item<double>(), 1e-10) << "reference path, output " << i;
       const double base = (sdpa[i] - want[i]).abs().max().item<double>();
       EXPECT_LE((got[i] - want[i]).abs().max().item<double>(), 2 * base + 1e-3) << "kernel, output " << i;
+    }
+  }
+  {  // Attention sinks join each sequence's softmax: the reference path's output and the
+     // gradients, the sinks' among them, are per-sequence flash_attention's (1e-10).
+    const auto sinks = torch::randn({H}, torch::kDouble) + 1;
+    auto run_sinks = [&](bool packed) {
+      auto qa = q.to(at::kDouble).requires_grad_(), kb = k.to(at::kDouble).requires_grad_(),
+           vc = v.to(at::kDouble).requires_grad_(), sa = sinks.clone().requires_grad_();
+      at::Tensor o;
+      if (packed) {
+        o = ops::flash_attention_varlen(qa, kb, vc, cu, true, 0.0, 0, 0.0, 0.0, sa);
+      } else {
+        std::vector<at::Tensor> outs;
+        for (std::size_t i = 0; i + 1 < bounds.size(); ++i) {
+          auto seq = [&](const at::Tensor& t) {
+            return t.narrow(0, bounds[i], bounds[i + 1] - bounds[i]).unsqueeze(0).transpose(1, 2);
+          };
+          outs.push_back(ops::flash_attention(seq(qa), seq(kb), seq(vc), true, 0.0, 0, {}, 0, 0.0, std::nullopt, 0.0, sa)
+                             .transpose(1, 2)
+                             .squeeze(0));
+        }
+        o = at::cat(outs, 0);
+      }
+      o.backward(dout.to(at::kDouble));
+      return std::vector<at::Tensor>{o.detach(), qa.grad(), kb.grad(), vc.grad(), sa.grad()};
+    };
+    const auto packed = run_sinks(true), each = run_sinks(false);
+    for (int i = 0; i < 5; ++i) {
+      EXPECT_LT((packed[i] - each[i]).abs().max().item<double>(), 1e-10) << "sinks, output " << i;
     }
   }
   const auto cud = cu.to(kernel_device());
