@@ -347,10 +347,12 @@ torch::Tensor BlockImpl::attention(const torch::Tensor& in, const torch::Tensor&
     k = rope(k, rope_cos, rope_sin, config_.fused_rope);
   }
   const double p = is_training() ? config_.dropout : 0.0;
-  // This rank's heads' sinks: the parameter, or the off-by-one softmax's zeros.
-  const auto sinks = sinks_.defined()               ? sinks_
-                     : config_.attention_sinks() ? torch::zeros({H}, q.options().dtype(torch::kFloat))
-                                                 : torch::Tensor();
+  // This rank's heads' sinks: the parameter, or the off-by-one softmax's zeros (made once).
+  if (config_.attention_sinks() && !sinks_.defined() &&
+      (!zero_sinks_.defined() || zero_sinks_.device() != q.device())) {
+    zero_sinks_ = torch::zeros({H}, q.options().dtype(torch::kFloat));
+  }
+  const auto& sinks = sinks_.defined() ? sinks_ : zero_sinks_;
   torch::Tensor y;
   if (tp_.cp && tp_.cp->size() > 1) {  // no dropout: the Gpt constructor checks
     y = cp::attention(q, k, v, tp_.cp, tp_.cp_comm, config_.attention, 0.0, window_, documents,

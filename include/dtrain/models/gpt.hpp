@@ -183,7 +183,8 @@ class BlockImpl : public torch::nn::Module {
   tp::ParallelLinearOptions column_, row_;
   torch::Tensor ln1_w_, ln1_b_, ln2_w_, ln2_b_;
   torch::Tensor q_norm_w_, k_norm_w_;                       // qk_norm: [head_dim], replicated
-  torch::Tensor sinks_;  // softmax_type learnable: [n_head / tp], this rank's heads' (off-by-one: zeros)
+  torch::Tensor sinks_;  // softmax_type learnable: [n_head / tp], this rank's heads'
+  torch::Tensor zero_sinks_;  // off-by-one: float32 zeros [n_head / tp], made on the first forward's device
   torch::Tensor qkv_w_, qkv_b_;                             // attn_qkv: this rank's q, k, v rows
   tp::RowParallelLinear proj_{nullptr}, down_{nullptr};     // attention out, MLP out
   tp::ColumnParallelLinear fc_{nullptr}, gate_{nullptr};    // MLP in (gate: llama)
